@@ -1,0 +1,55 @@
+"""The training group: N TrainWorker actors in one placement group, forming
+one torch.distributed job. The driver calls a method on every rank at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlsys.actors.cluster import check_resources
+from rlsys.actors.train_worker import TrainWorker, TrainWorkerSpec
+from rlsys.config.schema import RayConfig
+from rlsys.data.batching import Batch, split_rows
+
+
+class TrainGroup:
+    def __init__(self, spec: TrainWorkerSpec, ray_cfg: RayConfig):
+        world_size = spec.dims.world_size
+        check_resources(world_size, ray_cfg)
+        bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
+        self.placement = placement_group([bundle] * world_size, strategy="PACK")
+        ray.get(self.placement.ready())
+        actor_cls = ray.remote(TrainWorker)
+        self.dims = spec.dims
+        self.workers = [
+            actor_cls.options(
+                num_cpus=ray_cfg.cpus_per_worker,
+                num_gpus=ray_cfg.gpus_per_worker if spec.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+            ).remote(rank, spec)
+            for rank in range(world_size)
+        ]
+        master_addr, master_port = ray.get(self.workers[0].master_address.remote())
+        self.run_all("setup", master_addr, master_port)
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Call `method` with the same arguments on every rank; results by rank."""
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def run_data_parallel(self, method: str, batch: Batch, **kwargs: Any) -> list:
+        """Split `batch` by rows across data-parallel ranks and call `method` on each rank's share."""
+        shards = split_rows(batch, self.dims.dp_size)
+        refs = [getattr(w, method).remote(shards[self.dims.dp_rank(rank)], **kwargs)
+                for rank, w in enumerate(self.workers)]
+        return ray.get(refs)
+
+    def shutdown(self) -> None:
+        try:
+            self.run_all("shutdown")
+        finally:
+            for worker in self.workers:
+                ray.kill(worker)
+            remove_placement_group(self.placement)

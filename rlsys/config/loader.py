@@ -1,0 +1,112 @@
+"""YAML + dotted overrides -> typed, checked config objects.
+
+Every failure is a `ConfigError` naming the offending key; the CLI turns it
+into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line that names the key."""
+
+
+def load_config(schema: type[T], path: str | None, overrides: list[str] = ()) -> T:
+    raw = _read_yaml(path) if path else {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    return build_config(schema, raw)
+
+
+def build_config(schema: type[T], raw: dict) -> T:
+    try:
+        return pydantic.TypeAdapter(schema).validate_python(raw)
+    except pydantic.ValidationError as err:
+        raise ConfigError(_describe(schema, err.errors()[0])) from None
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return pydantic.TypeAdapter(type(cfg)).dump_python(cfg, mode="json")
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"--config: {path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of keys at the top level")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: expected dotted.key=value")
+    try:
+        return key, yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return key, text
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(schema: type, error: dict) -> str:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc) or "<root>"
+    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        known = _field_names(schema, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        hint = f"; did you mean '{'.'.join(loc[:-1] + close)}'?" if close else ""
+        return f"{key}: unknown config key{hint}"
+    given = error.get("input")
+    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    return f"{key}: {error['msg']}{shown}"
+
+
+def _field_names(schema: type, path: list[str]) -> list[str]:
+    node = schema
+    for part in path:
+        if part.isdigit():
+            continue
+        hints = typing.get_type_hints(node)
+        node = _dataclass_in(hints.get(part))
+        if node is None:
+            return []
+    return [f.name for f in dataclasses.fields(node)]
+
+
+def _dataclass_in(annotation: Any) -> type | None:
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _dataclass_in(arg)
+        if found is not None:
+            return found
+    return None

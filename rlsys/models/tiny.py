@@ -1,0 +1,109 @@
+"""Tiny-model factory: a Qwen2-architecture model with a character-level
+tokenizer, written as a real Hugging Face directory.
+
+The directory loads with `transformers` (AutoModelForCausalLM / AutoTokenizer)
+and with vLLM, so every stage runs on a CPU-only machine with no downloads.
+
+    python -m rlsys.models.tiny --out runs/tiny-init
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+PAD, EOS = "<|pad|>", "<|end|>"
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+SPECIAL_TOKENS = [PAD, EOS, *ROLE_TOKENS]
+CHARACTERS = string.printable[:-2]  # letters, digits, punctuation, space, \t, \n
+
+# One special token per role keeps prompts short: <|user|>12+7=<|end|><|assistant|>
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    max_position_embeddings: int = 256
+    vocab_size: int = 128
+    seed: int = 0
+
+
+def build_tokenizer() -> Qwen2Tokenizer:
+    """A real Qwen2 (byte-level BPE) tokenizer whose vocabulary is single
+    characters and which has no merges: character-level, and loaded the same
+    way by transformers and vLLM (both pick Qwen2Tokenizer for a qwen2 model)."""
+    byte_chars = bytes_to_unicode()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in CHARACTERS:
+        vocab[byte_chars[ord(char)]] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=None,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=ROLE_TOKENS,
+        model_max_length=TinyModelSpec.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(spec: TinyModelSpec, tokenizer: Qwen2Tokenizer):
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"vocab_size {spec.vocab_size} < tokenizer size {len(tokenizer)}")
+    config = Qwen2Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def write_tiny_model(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
+    """Write a randomly initialised tiny model and its tokenizer to `out_dir`."""
+    tokenizer = build_tokenizer()
+    model = build_model(spec, tokenizer)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory to write")
+    for name, value in asdict(TinyModelSpec()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out")
+    write_tiny_model(out, TinyModelSpec(**args))
+    print(f"wrote tiny model to {out}")
+
+
+if __name__ == "__main__":
+    main()

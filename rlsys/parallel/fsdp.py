@@ -1,0 +1,37 @@
+"""FSDP2: shard each decoder block, then the root."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None) -> nn.Module:
+    """Shard `model` in place over `mesh`.
+
+    Gradients are reduced as a plain SUM with no division: the loss is
+    already divided by the global number of target tokens, so the summed
+    gradient is exactly the single-process gradient. Forcing SUM also keeps
+    FSDP2 off AVG and PREMUL_SUM, which gloo gets wrong or rejects (pytorch
+    issue 162338).
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, found by the class names HF lists in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no decoder blocks found to shard (_no_split_modules={names})")
+    return blocks

@@ -1,0 +1,83 @@
+"""rlsys command line: python -m rlsys.run <stage> --config FILE [dotted.key=value ...]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from rlsys.config.loader import ConfigError, load_config
+from rlsys.config.schema import EvalJobConfig, TrainJobConfig
+from rlsys.data.files import DataError
+
+
+def _pretrain(config: str, overrides: list[str]) -> dict:
+    from rlsys.trainers.lm_trainer import run_lm_training
+
+    return run_lm_training(load_config(TrainJobConfig, config, overrides), "pretrain")
+
+
+def _sft(config: str, overrides: list[str]) -> dict:
+    from rlsys.trainers.lm_trainer import run_lm_training
+
+    return run_lm_training(load_config(TrainJobConfig, config, overrides), "sft")
+
+
+def _eval(config: str, overrides: list[str]) -> dict:
+    from rlsys.eval import run_eval
+
+    return run_eval(load_config(EvalJobConfig, config, overrides))
+
+
+def _not_yet(stage: str) -> Callable[[str, list[str]], dict]:
+    def run(config: str, overrides: list[str]) -> dict:
+        raise ConfigError(f"stage {stage!r} is not available in this version yet")
+
+    return run
+
+
+STAGES: dict[str, tuple[str, Callable[[str, list[str]], dict]]] = {
+    "pretrain": ("next-token pretraining on packed text documents", _pretrain),
+    "sft": ("supervised fine-tuning; loss on response tokens only", _sft),
+    "rlvr": ("reinforcement learning with verifiable rewards (not available yet)", _not_yet("rlvr")),
+    "pipeline": ("several stages chained (not available yet)", _not_yet("pipeline")),
+    "eval": ("generate on a test split with vLLM and score with a reward", _eval),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlsys.run",
+        description="Ray-based post-training: pretrain, SFT, RLVR and eval of causal language models.",
+        epilog="Config keys are documented in README.md. Example: "
+               "python -m rlsys.run sft --config examples/arith/sft.yaml train.steps=50",
+    )
+    stages = parser.add_subparsers(dest="stage", required=True, metavar="<stage>")
+    for name, (summary, _) in STAGES.items():
+        sub = stages.add_parser(name, help=summary, description=summary)
+        sub.add_argument("--config", required=True, metavar="FILE", help="YAML config file")
+        sub.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="override a config key")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[rlsys] %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    _, run = STAGES[args.stage]
+    try:
+        run(args.config, args.overrides)
+    except (ConfigError, DataError) as err:
+        print(f"rlsys {args.stage}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rlsys {args.stage}: interrupted; re-run the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

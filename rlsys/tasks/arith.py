@@ -1,0 +1,132 @@
+"""Synthetic arithmetic: problems, a verifier, and the three data formats.
+
+A problem is `a op b` with integer operands; the model sees `12+7=` as a user
+turn and must answer `19`. Test problems never appear in any training file.
+
+    python -m rlsys.tasks.arith --out examples/arith/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+
+import datasets
+
+DATA_SOURCE = "arith"
+_INTEGER = re.compile(r"-?\d+")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+
+    @property
+    def question(self) -> str:
+        return f"{self.a}{self.op}{self.b}="
+
+    @property
+    def answer(self) -> str:
+        return str(_OPS[self.op](self.a, self.b))
+
+
+@dataclass(frozen=True)
+class ArithSpec:
+    max_operand: int = 99
+    ops: str = "+-"
+    num_test: int = 500
+    equations_per_document: int = 8
+    seed: int = 0
+
+
+def split_problems(spec: ArithSpec) -> tuple[list[Problem], list[Problem]]:
+    """Every problem of the space, shuffled, cut into disjoint train and test."""
+    space = [Problem(a, op, b) for op in spec.ops for a in range(spec.max_operand + 1)
+             for b in range(spec.max_operand + 1)]
+    random.Random(spec.seed).shuffle(space)
+    return space[spec.num_test:], space[: spec.num_test]
+
+
+def is_correct(response: str, answer: str) -> bool:
+    """Exact match: the response, stripped, is the answer's integer."""
+    text = response.strip()
+    return _INTEGER.fullmatch(text) is not None and int(text) == int(answer)
+
+
+def pretrain_rows(problems: list[Problem], per_document: int) -> list[dict]:
+    lines = [f"{p.question}{p.answer}" for p in problems]
+    return [{"text": "\n".join(lines[i:i + per_document])} for i in range(0, len(lines), per_document)]
+
+
+def sft_rows(problems: list[Problem]) -> list[dict]:
+    return [{"prompt": _chat(p), "response": p.answer} for p in problems]
+
+
+def rl_rows(problems: list[Problem], split: str) -> list[dict]:
+    """VeRL's RL schema, so VeRL-prepared data and ours read the same way."""
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": _chat(p),
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": p.answer},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i, p in enumerate(problems)
+    ]
+
+
+def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
+    """Write pretrain/SFT/RL train files and the RL-schema test split."""
+    os.makedirs(out_dir, exist_ok=True)
+    train, test = split_problems(spec)
+    rng = random.Random(spec.seed + 1)
+    files = {
+        "pretrain": _write_jsonl(out_dir, "pretrain.jsonl", pretrain_rows(rng.sample(train, len(train)),
+                                                                          spec.equations_per_document)),
+        "sft": _write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train)),
+        "rl_train": _write_parquet(out_dir, "rl_train.parquet", rl_rows(train, "train")),
+        "test": _write_parquet(out_dir, "test.parquet", rl_rows(test, "test")),
+    }
+    return files
+
+
+def _chat(problem: Problem) -> list[dict]:
+    return [{"role": "user", "content": problem.question}]
+
+
+def _write_jsonl(out_dir: str, name: str, rows: list[dict]) -> str:
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
+
+
+def _write_parquet(out_dir: str, name: str, rows: list[dict]) -> str:
+    path = os.path.join(out_dir, name)
+    datasets.Dataset.from_list(rows).to_parquet(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-operand", type=int, default=ArithSpec.max_operand)
+    parser.add_argument("--ops", default=ArithSpec.ops)
+    parser.add_argument("--num-test", type=int, default=ArithSpec.num_test)
+    parser.add_argument("--seed", type=int, default=ArithSpec.seed)
+    args = parser.parse_args(argv)
+    spec = ArithSpec(max_operand=args.max_operand, ops=args.ops, num_test=args.num_test, seed=args.seed)
+    for kind, path in write_splits(args.out, spec).items():
+        print(f"{kind:9s} {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Checkpoint directories under output_dir/checkpoints.
+
+A checkpoint is written into `step_N.partial/` and renamed to `step_N/` only
+once every rank and the driver have written their part, so a crash mid-save
+never leaves a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+DRIVER_STATE = "trainer_state.json"
+
+
+class CheckpointDir:
+    def __init__(self, output_dir: str, keep_last: int):
+        self.root = os.path.join(output_dir, "checkpoints")
+        self.keep_last = keep_last
+
+    def latest(self) -> str | None:
+        steps = self._complete_steps()
+        return os.path.join(self.root, f"step_{steps[-1]:06d}") if steps else None
+
+    def save(self, step: int, save_ranks: Callable[[str], None], driver_state: dict) -> str:
+        final = os.path.join(self.root, f"step_{step:06d}")
+        partial = final + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        save_ranks(partial)
+        with open(os.path.join(partial, DRIVER_STATE), "w") as f:
+            json.dump({"step": step, **driver_state}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        self._prune()
+        return final
+
+    @staticmethod
+    def driver_state(path: str) -> dict:
+        with open(os.path.join(path, DRIVER_STATE)) as f:
+            return json.load(f)
+
+    def _complete_steps(self) -> list[int]:
+        if not os.path.isdir(self.root):
+            return []
+        matches = (_STEP_DIR.match(name) for name in os.listdir(self.root))
+        return sorted(int(m.group(1)) for m in matches
+                      if m and os.path.isfile(os.path.join(self.root, m.group(0), DRIVER_STATE)))
+
+    def _prune(self) -> None:
+        for step in self._complete_steps()[: -self.keep_last]:
+            shutil.rmtree(os.path.join(self.root, f"step_{step:06d}"), ignore_errors=True)

@@ -1,0 +1,118 @@
+"""The pretrain / SFT loop, run by the driver (the single controller).
+
+Each step: take the next global batch, split it across data-parallel ranks,
+have every rank run forward/backward over its micro-batches and step AdamW,
+then log. The loss is the mean NLL over the global batch's target tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Literal
+
+from transformers import AutoTokenizer
+
+from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.train_worker import TrainWorkerSpec
+from rlsys.actors.worker_group import TrainGroup
+from rlsys.config.checks import check_train_job
+from rlsys.config.schema import TrainJobConfig
+from rlsys.data.batching import EpochSampler, collate, num_targets
+from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
+from rlsys.data.files import DataError
+from rlsys.parallel.dims import ParallelDims
+from rlsys.trainers.checkpoints import CheckpointDir
+from rlsys.trainers.run_dir import HF_MODEL_DIR, prepare_run_dir, write_summary
+from rlsys.tracking.tracker import Tracker
+
+log = logging.getLogger(__name__)
+
+Stage = Literal["pretrain", "sft"]
+
+
+def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
+    check_train_job(cfg)
+    started = time.time()
+    config_dict = prepare_run_dir(cfg, stage)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    examples, row_stats = (load_pretrain_examples if stage == "pretrain" else load_sft_examples)(cfg.data, tokenizer)
+    try:
+        sampler = EpochSampler(len(examples), cfg.train.global_batch_size, cfg.seed)
+    except ValueError as err:
+        raise DataError(f"data.train_files: {err}") from None
+    log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
+
+    ensure_ray(cfg.ray)
+    group = TrainGroup(worker_spec(cfg), cfg.ray)
+    try:
+        checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+        start_step = _resume(group, checkpoints, sampler) if cfg.train.resume else 0
+        tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, cfg.train.steps, start_step, cfg.train.log_every)
+        last = {}
+        try:
+            for step in range(start_step + 1, cfg.train.steps + 1):
+                last = train_step(group, examples, sampler, tokenizer.pad_token_id)
+                tracker.log(step, last)
+                if step == cfg.train.steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
+                    checkpoints.save(step, lambda path: group.run_all("save_checkpoint", path),
+                                     {"sampler": sampler.state_dict()})
+        finally:
+            tracker.close()
+        hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
+        group.run_all("export_hf", hf_dir)
+    finally:
+        group.shutdown()
+
+    summary = {"stage": stage, "steps": cfg.train.steps, "final_loss": last.get("loss"),
+               "skipped_rows": row_stats.skipped, "hf_model": hf_dir}
+    if cfg.eval is not None:
+        from rlsys.eval import evaluate_model
+
+        summary["eval"] = evaluate_model(hf_dir, cfg.eval, cfg.output_dir, cfg.seed)
+    summary["time_s"] = round(time.time() - started, 1)
+    write_summary(cfg.output_dir, summary)
+    return summary
+
+
+def worker_spec(cfg: TrainJobConfig) -> TrainWorkerSpec:
+    return TrainWorkerSpec(
+        model=cfg.model,
+        optim=cfg.optim,
+        dims=ParallelDims(dp_replicate=cfg.parallel.dp_replicate, dp_shard=cfg.parallel.dp_shard),
+        micro_batch_size=cfg.train.micro_batch_size,
+        total_steps=cfg.train.steps,
+        seed=cfg.seed,
+        num_threads=cfg.ray.cpus_per_worker,
+        use_gpu=cfg.ray.gpus_per_worker > 0,
+        mixed_precision=cfg.parallel.mixed_precision,
+    )
+
+
+def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler, pad_id: int) -> dict:
+    started = time.perf_counter()
+    batch = collate([examples[i] for i in sampler.next_indices()], pad_id)
+    per_rank = group.run_data_parallel("train_step", batch, num_global_targets=num_targets(batch))
+    elapsed = time.perf_counter() - started
+    tokens = int(batch["attention_mask"].sum())
+    return {
+        "loss": sum(r["loss"] for r in per_rank),
+        "grad_norm": per_rank[0]["grad_norm"],
+        "lr": per_rank[0]["lr"],
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        "step_time_s": elapsed,
+    }
+
+
+def _resume(group: TrainGroup, checkpoints: CheckpointDir, sampler: EpochSampler) -> int:
+    path = checkpoints.latest()
+    if path is None:
+        return 0
+    state = CheckpointDir.driver_state(path)
+    group.run_all("load_checkpoint", path)
+    sampler.load_state_dict(state["sampler"])
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])
+

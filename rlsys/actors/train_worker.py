@@ -122,6 +122,10 @@ class TrainWorker:
         """Unsharded gradients by parameter name (gathers: every rank must call)."""
         return {name: p.grad.full_tensor().cpu() for name, p in self.model.named_parameters()}
 
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of this rank's shard of each parameter."""
+        return {name: tuple(p.to_local().shape) for name, p in self.model.named_parameters()}
+
     # -- state --------------------------------------------------------------
 
     def save_checkpoint(self, path: str) -> None:

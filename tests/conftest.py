@@ -1,0 +1,69 @@
+"""Session-wide fixtures: one Ray cluster, one tiny model, one small arithmetic data set.
+
+Ray and model start-ups are the slow part of the suite, so every test shares them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny")), spec)
+
+
+@pytest.fixture(scope="session")
+def arith_files(tmp_path_factory) -> dict[str, str]:
+    from rlsys.tasks.arith import ArithSpec, write_splits
+
+    return write_splits(str(tmp_path_factory.mktemp("arith")), ArithSpec(max_operand=19, num_test=40))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from rlsys.actors.cluster import ensure_ray
+    from rlsys.config.schema import RayConfig
+
+    ensure_ray(RayConfig(include_dashboard=False))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def sft_config(tiny_model_dir, arith_files, tmp_path):
+    """A small SFT job on 2 FSDP2 ranks, as a YAML file plus dotted overrides."""
+    import yaml
+
+    from rlsys.config.loader import load_config
+    from rlsys.config.schema import TrainJobConfig
+
+    raw = {
+        "output_dir": str(tmp_path / "sft"),
+        "model": {"path": tiny_model_dir},
+        "data": {"train_files": [arith_files["sft"]], "max_seq_len": 32},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"steps": 6, "global_batch_size": 16, "micro_batch_size": 4},
+        "parallel": {"dp_shard": 2},
+        "ray": {"include_dashboard": False},
+        "tracking": {"backends": ["jsonl"]},
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(raw))
+
+    def make(*overrides: str) -> TrainJobConfig:
+        return load_config(TrainJobConfig, str(path), list(overrides))
+
+    make.path = str(path)
+    return make

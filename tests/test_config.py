@@ -1,0 +1,80 @@
+"""Bad configs end with exit code 2 and one line naming the key; --help works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.config.loader import ConfigError
+from rlsys.config.schema import TrainJobConfig
+from rlsys.run import main
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["optim.lrr=0.1"], "optim.lrr: unknown config key; did you mean 'optim.lr'?"),
+        (["trian.steps=3"], "trian: unknown config key; did you mean 'train'?"),
+        (["train.steps=many"], "train.steps: Input should be a valid integer"),
+        (["optim.lr=-1"], "optim.lr: Input should be greater than 0"),
+        (["tracking.backends=[console, slack]"], "tracking.backends.1: Input should be"),
+        (["model.path=/no/such/model"], "model.path: not a Hugging Face model directory"),
+        (["data.train_files=[/no/such.jsonl]"], "data.train_files[0]: file not found: /no/such.jsonl"),
+        (["train.global_batch_size=18"], "train.global_batch_size: 18 is not divisible by train.micro_batch_size (4)"),
+        (["eval.files=[]"], "eval.files: at least one file is required"),
+        (["optim.lr"], "override 'optim.lr': expected dotted.key=value"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line(capsys, sft_config, overrides, expected):
+    code, err = run_cli(capsys, "sft", "--config", sft_config.path, *overrides)
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert expected in err
+
+
+def test_missing_and_invalid_config_files(capsys, tmp_path):
+    code, err = run_cli(capsys, "pretrain", "--config", str(tmp_path / "absent.yaml"))
+    assert (code, err.count("\n")) == (2, 0) and "file not found" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    code, err = run_cli(capsys, "pretrain", "--config", str(bad))
+    assert code == 2 and "not valid YAML at line" in err
+
+
+def test_valid_config_types_and_defaults(sft_config):
+    cfg = sft_config("optim.betas=[0.8, 0.9]", "train.steps=7")
+    assert isinstance(cfg, TrainJobConfig)
+    assert cfg.optim.betas == (0.8, 0.9) and cfg.train.steps == 7 and cfg.train.resume is True
+
+
+def test_config_error_is_a_value_error_naming_the_key(sft_config):
+    with pytest.raises(ConfigError, match=r"^parallel\.dp_shard: "):
+        sft_config("parallel.dp_shard=0")
+
+
+def test_real_cli_prints_no_traceback(sft_config):
+    result = subprocess.run(
+        [sys.executable, "-m", "rlsys.run", "sft", "--config", sft_config.path, "train.stepz=3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rlsys sft: error: train.stepz: unknown config key; did you mean 'train.steps'?"
+    )
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["sft", "--help"], ["eval", "--help"]])
+def test_help_at_both_levels(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    assert "usage: python -m rlsys.run" in capsys.readouterr().out

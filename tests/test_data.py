@@ -1,0 +1,142 @@
+"""Tokenizer, data formats, malformed rows, and the SFT loss mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlsys.algorithms.lm_loss import logprobs_of_labels, masked_nll_sum
+from rlsys.config.schema import DataConfig
+from rlsys.data.batching import EpochSampler, collate, micro_batches, split_rows
+from rlsys.data.examples import load_pretrain_examples, load_sft_examples, sft_example
+from rlsys.data.files import DataError
+from rlsys.data.rl import load_prompts
+from rlsys.rewards import get_reward
+from rlsys.tasks.arith import ArithSpec, split_problems
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" if not isinstance(r, str) else r + "\n" for r in rows))
+    return str(path)
+
+
+def test_tokenizer_is_character_level_and_round_trips(tokenizer):
+    text = "12+7=19\n 0-3=-3\tA,b!"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_sft_mask_covers_response_and_end_token_only(tokenizer):
+    row = {"prompt": [{"role": "user", "content": "12+7="}], "response": "19"}
+    example = sft_example(row, DataConfig(), tokenizer)
+    targets = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
+    assert tokenizer.decode(targets) == "19<|end|>"
+    assert tokenizer.decode(example.input_ids) == "<|user|>12+7=<|end|><|assistant|>19<|end|>"
+
+
+def test_plain_string_prompt_and_multi_turn_messages(tokenizer):
+    plain = sft_example({"prompt": "Q: 1+1=", "response": "2"}, DataConfig(), tokenizer)
+    assert tokenizer.decode([t for t, m in zip(plain.input_ids, plain.loss_mask) if m]) == "2<|end|>"
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="},
+                         {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="},
+                         {"role": "assistant", "content": "4"}]}
+    example = sft_example(chat, DataConfig(), tokenizer)
+    assert tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m]) == "2<|end|>4<|end|>"
+
+
+def test_sft_loss_ignores_prompt_token_labels(tiny_model_dir, tokenizer):
+    """Changing the label of a prompt token leaves the loss and its gradient
+    unchanged; changing a response label does not (so the check can fail)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    example = sft_example({"prompt": [{"role": "user", "content": "12+7="}], "response": "19"},
+                          DataConfig(), tokenizer)
+    batch = collate([example], tokenizer.pad_token_id)
+
+    def loss_and_grad(labels):
+        model.zero_grad()
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = masked_nll_sum(logprobs_of_labels(logits, labels), batch["loss_mask"])
+        loss.backward()
+        return loss.item(), model.model.embed_tokens.weight.grad.clone()
+
+    labels = batch["input_ids"].clone()
+    base_loss, base_grad = loss_and_grad(labels)
+    prompt_positions = (batch["loss_mask"][0] == 0).nonzero().flatten()[1:]
+    response_position = int(batch["loss_mask"][0].nonzero()[0])
+    changed_prompt = labels.clone()
+    changed_prompt[0, prompt_positions] = (labels[0, prompt_positions] + 7) % 100
+    loss, grad = loss_and_grad(changed_prompt)
+    assert loss == base_loss and torch.equal(grad, base_grad)
+    changed_response = labels.clone()
+    changed_response[0, response_position] = (labels[0, response_position] + 7) % 100
+    assert loss_and_grad(changed_response)[0] != pytest.approx(base_loss)
+
+
+def test_pretrain_packing_uses_every_token(tmp_path, tokenizer):
+    docs = [{"text": "1+1=2"}, {"text": "22+3=25\n4-9=-5"}] * 10
+    cfg = DataConfig(train_files=[write_jsonl(tmp_path / "p.jsonl", docs)], max_seq_len=8)
+    examples, stats = load_pretrain_examples(cfg, tokenizer)
+    stream_len = sum(len(d["text"]) + 1 for d in docs)
+    assert len(examples) == stream_len // 8 and stats.kept == 20
+    assert all(len(e.input_ids) == 8 and all(e.loss_mask) for e in examples)
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path, tokenizer):
+    rows = [{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2="}, {"prompt": 5, "response": "x"},
+            {"prompt": [{"role": "user"}], "response": "4"}, {"prompt": "3+3=", "response": "6"}]
+    cfg = DataConfig(train_files=[write_jsonl(tmp_path / "s.jsonl", rows)], max_seq_len=32)
+    examples, stats = load_sft_examples(cfg, tokenizer)
+    assert (len(examples), stats.kept, stats.skipped) == (2, 2, 3)
+    assert stats.first_reason.startswith(f"{tmp_path / 's.jsonl'} row 2:")
+
+
+def test_invalid_json_names_file_and_row(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "broken.jsonl", [{"prompt": "1+1=", "response": "2"}, "{not json", {"a": 1}])
+    with pytest.raises(DataError, match=r"broken\.jsonl row 2: not valid JSON"):
+        load_sft_examples(DataConfig(train_files=[path]), tokenizer)
+
+
+def test_verl_schema_prompts_and_arith_reward(arith_files, tokenizer):
+    prompts, stats = load_prompts([arith_files["test"]], tokenizer)
+    assert stats.skipped == 0 and len(prompts) == 40
+    first = prompts[0]
+    assert first.text.startswith("<|user|>") and first.text.endswith("<|assistant|>")
+    reward = get_reward("arith")
+    assert reward(first.data_source, f" {first.ground_truth}\n", first.ground_truth) == 1.0
+    assert reward(first.data_source, first.ground_truth + "0", first.ground_truth) == 0.0
+    assert reward(first.data_source, "", first.ground_truth) == 0.0
+
+
+def test_arith_test_split_is_held_out():
+    train, test = split_problems(ArithSpec(max_operand=19, num_test=40))
+    assert not set(train) & set(test) and len(test) == 40
+
+
+def test_sampler_resumes_the_same_order():
+    straight = EpochSampler(10, 4, seed=3)
+    order = [straight.next_indices() for _ in range(6)]
+    resumed = EpochSampler(10, 4, seed=3)
+    [resumed.next_indices() for _ in range(2)]
+    state = resumed.state_dict()
+    fresh = EpochSampler(10, 4, seed=3)
+    fresh.load_state_dict(state)
+    assert [fresh.next_indices() for _ in range(4)] == order[2:]
+    assert sorted(order[0] + order[1]) == sorted(set(order[0] + order[1]))  # no repeats within an epoch
+
+
+def test_split_and_micro_batches_trim_padding(tokenizer):
+    rows = [sft_example({"prompt": "1+1=", "response": "2" * n}, DataConfig(), tokenizer) for n in (1, 5, 2, 9)]
+    batch = collate(rows, tokenizer.pad_token_id)
+    shards = split_rows(batch, 2)
+    assert [s["input_ids"].shape[0] for s in shards] == [2, 2]
+    micro = micro_batches(shards[0], 1)
+    assert [m["input_ids"].shape[1] for m in micro] == [len(rows[0].input_ids), len(rows[1].input_ids)]

@@ -1,0 +1,105 @@
+"""A real SFT run on 2 FSDP2 ranks: resume reproduces the losses; the HF
+export loads in transformers and vLLM, which generate the same tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from rlsys.trainers.lm_trainer import run_lm_training
+
+STEPS = 6
+
+
+def losses(output_dir: str) -> dict[int, float]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return {row["step"]: row["loss"] for row in map(json.loads, f)}
+
+
+@pytest.fixture(scope="module")
+def straight_run(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
+    """6 uninterrupted steps, checkpointing at steps 3 and 6."""
+    from rlsys.config.loader import build_config
+    from rlsys.config.schema import TrainJobConfig
+
+    out = str(tmp_path_factory.mktemp("straight"))
+    cfg = build_config(TrainJobConfig, {
+        "output_dir": out,
+        "model": {"path": tiny_model_dir},
+        "data": {"train_files": [arith_files["sft"]], "max_seq_len": 32},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"steps": STEPS, "global_batch_size": 16, "micro_batch_size": 4, "save_every": 3},
+        "parallel": {"dp_shard": 2},
+        "ray": {"include_dashboard": False},
+        "tracking": {"backends": ["jsonl", "tensorboard"]},
+    })
+    summary = run_lm_training(cfg, "sft")
+    return cfg, summary
+
+
+def test_output_directory_layout(straight_run):
+    cfg, summary = straight_run
+    out = cfg.output_dir
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000003", "step_000006"]
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "hf_model/config.json",
+                 "hf_model/model.safetensors", "hf_model/tokenizer.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    assert list(losses(out)) == list(range(1, STEPS + 1))
+    assert summary["final_loss"] == losses(out)[STEPS]
+
+
+def test_resume_reproduces_the_uninterrupted_losses(straight_run, tmp_path):
+    """Resume from the step-3 checkpoint: steps 4-6 match the straight run within 1e-6."""
+    cfg, _ = straight_run
+    resumed_dir = tmp_path / "resumed"
+    os.makedirs(resumed_dir / "checkpoints")
+    shutil.copytree(os.path.join(cfg.output_dir, "checkpoints", "step_000003"),
+                    resumed_dir / "checkpoints" / "step_000003")
+    from dataclasses import replace
+
+    run_lm_training(replace(cfg, output_dir=str(resumed_dir), tracking=replace(cfg.tracking, backends=["jsonl"])),
+                    "sft")
+    expected, got = losses(cfg.output_dir), losses(str(resumed_dir))
+    assert list(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), step
+    assert got[4] != pytest.approx(expected[1], abs=1e-3)  # it resumed, it did not restart
+
+
+def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    from rlsys.rollout.vllm_engine import create_llm
+
+    hf_dir = os.path.join(straight_run[0].output_dir, "hf_model")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    prompts = ["<|user|>12+7=<|end|><|assistant|>", "<|user|>3-15=<|end|><|assistant|>"]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=6, do_sample=False)
+        expected.append(out[0, ids["input_ids"].shape[1]:].tolist())
+
+    llm = create_llm(hf_dir, kv_cache_gib=0.25, seed=0)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert got == expected
+    assert all(len(tokens) > 0 for tokens in got)
+
+
+def test_tensorboard_has_the_jsonl_metric_names(straight_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = straight_run[0].output_dir
+    events = EventAccumulator(os.path.join(out, "tensorboard"))
+    events.Reload()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        names = set(json.loads(f.readline())) - {"step"}
+    assert names == set(events.Tags()["scalars"])

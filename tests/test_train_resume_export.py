@@ -103,3 +103,24 @@ def test_tensorboard_has_the_jsonl_metric_names(straight_run):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         names = set(json.loads(f.readline())) - {"step"}
     assert names == set(events.Tags()["scalars"])
+
+
+def test_eval_stage_scores_every_prompt(straight_run, arith_files, tmp_path):
+    import yaml
+
+    from rlsys.run import main
+
+    config = tmp_path / "eval.yaml"
+    config.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "eval"),
+        "model": {"path": os.path.join(straight_run[0].output_dir, "hf_model")},
+        "eval": {"files": [arith_files["test"]], "reward": "arith", "max_new_tokens": 4, "limit": 12},
+    }))
+    assert main(["eval", "--config", str(config)]) == 0
+    with open(tmp_path / "eval" / "eval_results.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    with open(tmp_path / "eval" / "eval_summary.json") as f:
+        summary = json.load(f)
+    assert len(rows) == summary["num_prompts"] == 12
+    assert summary["accuracy"] == sum(r["score"] for r in rows) / 12
+    assert all(r["score"] == float(r["response"].strip() == r["ground_truth"]) for r in rows)

@@ -9,9 +9,11 @@ import os
 import socket
 from dataclasses import dataclass
 
+import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import transformers
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -56,12 +58,14 @@ class TrainWorker:
     def __init__(self, rank: int, spec: TrainWorkerSpec):
         self.rank, self.spec = rank, spec
         torch.set_num_threads(spec.num_threads)
+        transformers.utils.logging.disable_progress_bar()
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
 
     def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the rendezvous."""
         with socket.socket() as s:
             s.bind(("", 0))
-            return socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int) -> None:
         spec = self.spec

@@ -11,6 +11,7 @@ import torch
 def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_size: int = 1):
     # In-process engine core: starts in seconds and lives inside a Ray actor.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()

@@ -23,7 +23,7 @@ def config_rows(schema: type, prefix: str = "") -> list[tuple[str, str, str, str
         if nested is not None:
             rows.extend(config_rows(nested, key + "."))
             continue
-        description = schema.__pydantic_fields__[field.name].description or ""
+        description = _description(schema, field.name)
         default = schema.__pydantic_fields__[field.name].get_default(call_default_factory=True)
         rows.append((key, _type_name(hints[field.name]), _format_default(default), description))
     return rows
@@ -36,6 +36,15 @@ def markdown() -> str:
         parts.extend(f"| `{k}` | {t} | {d} | {m} |" for k, t, d, m in config_rows(schema))
         parts.append("")
     return "\n".join(parts)
+
+
+def _description(schema: type, name: str) -> str:
+    """The field's docstring; pydantic keeps it only on the class that declares the field."""
+    for cls in schema.__mro__:
+        info = getattr(cls, "__pydantic_fields__", {}).get(name)
+        if info is not None and info.description:
+            return info.description
+    return ""
 
 
 def _nested_dataclass(annotation) -> type | None:

@@ -127,14 +127,20 @@ class EvalConfig:
 
 
 @dataclass(config=STRICT)
-class TrainJobConfig:
-    """`pretrain` and `sft`: the training group without the rollout group."""
+class JobConfig:
+    """What every stage has: where it writes, its seed, and the model it starts from."""
 
     output_dir: str = ""
-    """Run directory: resolved config, metrics.jsonl, checkpoints/, hf_model/."""
+    """Run directory: resolved config, metrics.jsonl, summary.json, checkpoints/, hf_model/, eval results."""
     seed: int = 0
-    """Seed for data order and any randomness on the ranks."""
+    """Seed for data order, sampling and any randomness on the ranks."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+
+
+@dataclass(config=STRICT)
+class TrainJobConfig(JobConfig):
+    """`pretrain` and `sft`: the training group without the rollout group."""
+
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -146,12 +152,7 @@ class TrainJobConfig:
 
 
 @dataclass(config=STRICT)
-class EvalJobConfig:
+class EvalJobConfig(JobConfig):
     """`eval`: generate on a test split with vLLM and score with a reward."""
 
-    output_dir: str = ""
-    """Where eval_results.jsonl and eval_summary.json go."""
-    seed: int = 0
-    """Sampling seed."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -1,0 +1,71 @@
+"""Global batches: deterministic, resumable order; padding; dp and micro splits.
+
+A batch is a dict of [B, T] tensors: input_ids, attention_mask, loss_mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlsys.data.examples import Example
+
+Batch = dict[str, torch.Tensor]
+
+
+class EpochSampler:
+    """Index batches over shuffled epochs; the state is (epoch, offset), so
+    resuming continues with exactly the batches an uninterrupted run would see."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int):
+        if num_examples < batch_size:
+            raise ValueError(f"{num_examples} examples cannot fill a global batch of {batch_size}")
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.epoch, self.offset = 0, 0
+
+    def next_indices(self) -> list[int]:
+        if self.offset + self.batch_size > self.num_examples:
+            self.epoch, self.offset = self.epoch + 1, 0
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_examples)
+        indices = order[self.offset:self.offset + self.batch_size]
+        self.offset += self.batch_size
+        return indices.tolist()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = state["epoch"], state["offset"]
+
+
+def collate(examples: list[Example], pad_id: int) -> Batch:
+    """Right-pad to the longest example."""
+    length = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), length), dtype=torch.float32)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[row, :n] = torch.tensor(e.input_ids)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(e.loss_mask, dtype=torch.float32)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def num_targets(batch: Batch) -> int:
+    """Target tokens: masked positions after the first (position 0 has nothing to predict from)."""
+    return int(batch["loss_mask"][:, 1:].sum().item())
+
+
+def split_rows(batch: Batch, parts: int) -> list[Batch]:
+    return [dict(zip(batch, chunk)) for chunk in zip(*(t.chunk(parts) for t in batch.values()))]
+
+
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """Chunks of `size` rows, each trimmed to its longest row."""
+    chunks = []
+    for start in range(0, batch["input_ids"].shape[0], size):
+        chunk = {k: v[start:start + size] for k, v in batch.items()}
+        length = int(chunk["attention_mask"].sum(1).max().item())
+        chunks.append({k: v[:, :length] for k, v in chunk.items()})
+    return chunks

@@ -1,0 +1,103 @@
+"""Tokenised training examples for pretraining (packed) and SFT (masked).
+
+An example is (input_ids, loss_mask): loss_mask[t] = 1 when token t is a
+prediction target (the model predicts it from the tokens before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlsys.config.schema import DataConfig
+from rlsys.data.files import RowStats, convert_rows
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def load_pretrain_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], RowStats]:
+    """Documents joined with EOS and cut into max_seq_len windows; every token is a target."""
+    docs, stats = convert_rows(cfg.train_files, lambda row: _text_field(row, cfg.text_key), "pretrain data")
+    stream: list[int] = []
+    for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        stream.extend(ids + [tokenizer.eos_token_id])
+    n = cfg.max_seq_len
+    windows = [stream[i:i + n] for i in range(0, len(stream) - n + 1, n)]
+    return [Example(w, [1] * n) for w in windows], stats
+
+
+def load_sft_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], RowStats]:
+    """Prompt/response or chat rows; only response (assistant) tokens are targets."""
+
+    def convert(row: dict) -> Example:
+        example = sft_example(row, cfg, tokenizer)
+        if len(example.input_ids) > cfg.max_seq_len:
+            raise ValueError(f"{len(example.input_ids)} tokens > data.max_seq_len={cfg.max_seq_len}")
+        return example
+
+    return convert_rows(cfg.train_files, convert, "sft data")
+
+
+def sft_example(row: dict, cfg: DataConfig, tokenizer) -> Example:
+    if cfg.messages_key in row and row[cfg.messages_key] is not None:
+        return _chat_example(chat_messages(row[cfg.messages_key], cfg.messages_key), tokenizer)
+    prompt, response = row[cfg.prompt_key], _text_field(row, cfg.response_key)
+    if isinstance(prompt, str):
+        return _plain_example(prompt, response, tokenizer)
+    messages = chat_messages(prompt, cfg.prompt_key) + [{"role": "assistant", "content": response}]
+    return _chat_example(messages, tokenizer)
+
+
+def _plain_example(prompt: str, response: str, tokenizer) -> Example:
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return Example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
+
+
+def _chat_example(messages: list[dict], tokenizer) -> Example:
+    """Targets are the assistant turns, found by rendering each conversation prefix.
+
+    Relies on the chat template rendering a prefix of the conversation as a
+    prefix of the full text, which holds for the usual templates.
+    """
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("conversation has no assistant turn")
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before = _render(messages[:i], tokenizer, add_generation_prompt=True)
+            mask.extend([0] * (len(before) - len(ids)))
+            ids = before
+        upto = _render(messages[: i + 1], tokenizer, add_generation_prompt=False)
+        if upto[: len(ids)] != ids:
+            raise ValueError("chat template does not render conversation prefixes as prefixes")
+        mask.extend([int(message["role"] == "assistant")] * (len(upto) - len(ids)))
+        ids = upto
+    return Example(ids, mask)
+
+
+def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> list[int]:
+    if not messages:
+        return []
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_messages(value, key: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{key!r} must be a non-empty list of {{role, content}} messages")
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{key!r} holds a message without string role and content")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _text_field(row: dict, key: str) -> str:
+    value = row[key]
+    if not isinstance(value, str):
+        raise TypeError(f"{key!r} must be a string, got {type(value).__name__}")
+    return value

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from rlsys.config.loader import ConfigError, load_config
-from rlsys.config.schema import EvalJobConfig, TrainJobConfig
+from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.data.files import DataError
 
 
@@ -31,6 +31,12 @@ def _eval(config: str, overrides: list[str]) -> dict:
     return run_eval(load_config(EvalJobConfig, config, overrides))
 
 
+def _rlvr(config: str, overrides: list[str]) -> dict:
+    from rlsys.trainers.rl_trainer import run_rlvr
+
+    return run_rlvr(load_config(RLJobConfig, config, overrides))
+
+
 def _not_yet(stage: str) -> Callable[[str, list[str]], dict]:
     def run(config: str, overrides: list[str]) -> dict:
         raise ConfigError(f"stage {stage!r} is not available in this version yet")
@@ -41,7 +47,7 @@ def _not_yet(stage: str) -> Callable[[str, list[str]], dict]:
 STAGES: dict[str, tuple[str, Callable[[str, list[str]], dict]]] = {
     "pretrain": ("next-token pretraining on packed text documents", _pretrain),
     "sft": ("supervised fine-tuning; loss on response tokens only", _sft),
-    "rlvr": ("reinforcement learning with verifiable rewards (not available yet)", _not_yet("rlvr")),
+    "rlvr": ("reinforcement learning with verifiable rewards: vLLM rollouts, rewards, GRPO", _rlvr),
     "pipeline": ("several stages chained (not available yet)", _not_yet("pipeline")),
     "eval": ("generate on a test split with vLLM and score with a reward", _eval),
 }

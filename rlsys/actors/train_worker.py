@@ -20,10 +20,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlsys.algorithms.lm_loss import masked_nll_sum, token_logprobs
-from rlsys.config.schema import ModelConfig, OptimConfig
+from rlsys.algorithms.rl_step import policy_step
+from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig
 from rlsys.data.batching import Batch, micro_batches
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.fsdp import apply_fsdp
@@ -44,6 +46,8 @@ class TrainWorkerSpec:
     num_threads: int
     use_gpu: bool
     mixed_precision: str = "auto"
+    with_reference: bool = False
+    """Also hold a frozen copy of the initial policy (for a KL penalty)."""
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -77,6 +81,7 @@ class TrainWorker:
         self.mesh = spec.dims.build_mesh(self.device.type)
         torch.manual_seed(spec.seed)
         self.model = self._build_model()
+        self.reference = self._build_model().eval().requires_grad_(False) if spec.with_reference else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.optim.lr, betas=spec.optim.betas, eps=spec.optim.eps,
             weight_decay=spec.optim.weight_decay, foreach=True,
@@ -116,6 +121,56 @@ class TrainWorker:
         self.optimizer.step()
         self.scheduler.step()
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+    def compute_logprobs(self, shard: Batch, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs [B, T] aligned with input_ids (column 0 is 0), without grad."""
+        model = self.reference if reference else self.model
+        out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
+        row = 0
+        with torch.no_grad():
+            for micro in micro_batches(shard, self.spec.micro_batch_size):
+                micro = {k: v.to(self.device) for k, v in micro.items()}
+                logprobs = token_logprobs(model, micro["input_ids"], micro["attention_mask"])
+                rows, length = logprobs.shape
+                out[row:row + rows, 1:length + 1] = logprobs.cpu()
+                row += rows
+        model.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
+        return out
+
+    def update_policy(self, shard: Batch, counts: dict[str, int], algo: AlgorithmConfig) -> dict[str, float]:
+        """One optimizer step on this rank's rows of a mini-batch; metric sums are
+        already divided by the global counts, so the driver adds them up."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(("actor/pg_loss", "actor/clip_frac", "actor/entropy", "actor/kl"), 0.0)
+        for micro in micro_batches(shard, self.spec.micro_batch_size):
+            micro = {k: v.to(self.device) for k, v in micro.items()}
+            for name, value in policy_step(self.model, micro, counts, algo).items():
+                sums[name] += value
+        sums["actor/grad_norm"] = self._clip_gradients()
+        sums["actor/lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        return sums
+
+    def perturb_parameters(self, scale: float, seed: int) -> None:
+        """Add seeded noise to every parameter (tests use it to make the policy differ from the engines')."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                noise = torch.randn(p.shape, generator=generator) * scale
+                p.add_(distribute_tensor(noise.to(p.device), p.device_mesh, p.placements))
+
+    def parameter_nbytes(self) -> dict[str, int]:
+        """Full (unsharded) size of each parameter, by HF name, in training order."""
+        return {name: p.numel() * p.element_size() for name, p in self.model.named_parameters()}
+
+    def gather_bucket(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Full tensors of `names` (a collective: every rank calls it); rank 0 returns them."""
+        self.model.reshard()
+        params = dict(self.model.named_parameters())
+        full = {name: params[name].full_tensor().detach().cpu() for name in names}
+        return full if self.rank == 0 else None
 
     def _clip_gradients(self) -> float:
         max_norm = self.spec.optim.max_grad_norm or float("inf")

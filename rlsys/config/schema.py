@@ -6,7 +6,7 @@ README's key tables are generated from them (`python -m rlsys.config.docs`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -127,6 +127,100 @@ class EvalConfig:
 
 
 @dataclass(config=STRICT)
+class RolloutConfig:
+    num_engines: int = Field(default=1, gt=0)
+    """vLLM engines; the prompt batch is split across them (data parallel)."""
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """Tensor-parallel size of each engine (GPU only)."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: engines share the training ranks' devices; separate: their own placement group."""
+    cpus_per_engine: float = Field(default=1.0, ge=0)
+    """CPUs reserved per engine with placement=separate."""
+    gpus_per_engine: float = Field(default=0.0, ge=0)
+    """GPUs per engine with placement=separate (0 on CPU)."""
+    n: int = Field(default=4, gt=0)
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = Field(default=16, gt=0)
+    """Generation budget per response."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (the tokenizer's EOS always stops)."""
+    engine_memory_gib: float = Field(default=0.5, gt=0)
+    """KV-cache memory per engine, in GiB."""
+    sync_bucket_mb: float = Field(default=64.0, gt=0)
+    """Weight-sync bucket size: decoder blocks are gathered and sent this many MB at a time."""
+
+
+@dataclass(config=STRICT)
+class RewardTerm:
+    name: str = ""
+    """A registered reward (see README); or leave empty and give `path`."""
+    path: str = ""
+    """A Python file defining the reward function (VeRL's compute_score signature works unchanged)."""
+    function: str = "compute_score"
+    """The function to call in `path`."""
+    weight: float = 1.0
+    """This term's weight in the summed reward."""
+    batched: bool = False
+    """The function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and returns a list."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the function (e.g. `pattern` for regex_format)."""
+
+
+@dataclass(config=STRICT)
+class RewardConfig:
+    terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="arith")])
+    """Reward = sum of weight x score over the terms; each term is also logged as reward/<term>."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Per-call time limit; a call past it scores 0 and counts in reward/errors."""
+    num_workers: int = Field(default=2, gt=0)
+    """Parallel reward tasks (Ray tasks off the driver)."""
+
+
+@dataclass(config=STRICT)
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo"] = "grpo"
+    """Advantage estimator: group-normalised rewards."""
+    norm_adv_by_std: bool = True
+    """Divide by the group's reward std (GRPO); false gives Dr. GRPO's mean-only centring."""
+    clip_ratio_low: float = Field(default=0.2, ge=0)
+    """PPO clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(default=0.28, ge=0)
+    """PPO clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher when above the low bound)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """KL-to-reference loss coefficient; 0 builds no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1, k2, k3)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become the batch loss."""
+    ppo_epochs: int = Field(default=1, gt=0)
+    """Passes over each rollout batch."""
+    ppo_mini_batch_size: int = Field(default=0, ge=0)
+    """Prompts per policy update (0: the whole rollout batch, one update per epoch)."""
+
+
+@dataclass(config=STRICT)
+class RLTrainConfig:
+    steps: int = Field(default=50, gt=0)
+    """RL steps (one rollout batch each)."""
+    prompts_per_step: int = Field(default=32, gt=0)
+    """Prompts sampled per step; responses per step = prompts_per_step x rollout.n."""
+    micro_batch_size: int = Field(default=16, gt=0)
+    """Responses per forward/backward on one rank."""
+    val_every: int = Field(default=10, ge=0)
+    """Validate on `eval.files` every N steps (0: only before and after training)."""
+    save_every: int = Field(default=0, ge=0)
+    """Checkpoint period in steps (0: only at the end)."""
+    keep_last: int = Field(default=2, gt=0)
+    """Checkpoints kept on disk."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in output_dir/checkpoints."""
+
+
+@dataclass(config=STRICT)
 class JobConfig:
     """What every stage has: where it writes, its seed, and the model it starts from."""
 
@@ -149,6 +243,23 @@ class TrainJobConfig(JobConfig):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     eval: EvalConfig | None = None
     """Optional: evaluate the final model on this split after training."""
+
+
+@dataclass(config=STRICT)
+class RLJobConfig(JobConfig):
+    """`rlvr`: rollouts with vLLM, verifiable rewards, policy updates on the training group."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5, max_grad_norm=1.0))
+    train: RLTrainConfig = Field(default_factory=RLTrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    eval: EvalConfig | None = None
+    """Validation split, scored with greedy decoding by the rollout engines."""
 
 
 @dataclass(config=STRICT)

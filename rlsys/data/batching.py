@@ -58,7 +58,8 @@ def num_targets(batch: Batch) -> int:
 
 
 def split_rows(batch: Batch, parts: int) -> list[Batch]:
-    return [dict(zip(batch, chunk)) for chunk in zip(*(t.chunk(parts) for t in batch.values()))]
+    """`parts` contiguous row ranges (sizes differ by at most one)."""
+    return [dict(zip(batch, chunk)) for chunk in zip(*(t.tensor_split(parts) for t in batch.values()))]
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -69,3 +70,16 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
         length = int(chunk["attention_mask"].sum(1).max().item())
         chunks.append({k: v[:, :length] for k, v in chunk.items()})
     return chunks
+
+
+def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Batch:
+    """Prompt + response rows, right-padded; loss_mask is 1 on response tokens."""
+    from rlsys.data.examples import Example
+
+    examples = [Example(p + r, [0] * len(p) + [1] * len(r)) for p, r in zip(prompt_ids, response_ids)]
+    return collate(examples, pad_id)
+
+
+def per_token(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Broadcast one value per row over that row's response tokens ([B] -> [B, T])."""
+    return values.float().unsqueeze(1) * batch["loss_mask"]

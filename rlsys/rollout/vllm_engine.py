@@ -8,7 +8,8 @@ import os
 import torch
 
 
-def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_size: int = 1):
+def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_size: int = 1,
+               sleep_mode: bool = False):
     # In-process engine core: starts in seconds and lives inside a Ray actor.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -21,5 +22,6 @@ def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_
         enforce_eager=not on_gpu,
         kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
         tensor_parallel_size=tensor_parallel_size,
+        enable_sleep_mode=sleep_mode,
         seed=seed,
     )

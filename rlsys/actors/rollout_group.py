@@ -1,0 +1,72 @@
+"""The rollout group: vLLM engines in Ray actors sharing each prompt batch."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlsys.actors.rollout_worker import RolloutWorker, Sample
+from rlsys.config.loader import ConfigError
+from rlsys.config.schema import RolloutConfig
+
+
+class RolloutGroup:
+    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
+                 gpu_share: float = 0.0):
+        """colocated: engine i sits in bundle i of the training group's placement group and takes
+        no extra CPUs (generation and training alternate); separate: a placement group of its own."""
+        self.cfg = cfg
+        self.own_placement = None
+        if cfg.placement == "colocated":
+            placement, num_cpus, num_gpus = train_placement, 0, gpu_share
+            bundles = len(train_placement.bundle_specs)
+            threads = max(1, int(train_cpus) // cfg.num_engines)
+        else:
+            _check_separate_resources(cfg)
+            gpus = cfg.gpus_per_engine * cfg.tensor_parallel_size
+            bundle = {"CPU": cfg.cpus_per_engine, **({"GPU": gpus} if gpus else {})}
+            placement = self.own_placement = placement_group([bundle] * cfg.num_engines, strategy="PACK")
+            ray.get(placement.ready())
+            num_cpus, num_gpus, bundles = cfg.cpus_per_engine, gpus, cfg.num_engines
+            threads = max(1, int(cfg.cpus_per_engine))
+        actor_cls = ray.remote(RolloutWorker)
+        self.engines = [
+            actor_cls.options(
+                num_cpus=num_cpus, num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i % bundles),
+            ).remote(model_path, cfg, seed + i, threads)
+            for i in range(cfg.num_engines)
+        ]
+        ray.get([engine.__ray_ready__.remote() for engine in self.engines])
+
+    def generate(self, prompts: list[tuple[int, list[int]]], seed: int, n: int, temperature: float,
+                 max_new_tokens: int) -> list[Sample]:
+        """Split the prompts across engines (contiguous shares) and return samples in prompt order."""
+        share = -(-len(prompts) // len(self.engines))
+        refs = [
+            engine.generate.remote(prompts[i * share:(i + 1) * share], n, temperature, self.cfg.top_p,
+                                   max_new_tokens, seed)
+            for i, engine in enumerate(self.engines) if prompts[i * share:(i + 1) * share]
+        ]
+        return [sample for samples in ray.get(refs) for sample in samples]
+
+    def call_all(self, method: str) -> list:
+        return ray.get([getattr(engine, method).remote() for engine in self.engines])
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            ray.kill(engine)
+        if self.own_placement is not None:
+            remove_placement_group(self.own_placement)
+
+
+def _check_separate_resources(cfg: RolloutConfig) -> None:
+    available = ray.cluster_resources()
+    need = cfg.num_engines * cfg.cpus_per_engine
+    if need > available.get("CPU", 0):
+        raise ConfigError(
+            f"rollout.cpus_per_engine: {cfg.num_engines} engines x {cfg.cpus_per_engine:g} CPUs = {need:g} CPUs, "
+            f"but the Ray cluster has {available.get('CPU', 0):g} (placement=separate needs its own; "
+            "rollout.placement=colocated shares the trainer's)"
+        )

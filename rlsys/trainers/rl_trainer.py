@@ -1,0 +1,243 @@
+"""The RLVR loop, run by the driver (the single controller).
+
+One step, in data-flow order:
+  prompts -> RolloutGroup.generate -> rewards -> GRPO advantages
+  -> TrainGroup.compute_logprobs (old; reference if KL is on)
+  -> TrainGroup.update_policy (mini-batches x epochs) -> weight sync to the engines
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+from transformers import AutoTokenizer
+
+from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.rollout_group import RolloutGroup
+from rlsys.actors.train_worker import TrainWorkerSpec
+from rlsys.actors.worker_group import TrainGroup
+from rlsys.algorithms.grpo import grpo_advantages
+from rlsys.config.checks import check_rl_job
+from rlsys.config.schema import RewardConfig, RewardTerm, RLJobConfig
+from rlsys.data.batching import Batch, EpochSampler, collate_rollouts, per_token, split_rows
+from rlsys.data.files import DataError
+from rlsys.data.rl import Prompt, load_prompts
+from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.weight_sync import WeightSync
+from rlsys.rewards.runner import RewardInput, RewardRunner
+from rlsys.trainers.checkpoints import CheckpointDir
+from rlsys.trainers.run_dir import HF_MODEL_DIR, prepare_run_dir, write_summary
+from rlsys.tracking.tracker import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        yield
+        self.times[f"time/{phase}_s"] = time.perf_counter() - started
+
+
+class RLVRTrainer:
+    def __init__(self, cfg: RLJobConfig):
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.prompts, self.prompt_ids = self._load(cfg.data.train_files, 0)
+        self.val_prompts, self.val_ids = self._load(cfg.eval.files, cfg.eval.limit) if cfg.eval else ([], [])
+        try:
+            self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
+        except ValueError as err:
+            raise DataError(f"data.train_files: {err}") from None
+        ensure_ray(cfg.ray)
+        self.rewards = RewardRunner(cfg.reward)
+        if cfg.eval:
+            self.val_rewards = RewardRunner(RewardConfig(terms=[RewardTerm(name=cfg.eval.reward)],
+                                                         timeout_s=cfg.reward.timeout_s))
+        self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
+        self.train = TrainGroup(self._worker_spec(), cfg.ray, gpu_share=self._trainer_gpu_share())
+        self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
+                                    cfg.ray.cpus_per_worker * self.train.dims.world_size,
+                                    gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share())
+        self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb)
+        self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+
+    # -- one step -------------------------------------------------------------
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg, timer = self.cfg, PhaseTimer()
+        started = time.perf_counter()
+        indices = self.sampler.next_indices()
+        with timer("generate"):
+            self.rollout.call_all("wake_up")
+            samples = self.rollout.generate([(i, self.prompt_ids[i]) for i in indices], cfg.seed * 100_003 + step,
+                                            cfg.rollout.n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+            self.rollout.call_all("sleep")
+        with timer("reward"):
+            scored, reward_metrics = self.rewards.score([
+                RewardInput(self.prompts[s.prompt_index].data_source, s.text, self.prompts[s.prompt_index].ground_truth,
+                            self.prompts[s.prompt_index].extra_info) for s in samples])
+        rewards = torch.tensor([s.score for s in scored])
+        advantages = grpo_advantages(rewards, torch.tensor([s.prompt_index for s in samples]),
+                                     cfg.algorithm.norm_adv_by_std)
+        batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                 self.tokenizer.pad_token_id)
+        batch["advantages"] = per_token(advantages, batch)
+        with timer("old_logprob"):
+            batch["old_logprobs"] = self._logprobs(batch)
+        if cfg.algorithm.kl_coef > 0:
+            with timer("reference"):
+                batch["ref_logprobs"] = self._logprobs(batch, reference=True)
+        with timer("update"):
+            update_metrics = self._update(batch, group_size=cfg.rollout.n)
+        with timer("sync"):
+            sync_metrics = self.sync.run()
+        step_time = time.perf_counter() - started
+        response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        generated = float(response_lengths.sum())
+        return {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/accuracy": float(sum(s.terms.get(self.rewards.terms[0].label, 0.0) >= 1.0 for s in scored))
+            / len(scored),
+            **reward_metrics,
+            "response/length_mean": response_lengths.mean().item(),
+            "response/length_max": response_lengths.max().item(),
+            "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "rollout/logprob_abs_diff": _rollout_logprob_gap(samples, batch),
+            **update_metrics,
+            **sync_metrics,
+            **timer.times,
+            "time/step_s": step_time,
+            "throughput/generated_tokens_per_s": generated / timer.times["time/generate_s"],
+            "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / step_time,
+        }
+
+    def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
+        return torch.cat(self.train.run_data_parallel("compute_logprobs", batch, reference=reference))
+
+    def _update(self, batch: Batch, group_size: int) -> dict[str, float]:
+        """ppo_epochs passes over the batch in mini-batches of whole prompt groups."""
+        algo = self.cfg.algorithm
+        num_minis = self._mini_batches_per_step()
+        sums: dict[str, float] = {}
+        for _ in range(algo.ppo_epochs):
+            for mini in split_rows(batch, num_minis):
+                counts = {"tokens": int(mini["loss_mask"][:, 1:].sum()), "sequences": mini["input_ids"].shape[0]}
+                per_rank = self.train.run_data_parallel("update_policy", mini, counts=counts, algo=algo)
+                for name in per_rank[0]:
+                    value = per_rank[0][name] if name in ("actor/grad_norm", "actor/lr") else sum(
+                        r[name] for r in per_rank)
+                    sums[name] = sums.get(name, 0.0) + value / self.updates_per_step
+        return sums
+
+    # -- validation, checkpoints --------------------------------------------
+
+    def validate(self) -> dict[str, float]:
+        """Accuracy on the eval split (greedy by default), judged by eval.reward, generated by the engines."""
+        val = self.cfg.eval
+        self.rollout.call_all("wake_up")
+        samples = self.rollout.generate(list(enumerate(self.val_ids)), self.cfg.seed, 1, val.temperature,
+                                        val.max_new_tokens)
+        self.rollout.call_all("sleep")
+        scored, metrics = self.val_rewards.score([
+            RewardInput(self.val_prompts[s.prompt_index].data_source, s.text,
+                        self.val_prompts[s.prompt_index].ground_truth, self.val_prompts[s.prompt_index].extra_info)
+            for s in samples])
+        return {"val/accuracy": sum(s.score for s in scored) / len(scored), "val/reward_errors": metrics["reward/errors"]}
+
+    def save(self, step: int) -> None:
+        self.checkpoints.save(step, lambda path: self.train.run_all("save_checkpoint", path),
+                              {"sampler": self.sampler.state_dict()})
+
+    def resume(self) -> int:
+        path = self.checkpoints.latest() if self.cfg.train.resume else None
+        if path is None:
+            return 0
+        state = CheckpointDir.driver_state(path)
+        self.train.run_all("load_checkpoint", path)
+        self.sampler.load_state_dict(state["sampler"])
+        self.sync.run()  # the engines start from model.path; give them the resumed policy
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return int(state["step"])
+
+    def shutdown(self) -> None:
+        self.rollout.shutdown()
+        self.train.shutdown()
+
+    # -- set-up helpers ---------------------------------------------------------
+
+    def _load(self, files: list[str], limit: int) -> tuple[list[Prompt], list[list[int]]]:
+        prompts, _ = load_prompts(files, self.tokenizer, limit)
+        ids = [self.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+        return prompts, ids
+
+    def _mini_batches_per_step(self) -> int:
+        mini = self.cfg.algorithm.ppo_mini_batch_size
+        return self.cfg.train.prompts_per_step // mini if mini else 1
+
+    def _trainer_gpu_share(self) -> float:
+        """Colocated on GPU, trainer and engine split each rank's GPU (Ray fractional GPUs)."""
+        colocated = self.cfg.rollout.placement == "colocated"
+        return self.cfg.ray.gpus_per_worker / 2 if colocated else self.cfg.ray.gpus_per_worker
+
+    def _worker_spec(self) -> TrainWorkerSpec:
+        cfg = self.cfg
+        return TrainWorkerSpec(
+            model=cfg.model, optim=cfg.optim,
+            dims=ParallelDims(dp_replicate=cfg.parallel.dp_replicate, dp_shard=cfg.parallel.dp_shard),
+            micro_batch_size=cfg.train.micro_batch_size, total_steps=cfg.train.steps * self.updates_per_step,
+            seed=cfg.seed, num_threads=cfg.ray.cpus_per_worker, use_gpu=cfg.ray.gpus_per_worker > 0,
+            mixed_precision=cfg.parallel.mixed_precision, with_reference=cfg.algorithm.kl_coef > 0,
+        )
+
+
+def run_rlvr(cfg: RLJobConfig) -> dict:
+    check_rl_job(cfg)
+    started = time.time()
+    config_dict = prepare_run_dir(cfg, "rlvr")
+    trainer = RLVRTrainer(cfg)
+    summary: dict = {"stage": "rlvr", "steps": cfg.train.steps}
+    try:
+        start_step = trainer.resume()
+        tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, cfg.train.steps, start_step)
+        try:
+            if start_step == 0 and cfg.eval:
+                tracker.log(0, initial := trainer.validate())
+                summary["val_accuracy_before"] = initial["val/accuracy"]
+            for step in range(start_step + 1, cfg.train.steps + 1):
+                metrics = trainer.step(step)
+                last = step == cfg.train.steps
+                if cfg.eval and (last or (cfg.train.val_every and step % cfg.train.val_every == 0)):
+                    metrics.update(trainer.validate())
+                tracker.log(step, metrics)
+                if last or (cfg.train.save_every and step % cfg.train.save_every == 0):
+                    trainer.save(step)
+                summary.update(final_reward=metrics["reward/mean"], val_accuracy_after=metrics.get("val/accuracy"))
+        finally:
+            tracker.close()
+        hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
+        trainer.train.run_all("export_hf", hf_dir)
+    finally:
+        trainer.shutdown()
+    summary.update(hf_model=hf_dir, time_s=round(time.time() - started, 1))
+    write_summary(cfg.output_dir, summary)
+    return summary
+
+
+def _rollout_logprob_gap(samples, batch: Batch) -> float:
+    """Mean |trainer old log-prob - engine log-prob| over response tokens."""
+    gaps = []
+    for row, sample in enumerate(samples):
+        start = len(sample.prompt_ids)
+        trainer = batch["old_logprobs"][row, start:start + len(sample.response_ids)]
+        gaps.append((trainer - torch.tensor(sample.logprobs)).abs())
+    return torch.cat(gaps).mean().item() if gaps else 0.0

@@ -11,23 +11,21 @@ import pytest
 import torch
 import yaml
 
-from rlsys.actors.rollout_group import RolloutGroup
-from rlsys.actors.worker_group import TrainGroup
-from rlsys.config.loader import load_config
+from rlsys.config.loader import build_config, load_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import collate_rollouts
-from rlsys.parallel.weight_sync import WeightSync, plan_buckets
+from rlsys.parallel.weight_sync import plan_buckets
 from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
 
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
 
 
-@pytest.fixture
-def rl_config(tiny_model_dir, arith_files, tmp_path):
-    raw = {
-        "output_dir": str(tmp_path / "rl"),
-        "model": {"path": tiny_model_dir},
-        "data": {"train_files": [arith_files["rl_train"]]},
+def rl_raw(model_dir: str, files: dict[str, str], output_dir: str) -> dict:
+    """A small RLVR job on 2 FSDP2 ranks + 1 colocated engine, with a KL term and 2x2 updates per step."""
+    return {
+        "output_dir": output_dir,
+        "model": {"path": model_dir},
+        "data": {"train_files": [files["rl_train"]]},
         "rollout": {"n": 4, "max_new_tokens": 6, "engine_memory_gib": 0.1, "sync_bucket_mb": 0.05},
         "reward": {"terms": [{"name": "arith"}, {"path": FLAKY, "weight": 0.5}], "timeout_s": 2},
         "optim": {"lr": 1e-3},
@@ -36,10 +34,14 @@ def rl_config(tiny_model_dir, arith_files, tmp_path):
         "parallel": {"dp_shard": 2},
         "ray": {"include_dashboard": False},
         "tracking": {"backends": ["jsonl"]},
-        "eval": {"files": [arith_files["test"]], "limit": 8, "max_new_tokens": 6},
+        "eval": {"files": [files["test"]], "limit": 8, "max_new_tokens": 6},
     }
+
+
+@pytest.fixture
+def rl_config(tiny_model_dir, arith_files, tmp_path):
     path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(yaml.safe_dump(rl_raw(tiny_model_dir, arith_files, str(tmp_path / "rl"))))
     return lambda *overrides: load_config(RLJobConfig, str(path), list(overrides))
 
 
@@ -78,22 +80,9 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config):
 
 @pytest.fixture(scope="module")
 def straight_rl(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rl_straight")
-    raw = {
-        "output_dir": str(out / "run"),
-        "model": {"path": tiny_model_dir},
-        "data": {"train_files": [arith_files["rl_train"]]},
-        "rollout": {"n": 4, "max_new_tokens": 6, "engine_memory_gib": 0.1},
-        "reward": {"terms": [{"name": "arith"}, {"path": FLAKY, "weight": 0.5}], "timeout_s": 2},
-        "optim": {"lr": 1e-3},
-        "train": {"steps": 4, "prompts_per_step": 8, "micro_batch_size": 8, "save_every": 2, "val_every": 2},
-        "algorithm": {"kl_coef": 0.01, "ppo_mini_batch_size": 4, "ppo_epochs": 2},
-        "parallel": {"dp_shard": 2},
-        "ray": {"include_dashboard": False},
-        "tracking": {"backends": ["jsonl"]},
-        "eval": {"files": [arith_files["test"]], "limit": 8, "max_new_tokens": 6},
-    }
-    cfg = load_config(RLJobConfig, None, [f"{k}={json.dumps(v)}" for k, v in raw.items()])
+    """4 uninterrupted steps, checkpointing at steps 2 and 4."""
+    out = str(tmp_path_factory.mktemp("rl_straight") / "run")
+    cfg = build_config(RLJobConfig, rl_raw(tiny_model_dir, arith_files, out))
     return cfg, run_rlvr(cfg)
 
 
@@ -146,7 +135,7 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
         advantages = torch.tensor([1.0, -1.0] * 8)
         batch["advantages"] = advantages.unsqueeze(1) * batch["loss_mask"]
         batch["old_logprobs"] = trainer._logprobs(batch)
-        trainer._update(batch, group_size=2)
+        trainer._update(batch)
         change = ((trainer._logprobs(batch) - batch["old_logprobs"]) * batch["loss_mask"]).sum(1)
     finally:
         trainer.shutdown()

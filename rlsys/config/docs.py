@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from rlsys.config.schema import EvalJobConfig, TrainJobConfig
+from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 
-SCHEMAS = {"pretrain / sft": TrainJobConfig, "eval": EvalJobConfig}
+SCHEMAS = {"pretrain / sft": TrainJobConfig, "rlvr": RLJobConfig, "eval": EvalJobConfig}
 
 
 def config_rows(schema: type, prefix: str = "") -> list[tuple[str, str, str, str]]:

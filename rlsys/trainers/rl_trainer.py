@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.rollout_group import RolloutGroup
+from rlsys.actors.rollout_worker import Sample
 from rlsys.actors.train_worker import TrainWorkerSpec
 from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.grpo import grpo_advantages
@@ -82,9 +83,7 @@ class RLVRTrainer:
                                             cfg.rollout.n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
             self.rollout.call_all("sleep")
         with timer("reward"):
-            scored, reward_metrics = self.rewards.score([
-                RewardInput(self.prompts[s.prompt_index].data_source, s.text, self.prompts[s.prompt_index].ground_truth,
-                            self.prompts[s.prompt_index].extra_info) for s in samples])
+            scored, reward_metrics = self.rewards.score(_reward_inputs(samples, self.prompts))
         rewards = torch.tensor([s.score for s in scored])
         advantages = grpo_advantages(rewards, torch.tensor([s.prompt_index for s in samples]),
                                      cfg.algorithm.norm_adv_by_std)
@@ -97,34 +96,26 @@ class RLVRTrainer:
             with timer("reference"):
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
         with timer("update"):
-            update_metrics = self._update(batch, group_size=cfg.rollout.n)
+            update_metrics = self._update(batch)
         with timer("sync"):
             sync_metrics = self.sync.run()
-        step_time = time.perf_counter() - started
-        response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-        generated = float(response_lengths.sum())
+        timer.times["time/step_s"] = time.perf_counter() - started
+        verifier = self.rewards.terms[0].label
         return {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "reward/accuracy": float(sum(s.terms.get(self.rewards.terms[0].label, 0.0) >= 1.0 for s in scored))
-            / len(scored),
+            "reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored),
             **reward_metrics,
-            "response/length_mean": response_lengths.mean().item(),
-            "response/length_max": response_lengths.max().item(),
-            "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "rollout/logprob_abs_diff": _rollout_logprob_gap(samples, batch),
+            **_sample_metrics(samples, batch, timer.times),
             **update_metrics,
             **sync_metrics,
             **timer.times,
-            "time/step_s": step_time,
-            "throughput/generated_tokens_per_s": generated / timer.times["time/generate_s"],
-            "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / step_time,
         }
 
     def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         return torch.cat(self.train.run_data_parallel("compute_logprobs", batch, reference=reference))
 
-    def _update(self, batch: Batch, group_size: int) -> dict[str, float]:
+    def _update(self, batch: Batch) -> dict[str, float]:
         """ppo_epochs passes over the batch in mini-batches of whole prompt groups."""
         algo = self.cfg.algorithm
         num_minis = self._mini_batches_per_step()
@@ -148,10 +139,7 @@ class RLVRTrainer:
         samples = self.rollout.generate(list(enumerate(self.val_ids)), self.cfg.seed, 1, val.temperature,
                                         val.max_new_tokens)
         self.rollout.call_all("sleep")
-        scored, metrics = self.val_rewards.score([
-            RewardInput(self.val_prompts[s.prompt_index].data_source, s.text,
-                        self.val_prompts[s.prompt_index].ground_truth, self.val_prompts[s.prompt_index].extra_info)
-            for s in samples])
+        scored, metrics = self.val_rewards.score(_reward_inputs(samples, self.val_prompts))
         return {"val/accuracy": sum(s.score for s in scored) / len(scored), "val/reward_errors": metrics["reward/errors"]}
 
     def save(self, step: int) -> None:
@@ -233,7 +221,24 @@ def run_rlvr(cfg: RLJobConfig) -> dict:
     return summary
 
 
-def _rollout_logprob_gap(samples, batch: Batch) -> float:
+def _reward_inputs(samples: list[Sample], prompts: list[Prompt]) -> list[RewardInput]:
+    return [RewardInput(prompts[s.prompt_index].data_source, s.text, prompts[s.prompt_index].ground_truth,
+                        prompts[s.prompt_index].extra_info) for s in samples]
+
+
+def _sample_metrics(samples: list[Sample], batch: Batch, times: dict[str, float]) -> dict[str, float]:
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    return {
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/logprob_abs_diff": _rollout_logprob_gap(samples, batch),
+        "throughput/generated_tokens_per_s": lengths.sum().item() / times["time/generate_s"],
+        "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["time/step_s"],
+    }
+
+
+def _rollout_logprob_gap(samples: list[Sample], batch: Batch) -> float:
     """Mean |trainer old log-prob - engine log-prob| over response tokens."""
     gaps = []
     for row, sample in enumerate(samples):

@@ -83,7 +83,7 @@ def main() -> None:
 
     rows, prompts = rlsys_steps(cfg)
     measured = rows[1:] or rows
-    mean = {k: statistics.mean(r[k] for r in measured) for k in measured[0] if isinstance(measured[0][k], float)}
+    mean = {k: statistics.mean(r[k] for r in measured) for k, v in measured[0].items() if isinstance(v, (int, float))}
     bare = bare_vllm_tokens_per_s(cfg, prompts, repeats=3)
 
     print(f"\nRLVR benchmark: {args.prompts} prompts x n={args.n}, <= {args.max_new_tokens} new tokens, "

@@ -10,7 +10,8 @@ from rlsys.config.loader import ConfigError
 from rlsys.config.schema import RayConfig
 
 # Run-time environment of every actor: no hub access, quiet tokenizers.
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+              "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def ensure_ray(cfg: RayConfig) -> None:

@@ -177,7 +177,7 @@ class RewardConfig:
     timeout_s: float = Field(default=10.0, gt=0)
     """Per-call time limit; a call past it scores 0 and counts in reward/errors."""
     num_workers: int = Field(default=2, gt=0)
-    """Parallel reward tasks (Ray tasks off the driver)."""
+    """Reward actors scoring in parallel, off the driver."""
 
 
 @dataclass(config=STRICT)

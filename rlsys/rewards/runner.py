@@ -1,4 +1,4 @@
-"""Score responses off the driver, in parallel Ray tasks, with a time limit per call.
+"""Score responses off the driver, in a pool of Ray actors, with a time limit per call.
 
 A call that raises, runs past `timeout_s` or returns NaN scores 0 for that
 term, is counted in `reward/errors`, and the first such traceback is logged
@@ -54,25 +54,41 @@ class RewardRunner:
         self.cfg = cfg
         self.terms = [_Term(term_label(t), resolve_term(t, f"reward.terms[{i}]"), t.weight, t.batched)
                       for i, t in enumerate(cfg.terms)]
-        self._terms_ref = None
+        self._workers: list = []
         self._logged_failure = False
 
     def score(self, items: list[RewardInput]) -> tuple[list[ScoredSample], dict[str, float]]:
-        if self._terms_ref is None:
-            self._terms_ref = ray.put(self.terms)
-        chunks = [items[i::self.cfg.num_workers] for i in range(self.cfg.num_workers)]
-        refs = [_score_chunk.remote(self._terms_ref, chunk, self.cfg.timeout_s) for chunk in chunks if chunk]
-        # Backstop for a call the in-task alarm cannot interrupt (e.g. stuck in C code).
+        """Scores in the order of `items`, and this batch's reward metrics."""
+        workers = self._pool()
+        chunks = [items[i::len(workers)] for i in range(len(workers))]
+        refs = [w.score.remote(chunk, self.cfg.timeout_s) for w, chunk in zip(workers, chunks)]
+        # Backstop for a call the in-actor alarm cannot interrupt (e.g. stuck in C code).
         limit = self.cfg.timeout_s * (len(self.terms) * max(map(len, chunks)) + 1) + 30
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=limit)
-        for ref in pending:
-            ray.cancel(ref, force=True)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
         scored: list[ScoredSample] = [None] * len(items)
-        for worker, ref in enumerate(refs):
-            results = ray.get(ref) if ref in done else [_all_failed(self.terms, "reward task timed out")] * len(
-                chunks[worker])
-            scored[worker::self.cfg.num_workers] = results
+        for index, ref in enumerate(refs):
+            if ref in done:
+                results = ray.get(ref)
+            else:
+                results = [_all_failed(self.terms, "reward worker timed out")] * len(chunks[index])
+                self._replace_worker(index)
+            scored[index::len(workers)] = results
         return scored, self._metrics(scored)
+
+    def _pool(self) -> list:
+        """Long-lived reward actors (no CPU reserved: they run between the trainer's phases)."""
+        if not self._workers:
+            self._workers = [_RewardWorker.remote(self.terms) for _ in range(self.cfg.num_workers)]
+        return self._workers
+
+    def _replace_worker(self, index: int) -> None:
+        ray.kill(self._workers[index])
+        self._workers[index] = _RewardWorker.remote(self.terms)
+
+    def shutdown(self) -> None:
+        for worker in self._workers:
+            ray.kill(worker)
+        self._workers = []
 
     def _metrics(self, scored: list[ScoredSample]) -> dict[str, float]:
         errors = [e for s in scored for e in s.errors]
@@ -88,6 +104,14 @@ class RewardRunner:
 
 
 @ray.remote(num_cpus=0)
+class _RewardWorker:
+    def __init__(self, terms: list[_Term]):
+        self.terms = terms
+
+    def score(self, items: list[RewardInput], timeout_s: float) -> list[ScoredSample]:
+        return _score_chunk(self.terms, items, timeout_s)
+
+
 def _score_chunk(terms: list[_Term], items: list[RewardInput], timeout_s: float) -> list[ScoredSample]:
     scored = [ScoredSample() for _ in items]
     for term in terms:

@@ -158,6 +158,9 @@ class RLVRTrainer:
         return int(state["step"])
 
     def shutdown(self) -> None:
+        self.rewards.shutdown()
+        if self.cfg.eval:
+            self.val_rewards.shutdown()
         self.rollout.shutdown()
         self.train.shutdown()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import pytest
 from rlsys.config.loader import ConfigError
 from rlsys.config.schema import TrainJobConfig
 from rlsys.run import main
+
+RL_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "arith" / "rlvr.yaml")
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
@@ -47,6 +50,23 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
     bad.write_text("train: [unclosed\n")
     code, err = run_cli(capsys, "pretrain", "--config", str(bad))
     assert code == 2 and "not valid YAML at line" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("eval.reward=nope", "eval.reward: unknown reward 'nope'"),
+        ("algorithm.ppo_mini_batch_size=3", "algorithm.ppo_mini_batch_size: 3 does not divide train.prompts_per_step"),
+        ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size: > 1 needs GPUs"),
+        ("algorithm.kl_estimator=k4", "algorithm.kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
+        ("reward.terms=[{weight: 1.0}]", "reward.terms[0]: give a registered name or a path"),
+    ],
+)
+def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, override, expected):
+    code, err = run_cli(capsys, "rlvr", "--config", RL_CONFIG, f"model.path={tiny_model_dir}",
+                        f"data.train_files=[{arith_files['rl_train']}]", f"eval.files=[{arith_files['test']}]",
+                        override)
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
 
 
 def test_valid_config_types_and_defaults(sft_config):

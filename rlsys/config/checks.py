@@ -40,7 +40,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         if not term.name and not term.path:
             raise ConfigError(f"reward.terms[{i}]: give a registered name or a path")
     if cfg.eval is not None:
-        _check_files(cfg.eval.files, "eval.files")
+        _check_eval(cfg.eval)
 
 
 def check_eval_job(cfg: EvalJobConfig) -> None:

@@ -6,12 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.lm_loss import masked_nll_sum, token_logprobs
 from rlsys.config.schema import DataConfig
 from rlsys.data.batching import collate, num_targets
 from rlsys.data.examples import load_sft_examples
-from rlsys.trainers.lm_trainer import worker_spec
 
 
 def reference_gradients(model_dir: str, batch) -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def test_fsdp2_gradients_match_single_process(ray_cluster, sft_config, tiny_mode
     batch = collate(examples[:12], tokenizer.pad_token_id)  # 3 micro-batches of varying length per rank
     expected = reference_gradients(tiny_model_dir, batch)
 
-    group = TrainGroup(worker_spec(cfg), cfg.ray)
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         group.run_data_parallel("forward_backward", batch, num_global_targets=num_targets(batch))
         got = group.run_all("full_gradients")

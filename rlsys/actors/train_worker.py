@@ -50,6 +50,22 @@ class TrainWorkerSpec:
     """Also hold a frozen copy of the initial policy (for a KL penalty)."""
 
 
+def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_reference: bool = False) -> TrainWorkerSpec:
+    """The spec of a job config with model, optim, parallel, ray and seed sections (pretrain/SFT/RLVR)."""
+    return TrainWorkerSpec(
+        model=cfg.model,
+        optim=cfg.optim,
+        dims=ParallelDims(dp_replicate=cfg.parallel.dp_replicate, dp_shard=cfg.parallel.dp_shard),
+        micro_batch_size=micro_batch_size,
+        total_steps=total_steps,
+        seed=cfg.seed,
+        num_threads=cfg.ray.cpus_per_worker,
+        use_gpu=cfg.ray.gpus_per_worker > 0,
+        mixed_precision=cfg.parallel.mixed_precision,
+        with_reference=with_reference,
+    )
+
+
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine decay to min_ratio at total_steps."""
     if step < warmup_steps:
@@ -106,7 +122,7 @@ class TrainWorker:
         self.model.train()
         total = 0.0
         for micro in micro_batches(shard, self.spec.micro_batch_size):
-            micro = {k: v.to(self.device) for k, v in micro.items()}
+            micro = self._to_device(micro)
             logprobs = token_logprobs(self.model, micro["input_ids"], micro["attention_mask"])
             loss = masked_nll_sum(logprobs, micro["loss_mask"]) / num_global_targets
             loss.backward()
@@ -129,7 +145,7 @@ class TrainWorker:
         row = 0
         with torch.no_grad():
             for micro in micro_batches(shard, self.spec.micro_batch_size):
-                micro = {k: v.to(self.device) for k, v in micro.items()}
+                micro = self._to_device(micro)
                 logprobs = token_logprobs(model, micro["input_ids"], micro["attention_mask"])
                 rows, length = logprobs.shape
                 out[row:row + rows, 1:length + 1] = logprobs.cpu()
@@ -144,7 +160,7 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("actor/pg_loss", "actor/clip_frac", "actor/entropy", "actor/kl"), 0.0)
         for micro in micro_batches(shard, self.spec.micro_batch_size):
-            micro = {k: v.to(self.device) for k, v in micro.items()}
+            micro = self._to_device(micro)
             for name, value in policy_step(self.model, micro, counts, algo).items():
                 sums[name] += value
         sums["actor/grad_norm"] = self._clip_gradients()
@@ -171,6 +187,9 @@ class TrainWorker:
         params = dict(self.model.named_parameters())
         full = {name: params[name].full_tensor().detach().cpu() for name in names}
         return full if self.rank == 0 else None
+
+    def _to_device(self, micro: Batch) -> Batch:
+        return {k: v.to(self.device) for k, v in micro.items()}
 
     def _clip_gradients(self) -> float:
         max_norm = self.spec.optim.max_grad_norm or float("inf")

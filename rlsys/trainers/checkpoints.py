@@ -8,10 +8,13 @@ never leaves a checkpoint that looks complete.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 DRIVER_STATE = "trainer_state.json"
@@ -54,3 +57,25 @@ class CheckpointDir:
     def _prune(self) -> None:
         for step in self._complete_steps()[: -self.keep_last]:
             shutil.rmtree(os.path.join(self.root, f"step_{step:06d}"), ignore_errors=True)
+
+
+def save_due(step: int, total_steps: int, save_every: int) -> bool:
+    return step == total_steps or bool(save_every and step % save_every == 0)
+
+
+def save_training_state(checkpoints: CheckpointDir, step: int, group, sampler) -> str:
+    """Every rank's model/optimizer/scheduler/RNG, and the driver's data position."""
+    return checkpoints.save(step, lambda path: group.run_all("save_checkpoint", path),
+                            {"sampler": sampler.state_dict()})
+
+
+def restore_training_state(checkpoints: CheckpointDir, group, sampler) -> int:
+    """Load the newest complete checkpoint into `group` and `sampler`; its step, or 0 when there is none."""
+    path = checkpoints.latest()
+    if path is None:
+        return 0
+    state = CheckpointDir.driver_state(path)
+    group.run_all("load_checkpoint", path)
+    sampler.load_state_dict(state["sampler"])
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])

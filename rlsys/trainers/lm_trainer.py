@@ -15,15 +15,14 @@ from typing import Literal
 from transformers import AutoTokenizer
 
 from rlsys.actors.cluster import ensure_ray
-from rlsys.actors.train_worker import TrainWorkerSpec
+from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
 from rlsys.config.checks import check_train_job
 from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
 from rlsys.data.files import DataError
-from rlsys.parallel.dims import ParallelDims
-from rlsys.trainers.checkpoints import CheckpointDir
+from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
 from rlsys.trainers.run_dir import HF_MODEL_DIR, prepare_run_dir, write_summary
 from rlsys.tracking.tracker import Tracker
 
@@ -45,19 +44,18 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
 
     ensure_ray(cfg.ray)
-    group = TrainGroup(worker_spec(cfg), cfg.ray)
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-        start_step = _resume(group, checkpoints, sampler) if cfg.train.resume else 0
+        start_step = restore_training_state(checkpoints, group, sampler) if cfg.train.resume else 0
         tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, cfg.train.steps, start_step, cfg.train.log_every)
         last = {}
         try:
             for step in range(start_step + 1, cfg.train.steps + 1):
                 last = train_step(group, examples, sampler, tokenizer.pad_token_id)
                 tracker.log(step, last)
-                if step == cfg.train.steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
-                    checkpoints.save(step, lambda path: group.run_all("save_checkpoint", path),
-                                     {"sampler": sampler.state_dict()})
+                if save_due(step, cfg.train.steps, cfg.train.save_every):
+                    save_training_state(checkpoints, step, group, sampler)
         finally:
             tracker.close()
         hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
@@ -76,20 +74,6 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     return summary
 
 
-def worker_spec(cfg: TrainJobConfig) -> TrainWorkerSpec:
-    return TrainWorkerSpec(
-        model=cfg.model,
-        optim=cfg.optim,
-        dims=ParallelDims(dp_replicate=cfg.parallel.dp_replicate, dp_shard=cfg.parallel.dp_shard),
-        micro_batch_size=cfg.train.micro_batch_size,
-        total_steps=cfg.train.steps,
-        seed=cfg.seed,
-        num_threads=cfg.ray.cpus_per_worker,
-        use_gpu=cfg.ray.gpus_per_worker > 0,
-        mixed_precision=cfg.parallel.mixed_precision,
-    )
-
-
 def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler, pad_id: int) -> dict:
     started = time.perf_counter()
     batch = collate([examples[i] for i in sampler.next_indices()], pad_id)
@@ -104,15 +88,3 @@ def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed,
     }
-
-
-def _resume(group: TrainGroup, checkpoints: CheckpointDir, sampler: EpochSampler) -> int:
-    path = checkpoints.latest()
-    if path is None:
-        return 0
-    state = CheckpointDir.driver_state(path)
-    group.run_all("load_checkpoint", path)
-    sampler.load_state_dict(state["sampler"])
-    log.info("resumed from %s (step %d)", path, state["step"])
-    return int(state["step"])
-

@@ -19,18 +19,17 @@ from transformers import AutoTokenizer
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.rollout_worker import Sample
-from rlsys.actors.train_worker import TrainWorkerSpec
+from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.grpo import grpo_advantages
 from rlsys.config.checks import check_rl_job
 from rlsys.config.schema import RewardConfig, RewardTerm, RLJobConfig
-from rlsys.data.batching import Batch, EpochSampler, collate_rollouts, per_token, split_rows
+from rlsys.data.batching import Batch, EpochSampler, collate_rollouts, num_targets, per_token, split_rows
 from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts
-from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.weight_sync import WeightSync
 from rlsys.rewards.runner import RewardInput, RewardRunner
-from rlsys.trainers.checkpoints import CheckpointDir
+from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
 from rlsys.trainers.run_dir import HF_MODEL_DIR, prepare_run_dir, write_summary
 from rlsys.tracking.tracker import Tracker
 
@@ -64,7 +63,9 @@ class RLVRTrainer:
             self.val_rewards = RewardRunner(RewardConfig(terms=[RewardTerm(name=cfg.eval.reward)],
                                                          timeout_s=cfg.reward.timeout_s))
         self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
-        self.train = TrainGroup(self._worker_spec(), cfg.ray, gpu_share=self._trainer_gpu_share())
+        spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
+                                 with_reference=cfg.algorithm.kl_coef > 0)
+        self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
         self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
                                     cfg.ray.cpus_per_worker * self.train.dims.world_size,
                                     gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share())
@@ -122,7 +123,7 @@ class RLVRTrainer:
         sums: dict[str, float] = {}
         for _ in range(algo.ppo_epochs):
             for mini in split_rows(batch, num_minis):
-                counts = {"tokens": int(mini["loss_mask"][:, 1:].sum()), "sequences": mini["input_ids"].shape[0]}
+                counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0]}
                 per_rank = self.train.run_data_parallel("update_policy", mini, counts=counts, algo=algo)
                 for name in per_rank[0]:
                     value = per_rank[0][name] if name in ("actor/grad_norm", "actor/lr") else sum(
@@ -143,19 +144,13 @@ class RLVRTrainer:
         return {"val/accuracy": sum(s.score for s in scored) / len(scored), "val/reward_errors": metrics["reward/errors"]}
 
     def save(self, step: int) -> None:
-        self.checkpoints.save(step, lambda path: self.train.run_all("save_checkpoint", path),
-                              {"sampler": self.sampler.state_dict()})
+        save_training_state(self.checkpoints, step, self.train, self.sampler)
 
     def resume(self) -> int:
-        path = self.checkpoints.latest() if self.cfg.train.resume else None
-        if path is None:
-            return 0
-        state = CheckpointDir.driver_state(path)
-        self.train.run_all("load_checkpoint", path)
-        self.sampler.load_state_dict(state["sampler"])
-        self.sync.run()  # the engines start from model.path; give them the resumed policy
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return int(state["step"])
+        step = restore_training_state(self.checkpoints, self.train, self.sampler) if self.cfg.train.resume else 0
+        if step:
+            self.sync.run()  # the engines start from model.path; give them the resumed policy
+        return step
 
     def shutdown(self) -> None:
         self.rewards.shutdown()
@@ -180,15 +175,6 @@ class RLVRTrainer:
         colocated = self.cfg.rollout.placement == "colocated"
         return self.cfg.ray.gpus_per_worker / 2 if colocated else self.cfg.ray.gpus_per_worker
 
-    def _worker_spec(self) -> TrainWorkerSpec:
-        cfg = self.cfg
-        return TrainWorkerSpec(
-            model=cfg.model, optim=cfg.optim,
-            dims=ParallelDims(dp_replicate=cfg.parallel.dp_replicate, dp_shard=cfg.parallel.dp_shard),
-            micro_batch_size=cfg.train.micro_batch_size, total_steps=cfg.train.steps * self.updates_per_step,
-            seed=cfg.seed, num_threads=cfg.ray.cpus_per_worker, use_gpu=cfg.ray.gpus_per_worker > 0,
-            mixed_precision=cfg.parallel.mixed_precision, with_reference=cfg.algorithm.kl_coef > 0,
-        )
 
 
 def run_rlvr(cfg: RLJobConfig) -> dict:
@@ -210,7 +196,7 @@ def run_rlvr(cfg: RLJobConfig) -> dict:
                 if cfg.eval and (last or (cfg.train.val_every and step % cfg.train.val_every == 0)):
                     metrics.update(trainer.validate())
                 tracker.log(step, metrics)
-                if last or (cfg.train.save_every and step % cfg.train.save_every == 0):
+                if save_due(step, cfg.train.steps, cfg.train.save_every):
                     trainer.save(step)
                 summary.update(final_reward=metrics["reward/mean"], val_accuracy_after=metrics.get("val/accuracy"))
         finally:

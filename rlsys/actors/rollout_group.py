@@ -6,9 +6,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlsys.actors.cluster import actor_name, check_resources, kill_named, wait_placed
 from rlsys.actors.rollout_worker import RolloutWorker, Sample
-from rlsys.config.loader import ConfigError
 from rlsys.config.schema import RolloutConfig
+from rlsys.tracking.phases import call
 
 
 class RolloutGroup:
@@ -23,17 +24,18 @@ class RolloutGroup:
             bundles = len(train_placement.bundle_specs)
             threads = max(1, int(train_cpus) // cfg.num_engines)
         else:
-            _check_separate_resources(cfg)
             gpus = cfg.gpus_per_engine * cfg.tensor_parallel_size
+            check_resources(cfg.num_engines, cfg.cpus_per_engine, gpus, "rollout.cpus_per_engine")
             bundle = {"CPU": cfg.cpus_per_engine, **({"GPU": gpus} if gpus else {})}
             placement = self.own_placement = placement_group([bundle] * cfg.num_engines, strategy="PACK")
-            ray.get(placement.ready())
+            wait_placed(placement, f"rollout engines ({cfg.num_engines} x {bundle})")
             num_cpus, num_gpus, bundles = cfg.cpus_per_engine, gpus, cfg.num_engines
             threads = max(1, int(cfg.cpus_per_engine))
         actor_cls = ray.remote(RolloutWorker)
+        self.names = [actor_name("rollout", i) for i in range(cfg.num_engines)]
         self.engines = [
             actor_cls.options(
-                num_cpus=num_cpus, num_gpus=num_gpus,
+                name=self.names[i], num_cpus=num_cpus, num_gpus=num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i % bundles),
             ).remote(model_path, cfg, seed + i, threads)
             for i in range(cfg.num_engines)
@@ -45,28 +47,17 @@ class RolloutGroup:
         """Split the prompts across engines (contiguous shares) and return samples in prompt order."""
         share = -(-len(prompts) // len(self.engines))
         refs = [
-            engine.generate.remote(prompts[i * share:(i + 1) * share], n, temperature, self.cfg.top_p,
-                                   max_new_tokens, seed)
+            call(engine.generate, prompts[i * share:(i + 1) * share], n, temperature, self.cfg.top_p,
+                 max_new_tokens, seed)
             for i, engine in enumerate(self.engines) if prompts[i * share:(i + 1) * share]
         ]
         return [sample for samples in ray.get(refs) for sample in samples]
 
     def call_all(self, method: str) -> list:
-        return ray.get([getattr(engine, method).remote() for engine in self.engines])
+        return ray.get([call(getattr(engine, method)) for engine in self.engines])
 
     def shutdown(self) -> None:
-        for engine in self.engines:
-            ray.kill(engine)
+        kill_named(self.engines, self.names)
         if self.own_placement is not None:
             remove_placement_group(self.own_placement)
 
-
-def _check_separate_resources(cfg: RolloutConfig) -> None:
-    available = ray.cluster_resources()
-    need = cfg.num_engines * cfg.cpus_per_engine
-    if need > available.get("CPU", 0):
-        raise ConfigError(
-            f"rollout.cpus_per_engine: {cfg.num_engines} engines x {cfg.cpus_per_engine:g} CPUs = {need:g} CPUs, "
-            f"but the Ray cluster has {available.get('CPU', 0):g} (placement=separate needs its own; "
-            "rollout.placement=colocated shares the trainer's)"
-        )

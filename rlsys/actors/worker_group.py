@@ -9,10 +9,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import check_resources
+from rlsys.actors.cluster import actor_name, check_resources, kill_named, wait_placed
 from rlsys.actors.train_worker import TrainWorker, TrainWorkerSpec
 from rlsys.config.schema import RayConfig
 from rlsys.data.batching import Batch, split_rows
+from rlsys.tracking.phases import call
 
 
 class TrainGroup:
@@ -20,14 +21,16 @@ class TrainGroup:
         """`gpu_share`: GPUs each rank's actor takes of its bundle (default all of
         ray.gpus_per_worker; less when a colocated rollout engine takes the rest)."""
         world_size = spec.dims.world_size
-        check_resources(world_size, ray_cfg)
+        check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
         self.placement = placement_group([bundle] * world_size, strategy="PACK")
-        ray.get(self.placement.ready())
+        wait_placed(self.placement, f"training group ({world_size} x {bundle})")
         actor_cls = ray.remote(TrainWorker)
         self.dims = spec.dims
+        self.names = [actor_name("train", rank) for rank in range(world_size)]
         self.workers = [
             actor_cls.options(
+                name=self.names[rank],
                 num_cpus=ray_cfg.cpus_per_worker,
                 num_gpus=(ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
@@ -39,12 +42,12 @@ class TrainGroup:
 
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Call `method` with the same arguments on every rank; results by rank."""
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return ray.get([call(getattr(w, method), *args, **kwargs) for w in self.workers])
 
     def run_data_parallel(self, method: str, batch: Batch, **kwargs: Any) -> list:
         """Split `batch` by rows across data-parallel ranks and call `method` on each rank's share."""
         shards = split_rows(batch, self.dims.dp_size)
-        refs = [getattr(w, method).remote(shards[self.dims.dp_rank(rank)], **kwargs)
+        refs = [call(getattr(w, method), shards[self.dims.dp_rank(rank)], **kwargs)
                 for rank, w in enumerate(self.workers)]
         return ray.get(refs)
 
@@ -52,6 +55,5 @@ class TrainGroup:
         try:
             self.run_all("shutdown")
         finally:
-            for worker in self.workers:
-                ray.kill(worker)
+            kill_named(self.workers, self.names)
             remove_placement_group(self.placement)

@@ -15,6 +15,8 @@ import time
 
 import ray
 
+from rlsys.tracking.phases import call
+
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")
 
 
@@ -48,9 +50,9 @@ class WeightSync:
     def run(self) -> dict[str, float]:
         started = time.perf_counter()
         for names in self.buckets:
-            refs = [w.gather_bucket.remote(names) for w in self.train_group.workers]
+            refs = [call(w.gather_bucket, names) for w in self.train_group.workers]
             ray.get(refs[1:])
-            ray.get([engine.load_weights.remote(refs[0]) for engine in self.rollout_group.engines])
-        ray.get([engine.finish_sync.remote() for engine in self.rollout_group.engines])
+            ray.get([call(engine.load_weights, refs[0]) for engine in self.rollout_group.engines])
+        ray.get([call(engine.finish_sync) for engine in self.rollout_group.engines])
         return {"sync/time_s": time.perf_counter() - started, "sync/buckets": len(self.buckets),
                 "sync/mb": self.total_bytes / 2**20}

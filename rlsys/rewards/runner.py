@@ -17,8 +17,10 @@ from typing import Any, NamedTuple
 
 import ray
 
+from rlsys.actors.cluster import actor_name, kill_named
 from rlsys.config.schema import RewardConfig
 from rlsys.rewards.loading import resolve_term, term_label
+from rlsys.tracking.phases import call
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,10 @@ class RewardTimeout(Exception):
 
 
 class RewardRunner:
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, role: str = "reward"):
+        """`role` names the actors in the dashboard (rlsys/<role>/<i>)."""
         self.cfg = cfg
+        self.names = [actor_name(role, i) for i in range(cfg.num_workers)]
         self.terms = [_Term(term_label(t), resolve_term(t, f"reward.terms[{i}]"), t.weight, t.batched)
                       for i, t in enumerate(cfg.terms)]
         self._workers: list = []
@@ -61,7 +65,7 @@ class RewardRunner:
         """Scores in the order of `items`, and this batch's reward metrics."""
         workers = self._pool()
         chunks = [items[i::len(workers)] for i in range(len(workers))]
-        refs = [w.score.remote(chunk, self.cfg.timeout_s) for w, chunk in zip(workers, chunks)]
+        refs = [call(w.score, chunk, self.cfg.timeout_s) for w, chunk in zip(workers, chunks)]
         # Backstop for a call the in-actor alarm cannot interrupt (e.g. stuck in C code).
         limit = self.cfg.timeout_s * (len(self.terms) * max(map(len, chunks)) + 1) + 30
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
@@ -78,16 +82,19 @@ class RewardRunner:
     def _pool(self) -> list:
         """Long-lived reward actors (no CPU reserved: they run between the trainer's phases)."""
         if not self._workers:
-            self._workers = [_RewardWorker.remote(self.terms) for _ in range(self.cfg.num_workers)]
+            self._workers = [self._start_worker(i) for i in range(self.cfg.num_workers)]
         return self._workers
 
+    def _start_worker(self, index: int):
+        return _RewardWorker.options(name=self.names[index]).remote(self.terms)
+
     def _replace_worker(self, index: int) -> None:
-        ray.kill(self._workers[index])
-        self._workers[index] = _RewardWorker.remote(self.terms)
+        kill_named([self._workers[index]], [self.names[index]])
+        self._workers[index] = self._start_worker(index)
 
     def shutdown(self) -> None:
-        for worker in self._workers:
-            ray.kill(worker)
+        if self._workers:
+            kill_named(self._workers, self.names)
         self._workers = []
 
     def _metrics(self, scored: list[ScoredSample]) -> dict[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 from transformers import AutoTokenizer
 
@@ -17,15 +18,19 @@ from rlsys.config.schema import EvalConfig, EvalJobConfig
 from rlsys.data.rl import load_prompts
 from rlsys.rewards import get_reward, score_of
 from rlsys.rollout.vllm_engine import create_llm
-from rlsys.trainers.run_dir import prepare_run_dir
+from rlsys.trainers.run_dir import prepare_run_dir, write_summary
 
 log = logging.getLogger(__name__)
 
 
 def run_eval(cfg: EvalJobConfig) -> dict:
     check_eval_job(cfg)
+    started = time.time()
     prepare_run_dir(cfg, "eval")
-    return evaluate_model(cfg.model.path, cfg.eval, cfg.output_dir, cfg.seed)
+    summary = evaluate_model(cfg.model.path, cfg.eval, cfg.output_dir, cfg.seed)
+    summary = {"stage": "eval", **summary, "time_s": round(time.time() - started, 1)}
+    write_summary(cfg.output_dir, summary)
+    return summary
 
 
 def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: str, seed: int = 0) -> dict:

@@ -1,6 +1,8 @@
 """Per-step metrics to every configured backend under the same names.
 
-metrics.jsonl always gets one JSON object per step, with `step`.
+metrics.jsonl always gets one JSON object per step, with `step`; console,
+wandb, tensorboard, mlflow and Ray's metrics (for the dashboard and
+Prometheus) are chosen in `tracking.backends`.
 """
 
 from __future__ import annotations
@@ -9,65 +11,184 @@ import hashlib
 import json
 import math
 import os
+import re
+import time
 from typing import Any
 
 from tqdm import tqdm
 
 from rlsys.config.schema import TrackingConfig
 
+Metrics = dict[str, float]
+
 
 class Tracker:
     def __init__(self, cfg: TrackingConfig, output_dir: str, config: dict, total_steps: int, start_step: int = 0,
                  log_every: int = 1):
-        self.log_every = log_every
         run_name = cfg.run_name or os.path.basename(os.path.abspath(output_dir))
-        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
-        self._bar = None
-        if "console" in cfg.backends:
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True)
-        self._wandb = self._tensorboard = None
-        if "wandb" in cfg.backends:
-            import wandb
-
-            self._wandb = wandb.init(project=cfg.project, name=run_name, dir=output_dir, mode=cfg.wandb_mode,
-                                     config=config, resume="allow", id=_wandb_id(output_dir))
-        if "tensorboard" in cfg.backends:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        self.backends: list = [JsonlBackend(output_dir)]
+        for name in dict.fromkeys(cfg.backends):
+            if name == "console":
+                self.backends.append(ConsoleBackend(run_name, total_steps, start_step, log_every))
+            elif name == "wandb":
+                self.backends.append(WandbBackend(cfg, run_name, output_dir, config))
+            elif name == "tensorboard":
+                self.backends.append(TensorboardBackend(output_dir))
+            elif name == "mlflow":
+                self.backends.append(MlflowBackend(cfg, run_name, output_dir, config))
+            elif name == "ray":
+                self.backends.append(RayMetricsBackend(run_name))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
-        if self._tensorboard is not None:
-            for name, value in metrics.items():
-                self._tensorboard.add_scalar(name, value, step)
-        if self._bar is not None:
-            self._bar.update(step - self._bar.n)
-            if step % self.log_every == 0:
-                self._bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items() if k in _BAR_KEYS})
+        finite = {name: _plain(value) for name, value in metrics.items()}
+        for backend in self.backends:
+            backend.log(step, finite)
 
     def close(self) -> None:
-        self._jsonl.close()
-        if self._bar is not None:
-            self._bar.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for backend in self.backends:
+            backend.close()
 
 
-_BAR_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "reward/mean", "accuracy")
+class JsonlBackend:
+    def __init__(self, output_dir: str):
+        self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
-def _plain(value: Any) -> Any:
+class ConsoleBackend:
+    _KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "reward/mean", "val/accuracy")
+
+    def __init__(self, run_name: str, total_steps: int, start_step: int, log_every: int):
+        self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True)
+        self._log_every = log_every
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        self._bar.update(step - self._bar.n)
+        if step % self._log_every == 0:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items() if k in self._KEYS and v is not None})
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class WandbBackend:
+    def __init__(self, cfg: TrackingConfig, run_name: str, output_dir: str, config: dict):
+        import wandb
+
+        self._run = wandb.init(project=cfg.project, name=run_name, dir=output_dir, mode=cfg.wandb_mode,
+                               config=config, resume="allow", id=_stable_id(output_dir))
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        self._run.log(_without_none(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class TensorboardBackend:
+    def __init__(self, output_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        for name, value in _without_none(metrics).items():
+            self._writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MlflowBackend:
+    """A run in `tracking.mlflow_uri` (default: a SQLite store at output_dir/mlflow.db);
+    a resumed run continues the same mlflow run."""
+
+    def __init__(self, cfg: TrackingConfig, run_name: str, output_dir: str, config: dict):
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        uri = cfg.mlflow_uri or f"sqlite:///{os.path.abspath(output_dir)}/mlflow.db"
+        self._client = MlflowClient(uri)
+        id_file = os.path.join(output_dir, "mlflow_run_id")
+        if os.path.isfile(id_file):
+            self._run_id = open(id_file).read().strip()
+            return
+        experiment = self._client.get_experiment_by_name(cfg.project)
+        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(cfg.project)
+        self._run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+        params = [Param(key, str(value)[:6000]) for key, value in flatten(config).items()]
+        self._client.log_batch(self._run_id, params=params)
+        with open(id_file, "w") as f:
+            f.write(self._run_id)
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        from mlflow.entities import Metric
+
+        stamp = _now_ms()
+        self._client.log_batch(self._run_id, metrics=[Metric(name, value, stamp, step)
+                                                      for name, value in _without_none(metrics).items()])
+
+    def close(self) -> None:
+        self._client.set_terminated(self._run_id)
+
+
+class RayMetricsBackend:
+    """Each metric as a Ray gauge `rlsys_<name>` (tag `run`), so the Ray dashboard's
+    metrics view and Prometheus scrape them; `/` and other symbols become `_`."""
+
+    def __init__(self, run_name: str):
+        self._run_name = run_name
+        self._gauges: dict = {}
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        for name, value in _without_none({"step": step, **metrics}).items():
+            self._gauge(name).set(value, tags={"run": self._run_name})
+
+    def _gauge(self, name: str):
+        if name not in self._gauges:
+            from ray.util.metrics import Gauge
+
+            self._gauges[name] = Gauge(ray_metric_name(name), description=f"rlsys {name}", tag_keys=("run",))
+        return self._gauges[name]
+
+    def close(self) -> None:
+        pass
+
+
+def ray_metric_name(name: str) -> str:
+    return "rlsys_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def _plain(value: Any) -> float | None:
     value = float(value) if hasattr(value, "__float__") else value
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _wandb_id(output_dir: str) -> str:
+def _without_none(metrics: Metrics) -> Metrics:
+    return {name: value for name, value in metrics.items() if value is not None}
+
+
+def flatten(nested: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}"""
+    flat = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _stable_id(output_dir: str) -> str:
     """A stable id per output directory, so a resumed run continues the same wandb run."""
     return hashlib.sha1(os.path.abspath(output_dir).encode()).hexdigest()[:16]

@@ -23,7 +23,8 @@ from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
 from rlsys.data.files import DataError
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
-from rlsys.trainers.run_dir import HF_MODEL_DIR, prepare_run_dir, write_summary
+from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
+from rlsys.tracking.phases import set_phase
 from rlsys.tracking.tracker import Tracker
 
 log = logging.getLogger(__name__)
@@ -52,25 +53,29 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         last = {}
         try:
             for step in range(start_step + 1, cfg.train.steps + 1):
+                set_phase(f"{stage} step {step}: train")
                 last = train_step(group, examples, sampler, tokenizer.pad_token_id)
                 tracker.log(step, last)
                 if save_due(step, cfg.train.steps, cfg.train.save_every):
+                    set_phase(f"{stage} step {step}: checkpoint")
                     save_training_state(checkpoints, step, group, sampler)
         finally:
             tracker.close()
         hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
+        set_phase(f"{stage}: export")
         group.run_all("export_hf", hf_dir)
     finally:
         group.shutdown()
 
-    summary = {"stage": stage, "steps": cfg.train.steps, "final_loss": last.get("loss"),
+    summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": start_step,
+               "final_loss": last.get("loss"),
                "skipped_rows": row_stats.skipped, "hf_model": hf_dir}
     if cfg.eval is not None:
         from rlsys.eval import evaluate_model
 
         summary["eval"] = evaluate_model(hf_dir, cfg.eval, cfg.output_dir, cfg.seed)
     summary["time_s"] = round(time.time() - started, 1)
-    write_summary(cfg.output_dir, summary)
+    finish_run(cfg.output_dir, summary)
     return summary
 
 

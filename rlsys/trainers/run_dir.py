@@ -1,13 +1,16 @@
-"""The output directory's fixed files: config.yaml, summary.json, hf_model/."""
+"""The output directory's fixed files: config.yaml, summary.json, hf_model/, report.*"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import yaml
 
 from rlsys.config.loader import config_to_dict
+
+log = logging.getLogger(__name__)
 
 HF_MODEL_DIR = "hf_model"
 CONFIG_FILE = "config.yaml"
@@ -27,3 +30,14 @@ def prepare_run_dir(cfg, stage: str) -> dict:
 def write_summary(output_dir: str, summary: dict) -> None:
     with open(os.path.join(output_dir, SUMMARY_FILE), "w") as f:
         json.dump(summary, f, indent=2)
+
+
+def finish_run(output_dir: str, summary: dict) -> None:
+    """Write summary.json (it marks the run finished), then the run report."""
+    from rlsys.report import write_report
+
+    write_summary(output_dir, summary)
+    try:
+        log.info("report: %s", write_report(output_dir))
+    except Exception:  # a plotting problem must not fail a finished run
+        log.warning("could not write the run report for %s", output_dir, exc_info=True)

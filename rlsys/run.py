@@ -8,8 +8,9 @@ import os
 import sys
 from collections.abc import Callable
 
+from rlsys.actors.cluster import interrupt_on_sigterm
 from rlsys.config.loader import ConfigError, load_config
-from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
+from rlsys.config.schema import EvalJobConfig, PipelineConfig, RLJobConfig, TrainJobConfig
 from rlsys.data.files import DataError
 
 
@@ -37,18 +38,17 @@ def _rlvr(config: str, overrides: list[str]) -> dict:
     return run_rlvr(load_config(RLJobConfig, config, overrides))
 
 
-def _not_yet(stage: str) -> Callable[[str, list[str]], dict]:
-    def run(config: str, overrides: list[str]) -> dict:
-        raise ConfigError(f"stage {stage!r} is not available in this version yet")
+def _pipeline(config: str, overrides: list[str]) -> dict:
+    from rlsys.pipeline import run_pipeline
 
-    return run
+    return run_pipeline(load_config(PipelineConfig, config, overrides))
 
 
 STAGES: dict[str, tuple[str, Callable[[str, list[str]], dict]]] = {
     "pretrain": ("next-token pretraining on packed text documents", _pretrain),
     "sft": ("supervised fine-tuning; loss on response tokens only", _sft),
     "rlvr": ("reinforcement learning with verifiable rewards: vLLM rollouts, rewards, GRPO", _rlvr),
-    "pipeline": ("several stages chained (not available yet)", _not_yet("pipeline")),
+    "pipeline": ("stages chained (e.g. pretrain -> sft -> rlvr -> eval), each from the previous model", _pipeline),
     "eval": ("generate on a test split with vLLM and score with a reward", _eval),
 }
 
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     _, run = STAGES[args.stage]
+    interrupt_on_sigterm()
     try:
         run(args.config, args.overrides)
     except (ConfigError, DataError) as err:

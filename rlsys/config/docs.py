@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
+from rlsys.config.schema import EvalJobConfig, PipelineConfig, RLJobConfig, TrainJobConfig
 
-SCHEMAS = {"pretrain / sft": TrainJobConfig, "rlvr": RLJobConfig, "eval": EvalJobConfig}
+SCHEMAS = {"pretrain / sft": TrainJobConfig, "rlvr": RLJobConfig, "eval": EvalJobConfig,
+           "pipeline": PipelineConfig}
 
 
 def config_rows(schema: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
@@ -21,7 +22,8 @@ def config_rows(schema: type, prefix: str = "") -> list[tuple[str, str, str, str
         key = prefix + field.name
         nested = _nested_dataclass(hints[field.name])
         if nested is not None:
-            rows.extend(config_rows(nested, key + "."))
+            is_list = typing.get_origin(hints[field.name]) is list
+            rows.extend(config_rows(nested, key + ("[]." if is_list else ".")))
             continue
         description = _description(schema, field.name)
         default = schema.__pydantic_fields__[field.name].get_default(call_default_factory=True)

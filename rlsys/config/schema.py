@@ -98,16 +98,19 @@ class RayConfig:
 
 @dataclass(config=STRICT)
 class TrackingConfig:
-    backends: list[Literal["console", "jsonl", "wandb", "tensorboard"]] = Field(
-        default_factory=lambda: ["console", "jsonl"]
+    backends: list[Literal["console", "jsonl", "wandb", "tensorboard", "mlflow", "ray"]] = Field(
+        default_factory=lambda: ["console", "jsonl", "ray"]
     )
-    """Where metrics go; metrics.jsonl is always written."""
+    """Where metrics go, all under the same names; metrics.jsonl is always written. `ray` exports
+    them as Ray metrics `rlsys_<name>` for the dashboard and Prometheus."""
     project: str = "rlsys"
-    """wandb project name."""
+    """wandb project / mlflow experiment name."""
     run_name: str = ""
     """Run name for wandb/tensorboard (default: the output directory's name)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """wandb mode; offline runs can be synced later with `wandb sync`."""
+    mlflow_uri: str = ""
+    """mlflow tracking URI (default: a local SQLite store, output_dir/mlflow.db)."""
 
 
 @dataclass(config=STRICT)
@@ -267,3 +270,27 @@ class EvalJobConfig(JobConfig):
     """`eval`: generate on a test split with vLLM and score with a reward."""
 
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+@dataclass(config=STRICT)
+class PipelineStage:
+    name: str = ""
+    """Stage name: its output goes to output_dir/name, and the summary table names it."""
+    stage: Literal["pretrain", "sft", "rlvr", "eval"] = "sft"
+    """The stage to run."""
+    config: str = ""
+    """That stage's YAML config file (its own `output_dir` is replaced by output_dir/name)."""
+    overrides: list[str] = Field(default_factory=list)
+    """dotted.key=value overrides of that config, as on the command line."""
+
+
+@dataclass(config=STRICT)
+class PipelineConfig:
+    """`pipeline`: stages run in order, each starting from the previous stage's final model."""
+
+    output_dir: str = ""
+    """Pipeline directory: a subdirectory per stage, summary.md / summary.json and report.html."""
+    stages: list[PipelineStage] = Field(default_factory=list)
+    """The stages in order. From the second on, model.path is the previous stage's final HF directory
+    (an `eval` stage passes its input model on). Finished stages are skipped on a re-run; an
+    interrupted one resumes from its last checkpoint."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import struct
 from dataclasses import replace
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 import yaml
 
 from rlsys.config.loader import build_config, load_config
-from rlsys.config.schema import RLJobConfig
+from rlsys.config.schema import RLJobConfig, TrackingConfig
 from rlsys.data.batching import collate_rollouts
 from rlsys.parallel.weight_sync import plan_buckets
 from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
@@ -82,7 +84,9 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config):
 def straight_rl(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
     """4 uninterrupted steps, checkpointing at steps 2 and 4."""
     out = str(tmp_path_factory.mktemp("rl_straight") / "run")
-    cfg = build_config(RLJobConfig, rl_raw(tiny_model_dir, arith_files, out))
+    raw = rl_raw(tiny_model_dir, arith_files, out)
+    raw["tracking"]["backends"] = ["jsonl", "wandb", "tensorboard", "mlflow", "ray"]
+    cfg = build_config(RLJobConfig, raw)
     return cfg, run_rlvr(cfg)
 
 
@@ -107,12 +111,64 @@ def test_rlvr_logs_every_phase_and_exports(straight_rl):
     assert summary["val_accuracy_before"] == rows[0]["val/accuracy"]
 
 
+def wandb_history(path: str) -> list[set[str]]:
+    """The metric names of each history record in an offline .wandb file (LevelDB log format:
+    32 KiB blocks of records with a 7-byte header; wandb has no Python reader any more)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, pending, history = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record.FromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                history.append({item.key or "/".join(item.nested_key) for item in record.history.item})
+            pending = b""
+    return history
+
+
+def test_trackers_get_the_same_metric_names(straight_rl):
+    """wandb (offline), tensorboard and mlflow hold exactly the metric names of metrics.jsonl."""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _ = straight_rl
+    expected = {name for row in metrics(cfg.output_dir).values() for name, value in row.items()
+                if name != "step" and value is not None}
+    [wandb_file] = glob.glob(os.path.join(cfg.output_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    history = wandb_history(wandb_file)
+    assert len(history) == cfg.train.steps + 1
+    assert set().union(*history) - {"_step", "_runtime", "_timestamp"} == expected
+    events = EventAccumulator(os.path.join(cfg.output_dir, "tensorboard")).Reload()
+    assert set(events.Tags()["scalars"]) == expected
+    with open(os.path.join(cfg.output_dir, "mlflow_run_id")) as f:
+        run_id = f.read()
+    client = MlflowClient(f"sqlite:///{os.path.abspath(cfg.output_dir)}/mlflow.db")
+    assert set(client.get_run(run_id).data.metrics) == expected
+    assert len(client.get_metric_history(run_id, "reward/mean")) == cfg.train.steps
+
+
+def test_rlvr_writes_a_report(straight_rl):
+    cfg, _ = straight_rl
+    assert os.path.getsize(os.path.join(cfg.output_dir, "report.png")) > 10_000
+    with open(os.path.join(cfg.output_dir, "report.html")) as f:
+        page = f.read()
+    assert "data:image/png;base64," in page and "val_accuracy_after" in page
+
+
 def test_rlvr_resume_reproduces_the_metrics(straight_rl, tmp_path):
     cfg, _ = straight_rl
     resumed = tmp_path / "resumed"
     shutil.copytree(os.path.join(cfg.output_dir, "checkpoints", "step_000002"),
                     resumed / "checkpoints" / "step_000002")
-    run_rlvr(replace(cfg, output_dir=str(resumed)))
+    run_rlvr(replace(cfg, output_dir=str(resumed), tracking=TrackingConfig(backends=["jsonl"])))
     expected, got = metrics(cfg.output_dir), metrics(str(resumed))
     assert list(got) == [3, 4]
     for step in (3, 4):

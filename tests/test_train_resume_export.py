@@ -44,8 +44,8 @@ def test_output_directory_layout(straight_run):
     cfg, summary = straight_run
     out = cfg.output_dir
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000003", "step_000006"]
-    for name in ("config.yaml", "metrics.jsonl", "summary.json", "hf_model/config.json",
-                 "hf_model/model.safetensors", "hf_model/tokenizer.json"):
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "report.png", "report.html",
+                 "hf_model/config.json", "hf_model/model.safetensors", "hf_model/tokenizer.json"):
         assert os.path.isfile(os.path.join(out, name)), name
     assert list(losses(out)) == list(range(1, STEPS + 1))
     assert summary["final_loss"] == losses(out)[STEPS]
@@ -124,3 +124,11 @@ def test_eval_stage_scores_every_prompt(straight_run, arith_files, tmp_path):
     assert len(rows) == summary["num_prompts"] == 12
     assert summary["accuracy"] == sum(r["score"] for r in rows) / 12
     assert all(r["score"] == float(r["response"].strip() == r["ground_truth"]) for r in rows)
+
+
+def test_resources_the_cluster_lacks_are_a_config_error(ray_cluster, sft_config):
+    from rlsys.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^ray\.cpus_per_worker: 2 workers x 64 CPUs = 128 CPUs, "
+                                          r"but the Ray cluster has \d+$"):
+        run_lm_training(sft_config("ray.cpus_per_worker=64"), "sft")

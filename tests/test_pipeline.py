@@ -1,0 +1,141 @@
+"""`pipeline` end to end in a subprocess, as a user runs it: pretrain -> sft -> rlvr -> eval
+on the tiny model; killed during RL, re-run to resume there, re-run again to skip everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from rlsys.config.loader import ConfigError, build_config
+from rlsys.config.schema import PipelineConfig
+from rlsys.pipeline import plan_jobs
+
+TIMEOUT_S = 300
+
+
+def stage_configs(tmp_path, model_dir: str, files: dict[str, str]) -> dict[str, str]:
+    """Tiny YAML configs for the four stages; returns stage name -> path."""
+    common = {"ray": {"include_dashboard": False}, "tracking": {"backends": ["jsonl", "ray"]},
+              "parallel": {"dp_shard": 2}}
+    evaluation = {"files": [files["test"]], "limit": 16, "max_new_tokens": 6, "engine_memory_gib": 0.1}
+    stages = {
+        "pretrain": {**common, "model": {"path": model_dir}, "data": {"train_files": [files["pretrain"]],
+                                                                      "max_seq_len": 32},
+                     "train": {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4}, "eval": evaluation},
+        "sft": {**common, "data": {"train_files": [files["sft"]], "max_seq_len": 32},
+                "train": {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4}, "eval": evaluation},
+        "rlvr": {**common, "data": {"train_files": [files["rl_train"]]},
+                 "rollout": {"n": 2, "max_new_tokens": 6, "engine_memory_gib": 0.1},
+                 "train": {"steps": 40, "prompts_per_step": 4, "micro_batch_size": 8, "save_every": 1,
+                           "keep_last": 2, "val_every": 0},
+                 "eval": evaluation},
+        "eval": {"eval": evaluation},
+    }
+    paths = {}
+    for name, raw in stages.items():
+        paths[name] = str(tmp_path / f"{name}.yaml")
+        with open(paths[name], "w") as f:
+            yaml.safe_dump(raw, f)
+    return paths
+
+
+@pytest.fixture
+def pipeline_file(tmp_path, tiny_model_dir, arith_files) -> str:
+    configs = stage_configs(tmp_path, tiny_model_dir, arith_files)
+    raw = {"output_dir": str(tmp_path / "run"),
+           "stages": [{"name": name, "stage": name, "config": path} for name, path in configs.items()]}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def run_pipeline(pipeline_file: str, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlsys.run", "pipeline", "--config", pipeline_file, *overrides],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def start_pipeline(pipeline_file: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlsys.run", "pipeline", "--config", pipeline_file],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path: str, process: subprocess.Popen, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isdir(path):
+        if process.poll() is not None:
+            raise AssertionError(f"pipeline ended (exit {process.returncode}) before {path}:\n"
+                                 f"{process.stdout.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_file):
+    out = yaml.safe_load(open(pipeline_file))["output_dir"]
+    first = start_pipeline(pipeline_file)
+    wait_for(os.path.join(out, "rlvr", "checkpoints", "step_000002"), first)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == 130, first.stdout.read()[-3000:]
+    assert not os.path.isfile(os.path.join(out, "rlvr", "summary.json"))
+
+    second = run_pipeline(pipeline_file)
+    assert second.returncode == 0, second.stderr[-3000:]
+    stages = {s["name"]: s for s in json.load(open(os.path.join(out, "summary.json")))["stages"]}
+    assert list(stages) == ["pretrain", "sft", "rlvr", "eval"]
+    assert stages["pretrain"]["status"] == stages["sft"]["status"] == "skipped (finished earlier)"
+    assert stages["rlvr"]["status"].startswith("resumed from step ")
+    assert int(stages["rlvr"]["status"].split()[-1]) >= 2
+    assert stages["eval"]["status"] == "ran"
+    for stage in stages.values():
+        assert stage["accuracy_after"] is not None and 0 <= stage["accuracy_after"] <= 1, stage
+    assert stages["eval"]["accuracy_before"] == stages["rlvr"]["accuracy_after"]
+    # each stage started from the previous one's model
+    assert yaml.safe_load(open(os.path.join(out, "rlvr", "config.yaml")))["model"]["path"] == \
+        os.path.join(out, "sft", "hf_model")
+    assert "| rlvr | rlvr | resumed from step" in second.stdout
+    page = open(os.path.join(out, "report.html")).read()
+    assert page.count("data:image/png;base64,") == 3  # pretrain, sft, rlvr curves
+
+    third = run_pipeline(pipeline_file)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.stdout.count("skipped (finished earlier)") == 4
+    assert "Started a local Ray instance" not in third.stderr
+
+
+def test_pipeline_refuses_a_finished_stage_with_a_changed_config(pipeline_file, tmp_path):
+    raw = yaml.safe_load(open(pipeline_file))
+    jobs = plan_jobs(build_config(PipelineConfig, raw))
+    os.makedirs(jobs[0].output_dir)
+    from rlsys.trainers.run_dir import prepare_run_dir, write_summary
+
+    prepare_run_dir(jobs[0], "pretrain")
+    write_summary(jobs[0].output_dir, {"stage": "pretrain"})
+    raw["stages"][0]["overrides"] = ["train.steps=5"]
+    path = tmp_path / "changed.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = run_pipeline(str(path))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"rlsys pipeline: error: stages[0] (pretrain): finished in {jobs[0].output_dir} with a different config "
+        f"(train.steps: 3 -> 5); delete that directory to run the stage again"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"stages": []}, "stages: give at least one stage"),
+    ({"stages": [{"name": "a", "stage": "sft", "config": "x.yaml"}] * 2},
+     "stages[1].name: 'a' is used by an earlier stage"),
+    ({"stages": [{"name": "a", "stage": "dpo", "config": "x.yaml"}]}, "stages.0.stage"),
+    ({"stages": [{"name": "a", "stage": "sft", "config": "missing.yaml"}]},
+     "stages[0] (a): --config: file not found: missing.yaml"),
+])
+def test_bad_pipeline_configs_name_the_key(change, message, tmp_path):
+    raw = {"output_dir": str(tmp_path / "run"), **change}
+    with pytest.raises(ConfigError) as err:
+        plan_jobs(build_config(PipelineConfig, raw))
+    assert message in str(err.value)

@@ -1,0 +1,132 @@
+"""rlsys on an existing Ray cluster: `ray start --head` (token authentication on,
+dashboard on 127.0.0.1), `ray job submit -- python -m rlsys.run rlvr ...`, then
+the dashboard's HTTP API and the metrics endpoint, as a user would look at them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_rlvr import rl_raw
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+JOB = "rlsys-test-job"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, token: str | None) -> dict | str:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as response:
+        body = response.read().decode()
+    return json.loads(body) if body.startswith(("{", "[")) else body
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A 2-CPU head node in its own process group; `--block` ties the cluster's life to it."""
+    ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="1000")
+    log = open(tmp_path_factory.mktemp("head") / "ray_start.log", "w")
+    process = subprocess.Popen(
+        [RAY, "start", "--head", "--block", f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={ports['dashboard']}", f"--metrics-export-port={ports['metrics']}",
+         # fixed by default, so they would clash with another Ray instance on this machine
+         f"--dashboard-agent-listen-port={ports['agent']}", f"--ray-client-server-port={ports['client']}",
+         "--num-cpus=2",
+         "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    token = (Path.home() / ".ray" / "auth_token")
+    dashboard = f"http://127.0.0.1:{ports['dashboard']}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, open(log.name).read()[-3000:]
+        try:
+            get(f"{dashboard}/api/version", token.read_text().strip())
+            break
+        except (OSError, urllib.error.URLError):
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(1)
+    yield {"dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+           "token": token.read_text().strip(), "env": env}
+    process.terminate()
+    process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def submitted(head, tiny_model_dir, arith_files, tmp_path_factory):
+    """An RLVR job sent with `ray job submit --no-wait`; while it runs, the metrics endpoint is
+    scraped (Ray drops a process's metrics when it exits). Returns the job's config, its final
+    state from the dashboard API and every rlsys metric line seen."""
+    tmp = tmp_path_factory.mktemp("job")
+    raw = rl_raw(tiny_model_dir, arith_files, str(tmp / "rl"))
+    raw["train"].update(steps=6, save_every=0)
+    raw["tracking"]["backends"] = ["jsonl", "ray"]
+    config = tmp / "rl.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    command = [RAY, "job", "submit", "--no-wait", "--address", head["dashboard"], "--submission-id", JOB, "--",
+               sys.executable, "-m", "rlsys.run", "rlvr", "--config", str(config)]
+    for _ in range(10):  # the head's job agent starts a little after its dashboard
+        result = subprocess.run(command, env=head["env"], capture_output=True, text=True, timeout=120)
+        if "No available agent to submit job" not in result.stderr + result.stdout:
+            break
+        time.sleep(2)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + 600
+    while (job := get(f"{head['dashboard']}/api/jobs/{JOB}", head["token"]))["status"] in ("PENDING", "RUNNING"):
+        assert time.monotonic() < deadline, "the job did not finish"
+        seen.update({line.split("{")[0]: line for line in get(head["metrics"], token=None).splitlines()
+                     if line.startswith("ray_rlsys_")})
+        time.sleep(0.5)
+    return raw, job, seen
+
+
+def test_job_submit_runs_rlvr_on_the_cluster(submitted, head):
+    raw, job, _ = submitted
+    assert job["status"] == "SUCCEEDED", job
+    logs = get(f"{head['dashboard']}/api/jobs/{JOB}/logs", head["token"])["logs"]
+    assert "Connected to Ray cluster" in logs and "Started a local Ray instance" not in logs
+    rows = [json.loads(line) for line in open(os.path.join(raw["output_dir"], "metrics.jsonl"))]
+    assert rows[-1]["step"] == 6
+
+
+def test_dashboard_needs_the_token(head):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        get(f"{head['dashboard']}/api/jobs/", token=None)
+    assert err.value.code in (401, 403)
+
+
+def test_dashboard_lists_the_named_actors_and_phases(submitted, head):
+    actors = get(f"{head['dashboard']}/api/v0/actors?limit=1000&detail=true", head["token"])
+    names = {a.get("name") for a in actors["data"]["result"]["result"]}
+    assert {"rlsys/train/0", "rlsys/train/1", "rlsys/rollout/0", "rlsys/reward/0", "rlsys/val_reward/0"} <= names
+    tasks = get(f"{head['dashboard']}/api/v0/tasks?limit=10000", head["token"])
+    task_names = {t.get("name") for t in tasks["data"]["result"]["result"]}
+    assert "rlvr step 3: generate: generate" in task_names, sorted(task_names)[:20]
+    assert "rlvr step 3: update: update_policy" in task_names
+    jobs = get(f"{head['dashboard']}/api/jobs/", head["token"])
+    assert JOB in {j.get("submission_id") for j in jobs}
+
+
+def test_run_metrics_reach_the_metrics_endpoint(submitted):
+    _, _, seen = submitted
+    for name in ("ray_rlsys_reward_mean", "ray_rlsys_val_accuracy", "ray_rlsys_throughput_tokens_per_s",
+                 "ray_rlsys_time_generate_s", "ray_rlsys_sync_time_s", "ray_rlsys_step"):
+        assert name in seen, (name, sorted(seen))
+    assert 'run="rl"' in seen["ray_rlsys_step"]
+    assert float(seen["ray_rlsys_step"].rsplit(" ", 1)[1]) >= 3

@@ -10,6 +10,7 @@ import json
 import os
 
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -20,12 +21,12 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, temperature: float) -> None:
     train = [r for r in rows if "reward/mean" in r]
     val = [r for r in rows if "val/accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], alpha=0.6,
-            label="train reward (sampled, T=1)")
+            label=f"train reward (sampled, T={temperature:g})")
     ax.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], marker="o",
             label="held-out accuracy (greedy)")
     ax.set_xlabel("RL step")
@@ -66,7 +67,9 @@ def main() -> None:
     summary_path = os.path.join(args.run, "summary.json")
     summary = json.load(open(summary_path)) if os.path.isfile(summary_path) else {}
     image = os.path.join(args.out, "rlvr_curve.png")
-    plot(rows, image)
+    with open(os.path.join(args.run, "config.yaml")) as f:
+        temperature = yaml.safe_load(f)["rollout"]["temperature"]
+    plot(rows, image, temperature)
     with open(os.path.join(args.out, "RLVR_REPORT.md"), "w") as f:
         f.write(report(rows, summary, image))
     print(f"wrote {image} and {os.path.join(args.out, 'RLVR_REPORT.md')}")

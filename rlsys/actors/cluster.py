@@ -1,8 +1,9 @@
 """Connect to Ray (join RAY_ADDRESS when set, else start a local cluster),
-check that a group fits, and name and retire the run's actors."""
+check that a group fits, and create, name and retire the run's actors."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -12,10 +13,17 @@ import ray
 
 from rlsys.config.loader import ConfigError
 from rlsys.config.schema import RayConfig
+from rlsys.console import LOG_FILE_ENV, verbose
+
+log = logging.getLogger(__name__)
 
 # Run-time environment of every actor: no hub access, quiet tokenizers.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
               "OMP_WAIT_POLICY": "PASSIVE"}
+
+_log_dir = ""
+_actor_names: dict[str, str] = {}
+"""Actor id (hex) -> dashboard name, so a failure anywhere can name the actor that died."""
 
 
 def ensure_ray(cfg: RayConfig) -> None:
@@ -23,21 +31,43 @@ def ensure_ray(cfg: RayConfig) -> None:
 
     A local cluster keeps Ray's defaults that matter for safety: token
     authentication stays on and the dashboard listens on `ray.dashboard_host`
-    (127.0.0.1 unless configured)."""
+    (127.0.0.1 unless configured). Ray's own messages and the actors' output
+    stay off the console unless the run is verbose."""
     if ray.is_initialized():
         return
+    quiet = {} if verbose() else {"log_to_driver": False, "logging_level": logging.ERROR}
     runtime_env = {"env_vars": WORKER_ENV}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        context = ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, **quiet)
+        where = f"connected to the Ray cluster at {os.environ['RAY_ADDRESS']}"
     else:
-        ray.init(
+        context = ray.init(
             address="local",  # a cluster of our own even when `ray start` runs on this machine
             num_cpus=os.cpu_count(),
             include_dashboard=cfg.include_dashboard,
             dashboard_host=cfg.dashboard_host,
             runtime_env=runtime_env,
+            **quiet,
         )
+        where = "started a local Ray cluster"
+    dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
+    log.info("%s%s", where, dashboard)
+    if quiet:
+        _route_ray_errors_to_log()
     interrupt_on_sigterm()
+
+
+def _route_ray_errors_to_log() -> None:
+    """Ray's driver prints notices such as a worker's death straight to stderr, whatever
+    `log_to_driver` says. In a quiet run they go to driver.log instead: the failure itself
+    reaches the console as rlsys's one line."""
+    import ray._private.worker as ray_worker
+
+    def to_log(data: dict, ignore_prefix: bool) -> None:
+        for line in data.get("lines", []):
+            logging.getLogger("ray.errors").warning(line)
+
+    ray_worker.print_to_stdstream = to_log
 
 
 def interrupt_on_sigterm() -> None:
@@ -54,17 +84,29 @@ def _raise_interrupt(signum, frame) -> None:
 
 def check_resources(num_workers: int, cpus: float, gpus: float, key: str) -> None:
     """Fail fast, naming the config key, when the cluster cannot place `num_workers`
-    bundles of `cpus` CPUs and `gpus` GPUs (each bundle on a single node)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    bundles of `cpus` CPUs and `gpus` GPUs (each bundle on a single node). Before Ray
+    starts a local cluster, the cluster is this machine."""
     for resource, per_worker in (("CPU", cpus), ("GPU", gpus)):
-        total = sum(n.get(resource, 0) for n in nodes)
-        largest = max((n.get(resource, 0) for n in nodes), default=0)
+        nodes = _node_resources(resource)
+        total, largest = sum(nodes), max(nodes, default=0)
         if num_workers * per_worker > total:
             raise ConfigError(f"{key}: {num_workers} workers x {per_worker:g} {resource}s = "
                               f"{num_workers * per_worker:g} {resource}s, but the Ray cluster has {total:g}")
         if per_worker > largest:
             raise ConfigError(f"{key}: a worker needs {per_worker:g} {resource}s on one node, but the largest of "
                               f"the cluster's {len(nodes)} nodes has {largest:g}")
+
+
+def _node_resources(resource: str) -> list[float]:
+    if ray.is_initialized():
+        return [n["Resources"].get(resource, 0) for n in ray.nodes() if n["Alive"]]
+    if os.environ.get("RAY_ADDRESS"):
+        return [float("inf")]  # an existing cluster: checked once connected
+    if resource == "CPU":
+        return [os.cpu_count() or 1]
+    import torch
+
+    return [torch.cuda.device_count()]
 
 
 def wait_placed(placement, what: str, timeout_s: float = 120.0) -> None:
@@ -77,16 +119,53 @@ def wait_placed(placement, what: str, timeout_s: float = 120.0) -> None:
                           f"{ray.available_resources()}") from None
 
 
+# -- named actors --------------------------------------------------------------
+
+
+def set_log_dir(path: str) -> None:
+    """Where the actors created from now on write their output (output_dir/logs)."""
+    global _log_dir
+    _log_dir = path
+
+
 def actor_name(role: str, index: int) -> str:
     """Dashboard name of an rlsys actor: rlsys/train/0, rlsys/rollout/1, rlsys/reward/0 ..."""
     return f"rlsys/{role}/{index}"
 
 
+def spawn(actor_cls, role: str, index: int, *args, timeout_s: float = 30.0, **options):
+    """Create the actor rlsys/<role>/<index> from a `ray.remote` class. Its output goes to
+    <log dir>/<role>-<index>.log (see `rlsys.console`); a name still held by an actor
+    being killed is waited for rather than refused."""
+    name = actor_name(role, index)
+    if _log_dir and not verbose():
+        path = os.path.join(_log_dir, f"{role}-{index}.log")
+        options["runtime_env"] = {"env_vars": {LOG_FILE_ENV: path}}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            actor = actor_cls.options(name=name, **options).remote(*args)
+            break
+        except (ray.exceptions.ActorAlreadyExistsError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    _actor_names[actor._actor_id.hex()] = name
+    return actor
+
+
+def name_of(actor_id: str | None) -> str | None:
+    return _actor_names.get(actor_id or "")
+
+
 def kill_named(actors: list, names: list[str], timeout_s: float = 30.0) -> None:
-    """Kill actors and wait until their names are free, so the next group (the next
-    pipeline stage, a replaced worker) can take the same names."""
+    """Kill actors (dead ones too) and wait until their names are free, so the next group
+    (the next pipeline stage, a restart, a replaced worker) can take the same names."""
     for actor in actors:
-        ray.kill(actor)
+        try:
+            ray.kill(actor)
+        except ValueError:
+            pass
     deadline = time.monotonic() + timeout_s
     for name in names:
         while time.monotonic() < deadline:

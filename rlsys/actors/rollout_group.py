@@ -6,7 +6,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, kill_named, wait_placed
+from rlsys.actors.cluster import actor_name, check_resources, kill_named, spawn, wait_placed
+from rlsys.actors.failures import wait_all
 from rlsys.actors.rollout_worker import RolloutWorker, Sample
 from rlsys.config.schema import RolloutConfig
 from rlsys.tracking.phases import call
@@ -33,28 +34,31 @@ class RolloutGroup:
             threads = max(1, int(cfg.cpus_per_engine))
         actor_cls = ray.remote(RolloutWorker)
         self.names = [actor_name("rollout", i) for i in range(cfg.num_engines)]
-        self.engines = [
-            actor_cls.options(
-                name=self.names[i], num_cpus=num_cpus, num_gpus=num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i % bundles),
-            ).remote(model_path, cfg, seed + i, threads)
-            for i in range(cfg.num_engines)
-        ]
-        ray.get([engine.__ray_ready__.remote() for engine in self.engines])
+        self.engines = []
+        try:
+            self.engines = [
+                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads,
+                      num_cpus=num_cpus, num_gpus=num_gpus,
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(
+                          placement, placement_group_bundle_index=i % bundles))
+                for i in range(cfg.num_engines)
+            ]
+            wait_all([engine.__ray_ready__.remote() for engine in self.engines], self.names)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def generate(self, prompts: list[tuple[int, list[int]]], seed: int, n: int, temperature: float,
                  max_new_tokens: int) -> list[Sample]:
         """Split the prompts across engines (contiguous shares) and return samples in prompt order."""
         share = -(-len(prompts) // len(self.engines))
-        refs = [
-            call(engine.generate, prompts[i * share:(i + 1) * share], n, temperature, self.cfg.top_p,
-                 max_new_tokens, seed)
-            for i, engine in enumerate(self.engines) if prompts[i * share:(i + 1) * share]
-        ]
-        return [sample for samples in ray.get(refs) for sample in samples]
+        busy = [i for i in range(len(self.engines)) if prompts[i * share:(i + 1) * share]]
+        refs = [call(self.engines[i].generate, prompts[i * share:(i + 1) * share], n, temperature,
+                     self.cfg.top_p, max_new_tokens, seed) for i in busy]
+        return [sample for samples in wait_all(refs, [self.names[i] for i in busy]) for sample in samples]
 
-    def call_all(self, method: str) -> list:
-        return ray.get([call(getattr(engine, method)) for engine in self.engines])
+    def call_all(self, method: str, *args) -> list:
+        return wait_all([call(getattr(engine, method), *args) for engine in self.engines], self.names)
 
     def shutdown(self) -> None:
         kill_named(self.engines, self.names)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.config.schema import RolloutConfig
+from rlsys.console import redirect_actor_output
 from rlsys.rollout.vllm_engine import create_llm
 
 
@@ -42,6 +43,7 @@ def _keep_cpu_weights_live(layer: torch.nn.Module, remove_weight: bool) -> None:
 
 class RolloutWorker:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int):
+        redirect_actor_output()
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         torch.set_num_threads(num_threads)
         if not torch.cuda.is_available():

@@ -8,6 +8,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import ray
 import torch
@@ -26,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from rlsys.algorithms.lm_loss import masked_nll_sum, token_logprobs
 from rlsys.algorithms.rl_step import policy_step
 from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig
+from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch, micro_batches
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.fsdp import apply_fsdp
@@ -48,6 +50,7 @@ class TrainWorkerSpec:
     mixed_precision: str = "auto"
     with_reference: bool = False
     """Also hold a frozen copy of the initial policy (for a KL penalty)."""
+    collective_timeout_s: float = 600.0
 
 
 def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_reference: bool = False) -> TrainWorkerSpec:
@@ -63,6 +66,7 @@ def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_referen
         use_gpu=cfg.ray.gpus_per_worker > 0,
         mixed_precision=cfg.parallel.mixed_precision,
         with_reference=with_reference,
+        collective_timeout_s=cfg.train.collective_timeout_s,
     )
 
 
@@ -76,6 +80,7 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 
 class TrainWorker:
     def __init__(self, rank: int, spec: TrainWorkerSpec):
+        redirect_actor_output()
         self.rank, self.spec = rank, spec
         torch.set_num_threads(spec.num_threads)
         transformers.utils.logging.disable_progress_bar()
@@ -93,7 +98,8 @@ class TrainWorker:
         if spec.use_gpu:
             torch.cuda.set_device(self.device)
         backend = "cpu:gloo,cuda:nccl" if spec.use_gpu else "gloo"
-        dist.init_process_group(backend, rank=self.rank, world_size=spec.dims.world_size)
+        dist.init_process_group(backend, rank=self.rank, world_size=spec.dims.world_size,
+                                timeout=timedelta(seconds=spec.collective_timeout_s))
         self.mesh = spec.dims.build_mesh(self.device.type)
         torch.manual_seed(spec.seed)
         self.model = self._build_model()

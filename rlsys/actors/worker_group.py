@@ -9,7 +9,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, kill_named, wait_placed
+from rlsys.actors.cluster import actor_name, check_resources, kill_named, spawn, wait_placed
+from rlsys.actors.failures import wait_all
 from rlsys.actors.train_worker import TrainWorker, TrainWorkerSpec
 from rlsys.config.schema import RayConfig
 from rlsys.data.batching import Batch, split_rows
@@ -24,36 +25,43 @@ class TrainGroup:
         check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
         self.placement = placement_group([bundle] * world_size, strategy="PACK")
-        wait_placed(self.placement, f"training group ({world_size} x {bundle})")
-        actor_cls = ray.remote(TrainWorker)
         self.dims = spec.dims
+        self.straggler_timeout_s = spec.collective_timeout_s
         self.names = [actor_name("train", rank) for rank in range(world_size)]
-        self.workers = [
-            actor_cls.options(
-                name=self.names[rank],
-                num_cpus=ray_cfg.cpus_per_worker,
-                num_gpus=(ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
-            ).remote(rank, spec)
-            for rank in range(world_size)
-        ]
-        master_addr, master_port = ray.get(self.workers[0].master_address.remote())
-        self.run_all("setup", master_addr, master_port)
+        self.workers = []
+        try:
+            wait_placed(self.placement, f"training group ({world_size} x {bundle})")
+            actor_cls = ray.remote(TrainWorker)
+            self.workers = [
+                spawn(actor_cls, "train", rank, rank, spec,
+                      num_cpus=ray_cfg.cpus_per_worker,
+                      num_gpus=(ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0,
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
+                                                                           placement_group_bundle_index=rank))
+                for rank in range(world_size)
+            ]
+            master_addr, master_port = self._wait([self.workers[0].master_address.remote()])[0]
+            self.run_all("setup", master_addr, master_port)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Call `method` with the same arguments on every rank; results by rank."""
-        return ray.get([call(getattr(w, method), *args, **kwargs) for w in self.workers])
+        return self._wait([call(getattr(w, method), *args, **kwargs) for w in self.workers])
 
     def run_data_parallel(self, method: str, batch: Batch, **kwargs: Any) -> list:
         """Split `batch` by rows across data-parallel ranks and call `method` on each rank's share."""
         shards = split_rows(batch, self.dims.dp_size)
-        refs = [call(getattr(w, method), shards[self.dims.dp_rank(rank)], **kwargs)
-                for rank, w in enumerate(self.workers)]
-        return ray.get(refs)
+        return self._wait([call(getattr(w, method), shards[self.dims.dp_rank(rank)], **kwargs)
+                           for rank, w in enumerate(self.workers)])
+
+    def _wait(self, refs: list) -> list:
+        return wait_all(refs, self.names, self.straggler_timeout_s)
 
     def shutdown(self) -> None:
-        try:
-            self.run_all("shutdown")
-        finally:
-            kill_named(self.workers, self.names)
-            remove_placement_group(self.placement)
+        """Leave the process group where the ranks still answer, then kill them all."""
+        if self.workers:
+            ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
+        kill_named(self.workers, self.names)
+        remove_placement_group(self.placement)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import re
 import time
 
-import ray
-
+from rlsys.actors.failures import wait_all
 from rlsys.tracking.phases import call
 
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -49,10 +48,13 @@ class WeightSync:
 
     def run(self) -> dict[str, float]:
         started = time.perf_counter()
+        train, rollout = self.train_group, self.rollout_group
         for names in self.buckets:
-            refs = [call(w.gather_bucket, names) for w in self.train_group.workers]
-            ray.get(refs[1:])
-            ray.get([call(engine.load_weights, refs[0]) for engine in self.rollout_group.engines])
-        ray.get([call(engine.finish_sync) for engine in self.rollout_group.engines])
+            refs = [call(w.gather_bucket, names) for w in train.workers]
+            wait_all(refs[1:], train.names[1:])
+            # rank 0's bucket goes from its object store to the engines; a failure of rank 0
+            # surfaces in the engines' calls and is reported as rank 0's
+            wait_all([call(engine.load_weights, refs[0]) for engine in rollout.engines], rollout.names)
+        rollout.call_all("finish_sync")
         return {"sync/time_s": time.perf_counter() - started, "sync/buckets": len(self.buckets),
                 "sync/mb": self.total_bytes / 2**20}

@@ -18,6 +18,10 @@ def set_phase(label: str) -> None:
     _label = label
 
 
+def current_phase() -> str:
+    return _label
+
+
 def call(method, *args, **kwargs):
     """`actor.method.remote(*args, **kwargs)`, named `<current phase>: <method>` in Ray."""
     return method.options(name=f"{_label}: {method._method_name}").remote(*args, **kwargs)

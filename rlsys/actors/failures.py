@@ -1,0 +1,91 @@
+"""Worker failures: a dead actor or a collective that timed out, named by role and rank.
+
+Every driver call that waits on actors goes through `wait_all`, which returns
+as soon as a call fails instead of waiting for the survivors (they may be
+blocked in a collective with the dead rank). A failure becomes `WorkerFailure`,
+which the trainers answer with a restart (`train.max_restarts`) or the CLI
+with one line and exit code 3; any other error stays a bug with its traceback.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from rlsys.actors.cluster import name_of
+from rlsys.tracking.phases import current_phase
+
+# Messages of torch.distributed errors that mean a peer is gone or a collective hung.
+_COMMUNICATION_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
+                         "timed out", "Timed out", "Broken pipe", "NCCL error")
+_GRACE_S = 5.0
+"""After the first failure, how long to wait for the other calls: a dead rank's own error
+arrives within this, so the report names the rank that died, not a peer that lost it."""
+
+
+class WorkerFailure(RuntimeError):
+    def __init__(self, worker: str, reason: str, phase: str):
+        self.worker, self.reason, self.phase = worker, reason, phase
+        super().__init__(f"{describe(worker)} {reason} during {phase}")
+
+
+def describe(name: str) -> str:
+    """rlsys/train/1 -> 'train rank 1 (rlsys/train/1)'; rollout and reward workers by index."""
+    parts = name.split("/")
+    if len(parts) != 3:
+        return name
+    what = "rank" if parts[1] == "train" else "worker"
+    return f"{parts[1]} {what} {parts[2]} ({name})"
+
+
+def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: float | None = None) -> list:
+    """`ray.get(refs)`, but a failed call ends the wait early, as a WorkerFailure when a
+    worker died or lost its peers. With `straggler_timeout_s`, a call still running that
+    long after another call of the same group returned is a hang (a rank stopped after
+    its last collective leaves no peer waiting to time out); `names` (the actor of each
+    call) lets the report name the worker."""
+    results: dict[int, object] = {}
+    errors: list[Exception] = []
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    while pending and not errors:
+        timeout = straggler_timeout_s if results else None
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:
+            worker = names[index[pending[0]]] if names else "a worker"
+            raise WorkerFailure(worker, f"did not answer within {timeout:g} s of its peers", current_phase())
+        _collect(done, index, results, errors)
+    if errors:
+        late, _ = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
+        _collect(late, index, results, errors)
+        raise _as_failure([(err, names[i] if names else None) for i, err in errors])
+    return [results[i] for i in range(len(refs))]
+
+
+def _collect(done: list, index: dict, results: dict, errors: list) -> None:
+    for ref in done:
+        try:
+            results[index[ref]] = ray.get(ref)
+        except Exception as err:  # the call's own error, judged by _as_failure
+            errors.append((index[ref], err))
+
+
+def _as_failure(errors: list[tuple[Exception, str | None]]) -> Exception:
+    """The most telling error: an actor's death first, then a communication error, else the
+    first error unchanged (a bug keeps its traceback). A death is named by the actor that
+    died, which may not be the one called (an argument of the call came from it)."""
+    for err, called in errors:
+        if isinstance(err, ray.exceptions.RayActorError):
+            return WorkerFailure(name_of(err.actor_id) or called or "a worker", "died", current_phase())
+    for err, called in errors:
+        text = str(err)
+        if isinstance(err, ray.exceptions.RayTaskError) and any(m in text for m in _COMMUNICATION_ERRORS):
+            worker = called or name_of(getattr(err, "actor_id", None)) or "a worker"
+            timed_out = "timed out" in text.lower()
+            reason = "timed out in a collective" if timed_out else "lost its peers"
+            return WorkerFailure(worker, f"{reason} ({_last_line(text)})", current_phase())
+    return errors[0][0]
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else text

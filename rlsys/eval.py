@@ -1,7 +1,10 @@
-"""`eval`: generate on a test split with vLLM and judge with a reward.
+"""Held-out evaluation: generate on a test split with vLLM and judge with a reward.
 
-Writes output_dir/eval_results.jsonl (one row per prompt) and returns the
-summary that also goes to output_dir/eval_summary.json.
+The `eval` stage, the evaluation after pretrain/SFT and RL validation all go
+through `Evaluator`: the prompts through a rollout engine (a Ray actor), the
+responses through the reward actors, so a reward that raises scores 0 and is
+counted the same way everywhere. The `eval` stage writes
+output_dir/eval_results.jsonl (one row per prompt) and eval_summary.json.
 """
 
 from __future__ import annotations
@@ -11,51 +14,77 @@ import logging
 import os
 import time
 
-from transformers import AutoTokenizer
-
-from rlsys.config.checks import check_eval_job
-from rlsys.config.schema import EvalConfig, EvalJobConfig
+from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.rollout_group import RolloutGroup
+from rlsys.config.checks import check_eval_job, load_tokenizer
+from rlsys.config.schema import EvalConfig, EvalJobConfig, RewardConfig, RolloutConfig
 from rlsys.data.rl import load_prompts
-from rlsys.rewards import get_reward, score_of
-from rlsys.rollout.vllm_engine import create_llm
+from rlsys.rewards.loading import eval_term
+from rlsys.rewards.runner import RewardInput, RewardRunner
 from rlsys.trainers.run_dir import prepare_run_dir, write_summary
 
 log = logging.getLogger(__name__)
 
 
+class Evaluator:
+    def __init__(self, cfg: EvalConfig, tokenizer, seed: int, reward_timeout_s: float = 10.0):
+        """Loads and tokenises the split and checks the reward; starts nothing."""
+        self.cfg, self.seed = cfg, seed
+        self.prompts, self.stats = load_prompts(cfg.files, tokenizer, cfg.limit)
+        self.prompt_ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in self.prompts]
+        self.rewards = RewardRunner(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
+                                    role="val_reward")
+
+    def run(self, rollout: RolloutGroup) -> tuple[dict, list[dict]]:
+        """Accuracy and reward errors on the split, and one result row per prompt."""
+        samples = rollout.generate(list(enumerate(self.prompt_ids)), self.seed, 1, self.cfg.temperature,
+                                   self.cfg.max_new_tokens)
+        inputs = [RewardInput(self.prompts[s.prompt_index].data_source, s.text,
+                              self.prompts[s.prompt_index].ground_truth, self.prompts[s.prompt_index].extra_info)
+                  for s in samples]
+        scored, metrics = self.rewards.score(inputs)
+        rows = [{"prompt": self.prompts[s.prompt_index].text, "response": s.text, "ground_truth": item.ground_truth,
+                 "score": result.score, "response_tokens": len(s.response_ids)}
+                for s, item, result in zip(samples, inputs, scored)]
+        summary = {
+            "accuracy": sum(r["score"] for r in rows) / len(rows),
+            "num_prompts": len(rows),
+            "reward_errors": metrics["reward/errors"],
+            "skipped_rows": self.stats.skipped,
+            "mean_response_tokens": sum(r["response_tokens"] for r in rows) / len(rows),
+        }
+        return summary, rows
+
+    def shutdown(self) -> None:
+        self.rewards.shutdown()
+
+
 def run_eval(cfg: EvalJobConfig) -> dict:
     check_eval_job(cfg)
     started = time.time()
+    tokenizer = load_tokenizer(cfg.model.path, "model.path")
+    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed)
     prepare_run_dir(cfg, "eval")
-    summary = evaluate_model(cfg.model.path, cfg.eval, cfg.output_dir, cfg.seed)
+    ensure_ray(cfg.ray)
+    summary = evaluate_model(cfg.model.path, evaluator, cfg.output_dir, cfg.ray.cpus_per_worker,
+                             cfg.ray.gpus_per_worker)
     summary = {"stage": "eval", **summary, "time_s": round(time.time() - started, 1)}
     write_summary(cfg.output_dir, summary)
     return summary
 
 
-def evaluate_model(model_path: str, cfg: EvalConfig, output_dir: str, seed: int = 0) -> dict:
-    from vllm import SamplingParams
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts, stats = load_prompts(cfg.files, tokenizer, cfg.limit)
-    reward = get_reward(cfg.reward)
-    llm = create_llm(model_path, cfg.engine_memory_gib, seed)
-    params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed)
-    outputs = llm.generate([p.text for p in prompts], params, use_tqdm=False)
-    rows = []
-    for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
-        score = score_of(reward(prompt.data_source, completion.text, prompt.ground_truth, prompt.extra_info))
-        rows.append({"prompt": prompt.text, "response": completion.text, "ground_truth": prompt.ground_truth,
-                     "score": score, "response_tokens": len(completion.token_ids)})
-    del llm
-    summary = {
-        "model": model_path,
-        "accuracy": sum(r["score"] for r in rows) / len(rows),
-        "num_prompts": len(rows),
-        "skipped_rows": stats.skipped,
-        "mean_response_tokens": sum(r["response_tokens"] for r in rows) / len(rows),
-    }
+def evaluate_model(model_path: str, evaluator: Evaluator, output_dir: str, cpus: float, gpus: float) -> dict:
+    """Evaluate the model directory with an engine of its own (`cpus` CPUs, `gpus` GPUs) and
+    write eval_results.jsonl and eval_summary.json to output_dir."""
+    engine = RolloutConfig(num_engines=1, placement="separate", cpus_per_engine=cpus, gpus_per_engine=gpus,
+                           engine_memory_gib=evaluator.cfg.engine_memory_gib)
+    rollout = RolloutGroup(model_path, engine, evaluator.seed, None, cpus)
+    try:
+        summary, rows = evaluator.run(rollout)
+    finally:
+        rollout.shutdown()
+        evaluator.shutdown()
+    summary = {"model": model_path, **summary}
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "eval_results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -1,45 +1,112 @@
-"""Rewards by name or file path, VeRL signatures, and failures that are counted, not fatal."""
+"""Rewards by name, file or package, VeRL signatures and data as stored, and failures
+that are counted, not fatal."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
+import datasets
 import pytest
 
 from rlsys.config.loader import ConfigError
 from rlsys.config.schema import RewardConfig, RewardTerm
+from rlsys.data.rl import load_prompts
 from rlsys.rewards.runner import RewardInput, RewardRunner
 
-FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+FLAKY = os.path.join(ASSETS, "flaky_reward.py")
+TYPES = os.path.join(ASSETS, "types_reward.py")
 
 
 def inputs(*responses: str) -> list[RewardInput]:
     return [RewardInput("test", r, "7", {}) for r in responses]
 
 
-def test_file_reward_failures_score_zero_and_are_counted(ray_cluster, caplog):
-    runner = RewardRunner(RewardConfig(terms=[RewardTerm(path=FLAKY)], timeout_s=1.0, num_workers=2))
+@pytest.fixture
+def runner():
+    """Builds RewardRunners and shuts every one down after the test."""
+    made = []
+
+    def make(*terms: RewardTerm, **options) -> RewardRunner:
+        made.append(RewardRunner(RewardConfig(terms=list(terms), **options)))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.shutdown()
+
+
+def test_file_reward_failures_score_zero_and_are_counted(ray_cluster, runner, caplog):
+    rewards = runner(RewardTerm(path=FLAKY), timeout_s=1.0, num_workers=2)
     started = time.time()
-    scored, metrics = runner.score(inputs("7", "raise", "sleep", "nan", "8", "7"))
+    scored, metrics = rewards.score(inputs("7", "raise", "sleep", "nan", "8", "7"))
     assert time.time() - started < 20
     assert [s.score for s in scored] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert metrics["reward/errors"] == 3
     assert metrics["reward/length"] == pytest.approx((1 + 1 + 1) / 3)  # extras of the dict returns
     assert "this reward fails on purpose" in caplog.text and "exceeded 1s" not in caplog.text  # logged once
-    runner.score(inputs("raise"))
+    rewards.score(inputs("raise"))
     assert caplog.text.count("logged once") == 1
 
 
-def test_weighted_terms_and_batched_form(ray_cluster):
-    cfg = RewardConfig(terms=[
-        RewardTerm(name="arith", weight=1.0),
-        RewardTerm(name="regex_format", weight=0.5, kwargs={"pattern": r"-?\d+"}),
-        RewardTerm(path=FLAKY, function="batched_score", batched=True, weight=2.0),
-    ])
-    scored, metrics = RewardRunner(cfg).score(inputs("7", "8", "x"))
+def test_weighted_terms_and_batched_form(ray_cluster, runner):
+    rewards = runner(RewardTerm(name="arith", weight=1.0),
+                     RewardTerm(name="regex_format", weight=0.5, kwargs={"pattern": r"-?\d+"}),
+                     RewardTerm(path=FLAKY, function="batched_score", batched=True, weight=2.0))
+    scored, metrics = rewards.score(inputs("7", "8", "x"))
     assert [s.score for s in scored] == [1.0 + 0.5 + 2.0, 0.5, 0.0]
     assert metrics["reward/arith"] == pytest.approx(1 / 3) and metrics["reward/errors"] == 0
+
+
+def write_rl_parquet(path, ground_truths: list) -> str:
+    rows = [{"data_source": "typed", "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"style": "rule", "ground_truth": truth},
+             "extra_info": {"stored": json.dumps(truth, sort_keys=True), "type": type(truth).__name__}}
+            for i, truth in enumerate(ground_truths)]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("ground_truths", [
+    [{"target": 24, "numbers": [3, 5, 8]}, {"target": 7, "numbers": [1, 2, 4]}],  # countdown's dicts
+    [[1, 2, 3], [4]],  # lists (test cases, several answers)
+    [42, 7],
+    ["19", "-3"],
+], ids=["dict", "list", "number", "string"])
+def test_ground_truth_reaches_the_reward_as_stored(ray_cluster, runner, tmp_path, tiny_model_dir, ground_truths):
+    from transformers import AutoTokenizer
+
+    path = write_rl_parquet(tmp_path / "typed.parquet", ground_truths)
+    prompts, stats = load_prompts([path], AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert stats.skipped == 0 and [p.ground_truth for p in prompts] == ground_truths
+    rewards = runner(RewardTerm(path=TYPES))
+    scored, metrics = rewards.score([RewardInput(p.data_source, "x", p.ground_truth, p.extra_info) for p in prompts])
+    assert metrics["reward/errors"] == 0 and [s.score for s in scored] == [1.0, 1.0]
+
+
+def test_reward_importing_a_sibling_module_scores_without_errors(ray_cluster, runner):
+    rewards = runner(RewardTerm(path=os.path.join(ASSETS, "verl_reward", "my_reward.py")))
+    scored, metrics = rewards.score([RewardInput("openai/gsm8k", "so #### 72", "72", None),
+                                     RewardInput("openai/gsm8k", "#### 1,000", "1000", None),
+                                     RewardInput("openai/gsm8k", "72", "72", None)])
+    assert metrics["reward/errors"] == 0 and [s.score for s in scored] == [1.0, 1.0, 0.0]
+
+
+def test_reward_package_with_a_dict_ground_truth(ray_cluster, runner):
+    rewards = runner(RewardTerm(path=os.path.join(ASSETS, "countdown_reward")))
+    truth = {"target": 24, "numbers": [3, 5, 8]}
+    scored, metrics = rewards.score([RewardInput("countdown", "(5+3)*3", truth, None),
+                                     RewardInput("countdown", "3*8", {"target": 24, "numbers": [3, 8]}, None),
+                                     RewardInput("countdown", "5*8-3", truth, None)])
+    assert metrics["reward/errors"] == 0 and [s.score for s in scored] == [0.0, 1.0, 0.0]
+
+
+def test_verl_per_source_signature_gets_fields_by_name(ray_cluster, runner):
+    rewards = runner(RewardTerm(path=TYPES, function="by_keyword"))
+    scored, metrics = rewards.score([RewardInput("src", "7", 7, None), RewardInput("src", "8", 7, None)])
+    assert metrics["reward/errors"] == 0 and [s.score for s in scored] == [1.0, 0.0]
 
 
 def test_bad_reward_config_names_the_key(tmp_path):
@@ -47,6 +114,9 @@ def test_bad_reward_config_names_the_key(tmp_path):
         RewardRunner(RewardConfig(terms=[RewardTerm(name="nope")]))
     with pytest.raises(ConfigError, match=r"reward.terms\[0\].function: .* has no function 'missing'"):
         RewardRunner(RewardConfig(terms=[RewardTerm(path=FLAKY, function="missing")]))
+    with pytest.raises(ConfigError, match=r"reward.terms\[0\]: wrong_arity\(solution_str, ground_truth, rubric\) "
+                                         r"cannot be called with \(data_source, .*missing a required argument: 'rubric'"):
+        RewardRunner(RewardConfig(terms=[RewardTerm(path=TYPES, function="wrong_arity")]))
     broken = tmp_path / "broken.py"
     broken.write_text("import nonexistent_module_xyz\n")
     with pytest.raises(ConfigError, match=r"reward.terms\[0\].path: importing .* failed: ModuleNotFoundError"):

@@ -1,9 +1,13 @@
 """Prompts in VeRL's RL schema: data_source, prompt (chat list or string),
-reward_model.ground_truth, extra_info. VeRL-prepared parquet reads unchanged."""
+reward_model.ground_truth, extra_info. VeRL-prepared parquet reads unchanged,
+and ground truths and extra info reach the reward functions as stored."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from rlsys.data.examples import chat_messages
 from rlsys.data.files import RowStats, convert_rows
@@ -13,9 +17,11 @@ from rlsys.data.files import RowStats, convert_rows
 class Prompt:
     text: str
     """The prompt as the model sees it (chat template applied)."""
-    ground_truth: str
+    ground_truth: Any
+    """reward_model.ground_truth as stored: a string, number, list or dict."""
     data_source: str
-    extra_info: dict = field(default_factory=dict)
+    extra_info: Any = None
+    """extra_info as stored (usually a dict; None when the row has none)."""
 
 
 def load_prompts(paths: list[str], tokenizer, limit: int = 0) -> tuple[list[Prompt], RowStats]:
@@ -29,11 +35,23 @@ def to_prompt(row: dict, tokenizer) -> Prompt:
         raise ValueError("missing reward_model.ground_truth")
     prompt = row["prompt"]
     if not isinstance(prompt, str):
-        prompt = tokenizer.apply_chat_template(chat_messages(prompt, "prompt"), tokenize=False,
+        prompt = tokenizer.apply_chat_template(chat_messages(to_python(prompt), "prompt"), tokenize=False,
                                                add_generation_prompt=True)
     return Prompt(
         text=prompt,
-        ground_truth=str(reward_model["ground_truth"]),
+        ground_truth=to_python(reward_model["ground_truth"]),
         data_source=str(row.get("data_source") or ""),
-        extra_info=dict(row.get("extra_info") or {}),
+        extra_info=to_python(row.get("extra_info")),
     )
+
+
+def to_python(value: Any) -> Any:
+    """Plain Python values for what a parquet reader may hand over: numpy scalars and
+    arrays become numbers and lists, nested structs stay dicts, all the way down."""
+    if isinstance(value, dict):
+        return {key: to_python(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [to_python(item) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -17,19 +18,23 @@ from typing import Any, NamedTuple
 
 import ray
 
-from rlsys.actors.cluster import actor_name, kill_named
+from rlsys.actors.cluster import actor_name, kill_named, spawn
+from rlsys.actors.failures import wait_all
 from rlsys.config.schema import RewardConfig
-from rlsys.rewards.loading import resolve_term, term_label
+from rlsys.console import redirect_actor_output
+from rlsys.rewards.loading import RewardFunction, resolve_term, term_label
 from rlsys.tracking.phases import call
 
 log = logging.getLogger(__name__)
 
 
 class RewardInput(NamedTuple):
+    """The four fields of VeRL's reward signature; ground_truth and extra_info as stored."""
+
     data_source: str
     solution_str: str
-    ground_truth: str
-    extra_info: dict
+    ground_truth: Any
+    extra_info: Any
 
 
 @dataclass
@@ -42,9 +47,8 @@ class ScoredSample:
 
 class _Term(NamedTuple):
     label: str
-    fn: Any
+    fn: RewardFunction
     weight: float
-    batched: bool
 
 
 class RewardTimeout(Exception):
@@ -56,7 +60,8 @@ class RewardRunner:
         """`role` names the actors in the dashboard (rlsys/<role>/<i>)."""
         self.cfg = cfg
         self.names = [actor_name(role, i) for i in range(cfg.num_workers)]
-        self.terms = [_Term(term_label(t), resolve_term(t, f"reward.terms[{i}]"), t.weight, t.batched)
+        self.role = role
+        self.terms = [_Term(term_label(t), resolve_term(t, f"reward.terms[{i}]"), t.weight)
                       for i, t in enumerate(cfg.terms)]
         self._workers: list = []
         self._logged_failure = False
@@ -69,10 +74,11 @@ class RewardRunner:
         # Backstop for a call the in-actor alarm cannot interrupt (e.g. stuck in C code).
         limit = self.cfg.timeout_s * (len(self.terms) * max(map(len, chunks)) + 1) + 30
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        finished = dict(zip(done, wait_all(done, [self.names[refs.index(r)] for r in done])))
         scored: list[ScoredSample] = [None] * len(items)
         for index, ref in enumerate(refs):
-            if ref in done:
-                results = ray.get(ref)
+            if ref in finished:
+                results = finished[ref]
             else:
                 results = [_all_failed(self.terms, "reward worker timed out")] * len(chunks[index])
                 self._replace_worker(index)
@@ -86,7 +92,7 @@ class RewardRunner:
         return self._workers
 
     def _start_worker(self, index: int):
-        return _RewardWorker.options(name=self.names[index]).remote(self.terms)
+        return spawn(_RewardWorker, self.role, index, self.terms)
 
     def _replace_worker(self, index: int) -> None:
         kill_named([self._workers[index]], [self.names[index]])
@@ -113,6 +119,10 @@ class RewardRunner:
 @ray.remote(num_cpus=0)
 class _RewardWorker:
     def __init__(self, terms: list[_Term]):
+        redirect_actor_output()
+        for term in terms:  # for imports a reward makes when called (its modules came by value)
+            if term.fn.search_path and term.fn.search_path not in sys.path:
+                sys.path.append(term.fn.search_path)
         self.terms = terms
 
     def score(self, items: list[RewardInput], timeout_s: float) -> list[ScoredSample]:
@@ -122,18 +132,18 @@ class _RewardWorker:
 def _score_chunk(terms: list[_Term], items: list[RewardInput], timeout_s: float) -> list[ScoredSample]:
     scored = [ScoredSample() for _ in items]
     for term in terms:
-        if term.batched:
+        if term.fn.batched:
             values = _guarded(lambda: _batched_call(term.fn, items), term.label, timeout_s)
             values = values if isinstance(values, list) else [values] * len(items)
         else:
-            values = [_guarded(lambda item=item: term.fn(*item), term.label, timeout_s) for item in items]
+            values = [_guarded(lambda item=item: term.fn(item), term.label, timeout_s) for item in items]
         for sample, value in zip(scored, values):
             _add(sample, term, value)
     return scored
 
 
-def _batched_call(fn, items: list[RewardInput]):
-    result = fn(*(list(column) for column in zip(*items)))
+def _batched_call(fn: RewardFunction, items: list[RewardInput]):
+    result = fn(tuple(list(column) for column in zip(*items)))
     if not isinstance(result, (list, tuple)) or len(result) != len(items):
         raise ValueError(f"batched reward returned {type(result).__name__}, expected a list of {len(items)}")
     return list(result)

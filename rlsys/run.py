@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable
 
 from rlsys.actors.cluster import interrupt_on_sigterm
+from rlsys.actors.failures import WorkerFailure
 from rlsys.config.loader import ConfigError, load_config
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, RLJobConfig, TrainJobConfig
+from rlsys.console import setup_console
 from rlsys.data.files import DataError
 
 
@@ -60,17 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Config keys are documented in README.md. Example: "
                "python -m rlsys.run sft --config examples/arith/sft.yaml train.steps=50",
     )
+    verbose = "show Ray's, vLLM's and the libraries' logs on the console (they go to output_dir/logs/ otherwise)"
+    parser.add_argument("--verbose", "-v", action="store_true", help=verbose)
     stages = parser.add_subparsers(dest="stage", required=True, metavar="<stage>")
     for name, (summary, _) in STAGES.items():
         sub = stages.add_parser(name, help=summary, description=summary)
         sub.add_argument("--config", required=True, metavar="FILE", help="YAML config file")
+        sub.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
         sub.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="override a config key")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[rlsys] %(message)s")
+    setup_console(args.verbose)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     _, run = STAGES[args.stage]
@@ -80,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"rlsys {args.stage}: error: {err}", file=sys.stderr)
         return 2
+    except WorkerFailure as failure:
+        print(f"rlsys {args.stage}: error: {failure}; {getattr(failure, 'resume_hint', '')}".rstrip("; "),
+              file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print(f"rlsys {args.stage}: interrupted; re-run the same command to resume", file=sys.stderr)
         return 130

@@ -1,11 +1,19 @@
-"""Checks that need more than types: paths on disk and batch arithmetic."""
+"""Checks that need more than types, all made before Ray starts: the model directory,
+data files, reward functions, batch arithmetic and the cluster's resources.
+
+Each failure is a ConfigError naming the key (exit code 2, one line).
+"""
 
 from __future__ import annotations
 
+import glob
 import os
 
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import EvalConfig, EvalJobConfig, ModelConfig, RLJobConfig, TrainJobConfig
+from rlsys.config.schema import EvalConfig, EvalJobConfig, ModelConfig, RayConfig, RLJobConfig, TrainJobConfig
+
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def check_train_job(cfg: TrainJobConfig) -> None:
@@ -20,12 +28,16 @@ def check_train_job(cfg: TrainJobConfig) -> None:
         )
     if cfg.eval is not None:
         _check_eval(cfg.eval)
+    _check_training_resources(cfg.ray, dp)
 
 
 def check_rl_job(cfg: RLJobConfig) -> None:
+    from rlsys.rewards.loading import resolve_term
+
     _require(cfg.output_dir, "output_dir")
-    check_model_dir(cfg.model, "model.path")
+    model_config = check_model_dir(cfg.model, "model.path")
     _check_files(cfg.data.train_files, "data.train_files")
+    _check_heads_split(model_config, cfg.rollout.tensor_parallel_size, "rollout.tensor_parallel_size")
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
     if mini and prompts % mini:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
@@ -39,8 +51,15 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     for i, term in enumerate(cfg.reward.terms):
         if not term.name and not term.path:
             raise ConfigError(f"reward.terms[{i}]: give a registered name or a path")
+        resolve_term(term, f"reward.terms[{i}]")
     if cfg.eval is not None:
         _check_eval(cfg.eval)
+    _check_training_resources(cfg.ray, dp)
+    if cfg.rollout.placement == "separate":
+        from rlsys.actors.cluster import check_resources
+
+        gpus = cfg.rollout.gpus_per_engine * cfg.rollout.tensor_parallel_size
+        check_resources(cfg.rollout.num_engines, cfg.rollout.cpus_per_engine, gpus, "rollout.cpus_per_engine")
 
 
 def check_eval_job(cfg: EvalJobConfig) -> None:
@@ -49,20 +68,66 @@ def check_eval_job(cfg: EvalJobConfig) -> None:
     _check_eval(cfg.eval)
 
 
-def check_model_dir(model: ModelConfig, key: str) -> None:
+def check_model_dir(model: ModelConfig, key: str):
+    """A Hugging Face causal-LM directory: a config transformers reads, weights, tokenizer files.
+    Returns the model's config."""
+    from transformers import AutoConfig
+
     _require(model.path, key)
     if not os.path.isfile(os.path.join(model.path, "config.json")):
         raise ConfigError(f"{key}: not a Hugging Face model directory (no config.json): {model.path}")
+    try:
+        config = AutoConfig.from_pretrained(model.path)
+    except Exception as err:  # transformers raises several types for unreadable configs
+        raise ConfigError(f"{key}: {model.path}/config.json cannot be read by transformers: {_first_line(err)}") \
+            from None
+    if not any(glob.glob(os.path.join(model.path, pattern)) for pattern in _WEIGHT_FILES):
+        raise ConfigError(f"{key}: no weights in {model.path} (expected *.safetensors or pytorch_model*.bin)")
+    if not any(os.path.isfile(os.path.join(model.path, name)) for name in _TOKENIZER_FILES):
+        raise ConfigError(f"{key}: no tokenizer files in {model.path} (expected one of {', '.join(_TOKENIZER_FILES)})")
+    return config
+
+
+def _check_heads_split(model_config, degree: int, key: str) -> None:
+    """Tensor parallelism splits attention heads (and key/value heads) evenly across ranks."""
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads and degree > 1 and (heads % degree or (kv_heads % degree and degree % kv_heads)):
+        raise ConfigError(f"{key}: {degree} does not split the model's {heads} attention heads "
+                          f"({kv_heads} key/value heads) evenly")
+
+
+def load_tokenizer(path: str, key: str):
+    """The model directory's tokenizer, or a ConfigError naming `key`."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # missing or broken tokenizer files
+        raise ConfigError(f"{key}: the tokenizer in {path} cannot be loaded: {_first_line(err)}") from None
+    if len(tokenizer) == 0:
+        raise ConfigError(f"{key}: the tokenizer in {path} has an empty vocabulary")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _check_eval(cfg: EvalConfig) -> None:
     from rlsys.rewards import registered_rewards
+    from rlsys.rewards.loading import eval_term, resolve_term
 
     _check_files(cfg.files, "eval.files")
-    if cfg.reward not in registered_rewards():
-        raise ConfigError(
-            f"eval.reward: unknown reward {cfg.reward!r}; registered: {', '.join(registered_rewards())}"
-        )
+    term = eval_term(cfg.reward)
+    if term.name and term.name not in registered_rewards():
+        raise ConfigError(f"eval.reward: unknown reward {cfg.reward!r}; registered: "
+                          f"{', '.join(registered_rewards())} (or give path/to/file.py[:function])")
+    resolve_term(term, "eval.reward")
+
+
+def _check_training_resources(ray_cfg: RayConfig, world_size: int) -> None:
+    from rlsys.actors.cluster import check_resources
+
+    check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
 
 
 def _check_files(paths: list[str], key: str) -> None:
@@ -76,3 +141,8 @@ def _check_files(paths: list[str], key: str) -> None:
 def _require(value: str, key: str) -> None:
     if not value:
         raise ConfigError(f"{key}: is required")
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

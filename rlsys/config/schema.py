@@ -57,7 +57,25 @@ class OptimConfig:
 
 
 @dataclass(config=STRICT)
-class TrainConfig:
+class LoopConfig:
+    """What every training loop has: checkpoints, resume, and what to do when a worker fails."""
+
+    save_every: int = Field(default=0, ge=0)
+    """Checkpoint period in steps (0: only at the end)."""
+    keep_last: int = Field(default=2, gt=0)
+    """Checkpoints kept on disk; older ones are deleted."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in output_dir/checkpoints when there is one."""
+    max_restarts: int = Field(default=0, ge=0)
+    """When a worker dies or a collective times out: rebuild the groups and resume from the newest
+    checkpoint inside the same command, up to this many times (0: stop with exit code 3)."""
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+    """A collective (all-reduce, all-gather ...) that waits longer than this, or a rank that answers
+    this long after its peers, fails the step as a dead peer would."""
+
+
+@dataclass(config=STRICT)
+class TrainConfig(LoopConfig):
     steps: int = Field(default=100, gt=0)
     """Optimizer steps to run."""
     global_batch_size: int = Field(default=64, gt=0)
@@ -66,12 +84,6 @@ class TrainConfig:
     """Sequences per forward/backward on one rank."""
     log_every: int = Field(default=1, gt=0)
     """Console progress-bar refresh period in steps (metrics.jsonl gets every step)."""
-    save_every: int = Field(default=0, ge=0)
-    """Checkpoint period in steps (0: only at the end)."""
-    keep_last: int = Field(default=2, gt=0)
-    """Checkpoints kept on disk; older ones are deleted."""
-    resume: bool = True
-    """Resume from the newest complete checkpoint in output_dir/checkpoints when there is one."""
 
 
 @dataclass(config=STRICT)
@@ -118,7 +130,8 @@ class EvalConfig:
     files: list[str] = Field(default_factory=list)
     """Test split in the RL schema (data_source, prompt, reward_model.ground_truth)."""
     reward: str = "arith"
-    """Registered reward that judges each response (1 = correct)."""
+    """Reward that judges each response (1 = correct): a registered name, or `path/to/file.py[:function]`
+    (a file or package directory with VeRL's compute_score signature)."""
     max_new_tokens: int = Field(default=16, gt=0)
     """Generation budget per prompt."""
     temperature: float = Field(default=0.0, ge=0)
@@ -206,7 +219,7 @@ class AlgorithmConfig:
 
 
 @dataclass(config=STRICT)
-class RLTrainConfig:
+class RLTrainConfig(LoopConfig):
     steps: int = Field(default=50, gt=0)
     """RL steps (one rollout batch each)."""
     prompts_per_step: int = Field(default=32, gt=0)
@@ -215,12 +228,6 @@ class RLTrainConfig:
     """Responses per forward/backward on one rank."""
     val_every: int = Field(default=10, ge=0)
     """Validate on `eval.files` every N steps (0: only before and after training)."""
-    save_every: int = Field(default=0, ge=0)
-    """Checkpoint period in steps (0: only at the end)."""
-    keep_last: int = Field(default=2, gt=0)
-    """Checkpoints kept on disk."""
-    resume: bool = True
-    """Resume from the newest complete checkpoint in output_dir/checkpoints."""
 
 
 @dataclass(config=STRICT)
@@ -270,6 +277,8 @@ class EvalJobConfig(JobConfig):
     """`eval`: generate on a test split with vLLM and score with a reward."""
 
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """The engine takes ray.cpus_per_worker CPUs (its thread count) and ray.gpus_per_worker GPUs."""
 
 
 @dataclass(config=STRICT)

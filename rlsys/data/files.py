@@ -66,9 +66,9 @@ def convert_rows(paths: list[str], convert: Callable[[dict], object], what: str)
             stats.kept += 1
         except (ValueError, KeyError, TypeError) as err:
             stats.skip(path, row_number, str(err))
-    stats.report(what)
     if not out:
         raise DataError(f"{what}: no usable rows in {', '.join(paths)} ({stats.first_reason or 'files are empty'})")
+    stats.report(what)
     return out, stats
 
 

@@ -26,7 +26,7 @@ class Tracker:
     def __init__(self, cfg: TrackingConfig, output_dir: str, config: dict, total_steps: int, start_step: int = 0,
                  log_every: int = 1):
         run_name = cfg.run_name or os.path.basename(os.path.abspath(output_dir))
-        self.backends: list = [JsonlBackend(output_dir)]
+        self.backends: list = [JsonlBackend(output_dir, start_step)]
         for name in dict.fromkeys(cfg.backends):
             if name == "console":
                 self.backends.append(ConsoleBackend(run_name, total_steps, start_step, log_every))
@@ -50,8 +50,18 @@ class Tracker:
 
 
 class JsonlBackend:
-    def __init__(self, output_dir: str):
-        self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+    """metrics.jsonl; a resumed run first drops the rows past the step it resumes from, so
+    the file holds one row per step of the run as it went on (a restart's redone steps once)."""
+
+    def __init__(self, output_dir: str, start_step: int):
+        path = os.path.join(output_dir, "metrics.jsonl")
+        kept = []
+        if start_step and os.path.isfile(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+        self._file = open(path, "a")
 
     def log(self, step: int, metrics: Metrics) -> None:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -29,6 +29,11 @@ class CheckpointDir:
         steps = self._complete_steps()
         return os.path.join(self.root, f"step_{steps[-1]:06d}") if steps else None
 
+    def latest_step(self) -> int:
+        """The newest complete checkpoint's step (0 when there is none)."""
+        steps = self._complete_steps()
+        return steps[-1] if steps else 0
+
     def save(self, step: int, save_ranks: Callable[[str], None], driver_state: dict) -> str:
         final = os.path.join(self.root, f"step_{step:06d}")
         partial = final + ".partial"
@@ -70,9 +75,11 @@ def save_training_state(checkpoints: CheckpointDir, step: int, group, sampler) -
 
 
 def restore_training_state(checkpoints: CheckpointDir, group, sampler) -> int:
-    """Load the newest complete checkpoint into `group` and `sampler`; its step, or 0 when there is none."""
+    """Load the newest complete checkpoint into `group` and `sampler`; its step, or 0 (and the
+    sampler back at its start) when there is none."""
     path = checkpoints.latest()
     if path is None:
+        sampler.load_state_dict({"epoch": 0, "offset": 0})
         return 0
     state = CheckpointDir.driver_state(path)
     group.run_all("load_checkpoint", path)

@@ -12,17 +12,16 @@ import os
 import time
 from typing import Literal
 
-from transformers import AutoTokenizer
-
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
-from rlsys.config.checks import check_train_job
+from rlsys.config.checks import check_train_job, load_tokenizer
 from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
 from rlsys.data.files import DataError
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
+from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
 from rlsys.tracking.phases import set_phase
 from rlsys.tracking.tracker import Tracker
@@ -35,48 +34,67 @@ Stage = Literal["pretrain", "sft"]
 def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     check_train_job(cfg)
     started = time.time()
-    config_dict = prepare_run_dir(cfg, stage)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, "model.path")
     examples, row_stats = (load_pretrain_examples if stage == "pretrain" else load_sft_examples)(cfg.data, tokenizer)
     try:
         sampler = EpochSampler(len(examples), cfg.train.global_batch_size, cfg.seed)
     except ValueError as err:
         raise DataError(f"data.train_files: {err}") from None
-    log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
+    evaluator = None
+    if cfg.eval is not None:
+        from rlsys.eval import Evaluator
 
+        evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed)
+    log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
+    config_dict = prepare_run_dir(cfg, stage)
     ensure_ray(cfg.ray)
+    checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+
+    def attempt(restarts: int) -> tuple[int, dict]:
+        return _train(cfg, stage, examples, sampler, tokenizer.pad_token_id, checkpoints, config_dict, restarts)
+
+    start_step, last = run_with_restarts(cfg.train.max_restarts, checkpoints, attempt)
+    hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
+    summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": start_step,
+               "final_loss": last.get("loss"), "restarts": last.get("restarts", 0),
+               "skipped_rows": row_stats.skipped, "hf_model": hf_dir}
+    if evaluator is not None:
+        from rlsys.eval import evaluate_model
+
+        set_phase(f"{stage}: eval")
+        cpus = cfg.ray.cpus_per_worker * cfg.parallel.dp_shard * cfg.parallel.dp_replicate
+        summary["eval"] = evaluate_model(hf_dir, evaluator, cfg.output_dir, cpus, cfg.ray.gpus_per_worker)
+    summary["time_s"] = round(time.time() - started, 1)
+    finish_run(cfg.output_dir, summary)
+    return summary
+
+
+def _train(cfg: TrainJobConfig, stage: Stage, examples: list[Example], sampler: EpochSampler, pad_id: int,
+           checkpoints: CheckpointDir, config_dict: dict, restarts: int) -> tuple[int, dict]:
+    """One attempt: build the group, resume, train to the last step and export.
+    Returns the step it started from and the last step's metrics."""
+    set_phase(f"{stage}: setup")
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
-        checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-        start_step = restore_training_state(checkpoints, group, sampler) if cfg.train.resume else 0
+        resume = cfg.train.resume or restarts > 0
+        start_step = restore_training_state(checkpoints, group, sampler) if resume else 0
         tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, cfg.train.steps, start_step, cfg.train.log_every)
         last = {}
         try:
             for step in range(start_step + 1, cfg.train.steps + 1):
                 set_phase(f"{stage} step {step}: train")
-                last = train_step(group, examples, sampler, tokenizer.pad_token_id)
+                last = {**train_step(group, examples, sampler, pad_id), "restarts": restarts}
                 tracker.log(step, last)
                 if save_due(step, cfg.train.steps, cfg.train.save_every):
                     set_phase(f"{stage} step {step}: checkpoint")
                     save_training_state(checkpoints, step, group, sampler)
         finally:
             tracker.close()
-        hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
         set_phase(f"{stage}: export")
-        group.run_all("export_hf", hf_dir)
+        group.run_all("export_hf", os.path.join(cfg.output_dir, HF_MODEL_DIR))
     finally:
         group.shutdown()
-
-    summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": start_step,
-               "final_loss": last.get("loss"),
-               "skipped_rows": row_stats.skipped, "hf_model": hf_dir}
-    if cfg.eval is not None:
-        from rlsys.eval import evaluate_model
-
-        summary["eval"] = evaluate_model(hf_dir, cfg.eval, cfg.output_dir, cfg.seed)
-    summary["time_s"] = round(time.time() - started, 1)
-    finish_run(cfg.output_dir, summary)
-    return summary
+    return start_step, last
 
 
 def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler, pad_id: int) -> dict:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.rollout_group import RolloutGroup
@@ -21,14 +21,16 @@ from rlsys.actors.rollout_worker import Sample
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.grpo import grpo_advantages
-from rlsys.config.checks import check_rl_job
-from rlsys.config.schema import RewardConfig, RewardTerm, RLJobConfig
+from rlsys.config.checks import check_rl_job, load_tokenizer
+from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch, EpochSampler, collate_rollouts, num_targets, per_token, split_rows
 from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts
+from rlsys.eval import Evaluator
 from rlsys.parallel.weight_sync import WeightSync
 from rlsys.rewards.runner import RewardInput, RewardRunner
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
+from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
 from rlsys.tracking.phases import PhaseTimer, set_phase
 from rlsys.tracking.tracker import Tracker
@@ -36,30 +38,51 @@ from rlsys.tracking.tracker import Tracker
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class RLData:
+    """The prompts, tokenised, and the validation split: loaded and checked before Ray starts,
+    and kept across restarts."""
+
+    tokenizer: object
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    evaluator: Evaluator | None
+
+
+def load_rl_data(cfg: RLJobConfig) -> RLData:
+    tokenizer = load_tokenizer(cfg.model.path, "model.path")
+    prompts, _ = load_prompts(cfg.data.train_files, tokenizer)
+    if len(prompts) < cfg.train.prompts_per_step:
+        raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
+                        f"({cfg.train.prompts_per_step})")
+    ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.reward.timeout_s) if cfg.eval else None
+    return RLData(tokenizer, prompts, ids, evaluator)
+
+
 class RLVRTrainer:
-    def __init__(self, cfg: RLJobConfig):
+    def __init__(self, cfg: RLJobConfig, data: RLData | None = None):
         self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.prompts, self.prompt_ids = self._load(cfg.data.train_files, 0)
-        self.val_prompts, self.val_ids = self._load(cfg.eval.files, cfg.eval.limit) if cfg.eval else ([], [])
-        try:
-            self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
-        except ValueError as err:
-            raise DataError(f"data.train_files: {err}") from None
+        data = data or load_rl_data(cfg)
+        self.tokenizer, self.prompts, self.prompt_ids = data.tokenizer, data.prompts, data.prompt_ids
+        self.evaluator = data.evaluator
+        self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
+        self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
+        self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+        self.train = self.rollout = None
         ensure_ray(cfg.ray)
         self.rewards = RewardRunner(cfg.reward)
-        if cfg.eval:
-            self.val_rewards = RewardRunner(RewardConfig(terms=[RewardTerm(name=cfg.eval.reward)],
-                                                         timeout_s=cfg.reward.timeout_s), role="val_reward")
-        self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
-        spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
-                                 with_reference=cfg.algorithm.kl_coef > 0)
-        self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
-        self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
-                                    cfg.ray.cpus_per_worker * self.train.dims.world_size,
-                                    gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share())
-        self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb)
-        self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+        try:
+            spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
+                                     with_reference=cfg.algorithm.kl_coef > 0)
+            self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
+            self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
+                                        cfg.ray.cpus_per_worker * self.train.dims.world_size,
+                                        gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share())
+            self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # -- one step -------------------------------------------------------------
 
@@ -124,37 +147,33 @@ class RLVRTrainer:
 
     def validate(self, step: int) -> dict[str, float]:
         """Accuracy on the eval split (greedy by default), judged by eval.reward, generated by the engines."""
-        val = self.cfg.eval
         set_phase(f"rlvr step {step}: validate")
         self.rollout.call_all("wake_up")
-        samples = self.rollout.generate(list(enumerate(self.val_ids)), self.cfg.seed, 1, val.temperature,
-                                        val.max_new_tokens)
+        summary, _ = self.evaluator.run(self.rollout)
         self.rollout.call_all("sleep")
-        scored, metrics = self.val_rewards.score(_reward_inputs(samples, self.val_prompts))
-        return {"val/accuracy": sum(s.score for s in scored) / len(scored), "val/reward_errors": metrics["reward/errors"]}
+        return {"val/accuracy": summary["accuracy"], "val/reward_errors": summary["reward_errors"]}
 
     def save(self, step: int) -> None:
         save_training_state(self.checkpoints, step, self.train, self.sampler)
 
-    def resume(self) -> int:
-        step = restore_training_state(self.checkpoints, self.train, self.sampler) if self.cfg.train.resume else 0
+    def resume(self, force: bool = False) -> int:
+        """Restore the newest checkpoint (when train.resume or `force`, as after a restart)."""
+        resume = self.cfg.train.resume or force
+        step = restore_training_state(self.checkpoints, self.train, self.sampler) if resume else 0
         if step:
             self.sync.run()  # the engines start from model.path; give them the resumed policy
         return step
 
     def shutdown(self) -> None:
+        """Retire every actor of this attempt, dead ones included."""
         self.rewards.shutdown()
-        if self.cfg.eval:
-            self.val_rewards.shutdown()
-        self.rollout.shutdown()
-        self.train.shutdown()
+        if self.evaluator is not None:
+            self.evaluator.shutdown()
+        for group in (self.rollout, self.train):
+            if group is not None:
+                group.shutdown()
 
     # -- set-up helpers ---------------------------------------------------------
-
-    def _load(self, files: list[str], limit: int) -> tuple[list[Prompt], list[list[int]]]:
-        prompts, _ = load_prompts(files, self.tokenizer, limit)
-        ids = [self.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
-        return prompts, ids
 
     def _mini_batches_per_step(self) -> int:
         mini = self.cfg.algorithm.ppo_mini_batch_size
@@ -170,19 +189,32 @@ class RLVRTrainer:
 def run_rlvr(cfg: RLJobConfig) -> dict:
     check_rl_job(cfg)
     started = time.time()
+    data = load_rl_data(cfg)
     config_dict = prepare_run_dir(cfg, "rlvr")
-    trainer = RLVRTrainer(cfg)
+    ensure_ray(cfg.ray)
     summary: dict = {"stage": "rlvr", "steps": cfg.train.steps}
+    checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+    run_with_restarts(cfg.train.max_restarts, checkpoints,
+                      lambda restarts: _rl_attempt(cfg, data, config_dict, summary, restarts))
+    summary.update(hf_model=os.path.join(cfg.output_dir, HF_MODEL_DIR), time_s=round(time.time() - started, 1))
+    finish_run(cfg.output_dir, summary)
+    return summary
+
+
+def _rl_attempt(cfg: RLJobConfig, data: RLData, config_dict: dict, summary: dict, restarts: int) -> None:
+    """Build the groups, resume, run the remaining steps and export; fills `summary`."""
+    set_phase("rlvr: setup")
+    trainer = RLVRTrainer(cfg, data)
     try:
-        start_step = trainer.resume()
-        summary["resumed_from_step"] = start_step
+        start_step = trainer.resume(force=restarts > 0)
+        summary.update(resumed_from_step=start_step, restarts=restarts)
         tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, cfg.train.steps, start_step)
         try:
             if start_step == 0 and cfg.eval:
                 tracker.log(0, initial := trainer.validate(0))
                 summary["val_accuracy_before"] = initial["val/accuracy"]
             for step in range(start_step + 1, cfg.train.steps + 1):
-                metrics = trainer.step(step)
+                metrics = {**trainer.step(step), "restarts": restarts}
                 last = step == cfg.train.steps
                 if cfg.eval and (last or (cfg.train.val_every and step % cfg.train.val_every == 0)):
                     metrics.update(trainer.validate(step))
@@ -193,14 +225,10 @@ def run_rlvr(cfg: RLJobConfig) -> dict:
                 summary.update(final_reward=metrics["reward/mean"], val_accuracy_after=metrics.get("val/accuracy"))
         finally:
             tracker.close()
-        hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
         set_phase("rlvr: export")
-        trainer.train.run_all("export_hf", hf_dir)
+        trainer.train.run_all("export_hf", os.path.join(cfg.output_dir, HF_MODEL_DIR))
     finally:
         trainer.shutdown()
-    summary.update(hf_model=hf_dir, time_s=round(time.time() - started, 1))
-    finish_run(cfg.output_dir, summary)
-    return summary
 
 
 def _reward_inputs(samples: list[Sample], prompts: list[Prompt]) -> list[RewardInput]:

@@ -18,8 +18,13 @@ SUMMARY_FILE = "summary.json"
 
 
 def prepare_run_dir(cfg, stage: str) -> dict:
-    """Create output_dir and write the resolved config; it re-runs as `--config`."""
+    """Create output_dir, write the resolved config (it re-runs as `--config`) and send
+    the driver's and the actors' logs to output_dir/logs/."""
+    from rlsys.actors.cluster import set_log_dir
+    from rlsys.console import attach_run_log
+
     os.makedirs(cfg.output_dir, exist_ok=True)
+    set_log_dir(attach_run_log(cfg.output_dir))
     config = config_to_dict(cfg)
     with open(os.path.join(cfg.output_dir, CONFIG_FILE), "w") as f:
         f.write(f"# resolved config of: python -m rlsys.run {stage} --config {CONFIG_FILE}\n")

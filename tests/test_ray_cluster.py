@@ -1,6 +1,8 @@
-"""rlsys on an existing Ray cluster: `ray start --head` (token authentication on,
-dashboard on 127.0.0.1), `ray job submit -- python -m rlsys.run rlvr ...`, then
-the dashboard's HTTP API and the metrics endpoint, as a user would look at them."""
+"""rlsys on an existing two-node Ray cluster: `ray start --head` (token authentication
+on, dashboard on 127.0.0.1) and a second node joined with `ray start --address`, one
+CPU each, so the two training ranks land on different nodes; then `ray job submit --
+python -m rlsys.run rlvr ...`, the dashboard's HTTP API and the metrics endpoint, as a
+user would look at them."""
 
 from __future__ import annotations
 
@@ -36,35 +38,48 @@ def get(url: str, token: str | None) -> dict | str:
     return json.loads(body) if body.startswith(("{", "[")) else body
 
 
+def start_node(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """`ray start --block ...` in its own process group: the node lives as long as the process."""
+    return subprocess.Popen([RAY, "start", "--block", "--num-cpus=1", "--disable-usage-stats", *args], env=env,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    """A 2-CPU head node in its own process group; `--block` ties the cluster's life to it."""
+    """A 1-CPU head node and a 1-CPU worker node on this machine."""
     ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="1000")
-    log = open(tmp_path_factory.mktemp("head") / "ray_start.log", "w")
-    process = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={ports['dashboard']}", f"--metrics-export-port={ports['metrics']}",
+    logs = tmp_path_factory.mktemp("nodes")
+    process = start_node(
+        ["--head", f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+         f"--metrics-export-port={ports['metrics']}",
          # fixed by default, so they would clash with another Ray instance on this machine
-         f"--dashboard-agent-listen-port={ports['agent']}", f"--ray-client-server-port={ports['client']}",
-         "--num-cpus=2",
-         "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+         f"--dashboard-agent-listen-port={ports['agent']}", f"--ray-client-server-port={ports['client']}"],
+        env, logs / "head.log")
     token = (Path.home() / ".ray" / "auth_token")
     dashboard = f"http://127.0.0.1:{ports['dashboard']}"
     deadline = time.monotonic() + 120
     while True:
-        assert process.poll() is None, open(log.name).read()[-3000:]
+        assert process.poll() is None, (logs / "head.log").read_text()[-3000:]
         try:
             get(f"{dashboard}/api/version", token.read_text().strip())
             break
         except (OSError, urllib.error.URLError):
             assert time.monotonic() < deadline, "the dashboard did not come up"
             time.sleep(1)
+    worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
+                         f"--dashboard-agent-listen-port={free_port()}"], env, logs / "worker.log")
+    while len([n for n in get(f"{dashboard}/api/v0/nodes", token.read_text().strip())["data"]["result"]["result"]
+               if n["state"] == "ALIVE"]) < 2:
+        assert worker.poll() is None, (logs / "worker.log").read_text()[-3000:]
+        assert time.monotonic() < deadline + 120, "the worker node did not join"
+        time.sleep(1)
     yield {"dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
            "token": token.read_text().strip(), "env": env}
-    process.terminate()
-    process.wait(timeout=60)
+    for node in (worker, process):
+        node.terminate()
+        node.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +115,7 @@ def test_job_submit_runs_rlvr_on_the_cluster(submitted, head):
     raw, job, _ = submitted
     assert job["status"] == "SUCCEEDED", job
     logs = get(f"{head['dashboard']}/api/jobs/{JOB}/logs", head["token"])["logs"]
-    assert "Connected to Ray cluster" in logs and "Started a local Ray instance" not in logs
+    assert "[rlsys] connected to the Ray cluster at" in logs and "started a local Ray" not in logs
     rows = [json.loads(line) for line in open(os.path.join(raw["output_dir"], "metrics.jsonl"))]
     assert rows[-1]["step"] == 6
 
@@ -113,8 +128,9 @@ def test_dashboard_needs_the_token(head):
 
 def test_dashboard_lists_the_named_actors_and_phases(submitted, head):
     actors = get(f"{head['dashboard']}/api/v0/actors?limit=1000&detail=true", head["token"])
-    names = {a.get("name") for a in actors["data"]["result"]["result"]}
-    assert {"rlsys/train/0", "rlsys/train/1", "rlsys/rollout/0", "rlsys/reward/0", "rlsys/val_reward/0"} <= names
+    nodes = {a.get("name"): a["node_id"] for a in actors["data"]["result"]["result"]}
+    assert {"rlsys/train/0", "rlsys/train/1", "rlsys/rollout/0", "rlsys/reward/0", "rlsys/val_reward/0"} <= set(nodes)
+    assert nodes["rlsys/train/0"] != nodes["rlsys/train/1"]  # the ranks' all-reduces crossed nodes
     tasks = get(f"{head['dashboard']}/api/v0/tasks?limit=10000", head["token"])
     task_names = {t.get("name") for t in tasks["data"]["result"]["result"]}
     assert "rlvr step 3: generate: generate" in task_names, sorted(task_names)[:20]

@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import struct
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -199,3 +201,30 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
     assert up.mean() > 0 > down.mean(), (up, down)
     # responses shared across rows can pull some rows the other way, but not most
     assert (up > 0).float().mean() >= 0.75 and (down < 0).float().mean() >= 0.75, (up, down)
+
+
+def test_restart_after_a_dead_rank_reproduces_the_metrics(straight_rl, tmp_path):
+    """train.max_restarts=1: a training rank killed after the step-2 checkpoint costs one restart
+    inside the same run, and steps 3-4 match the uninterrupted run's."""
+    from test_failures import worker_process
+
+    cfg, _ = straight_rl
+    cfg = replace(cfg, output_dir=str(tmp_path / "restarted"), train=replace(cfg.train, max_restarts=1),
+                  tracking=TrackingConfig(backends=["jsonl"]))
+    checkpoint = os.path.join(cfg.output_dir, "checkpoints", "step_000002")
+
+    def kill_rank_after_checkpoint() -> None:
+        while not os.path.isdir(checkpoint):
+            time.sleep(0.05)
+        worker_process(os.path.join(cfg.output_dir, "logs"), "train-1").kill()
+
+    killer = threading.Thread(target=kill_rank_after_checkpoint, daemon=True)
+    killer.start()
+    summary = run_rlvr(cfg)
+    killer.join(timeout=60)
+    expected, got = metrics(straight_rl[0].output_dir), metrics(cfg.output_dir)
+    assert summary["restarts"] == 1 and got[4]["restarts"] == 1 and got[2]["restarts"] == 0
+    assert list(got) == [0, 1, 2, 3, 4]
+    for step in (3, 4):
+        for name in ("reward/mean", "actor/pg_loss", "actor/kl", "actor/entropy", "val/accuracy"):
+            assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-5), (step, name)

@@ -1,0 +1,155 @@
+"""Bad input and dead workers, as a user meets them on the command line: bad input ends
+with exit code 2 and one line before Ray starts; a killed or hung training rank ends
+with exit code 3, one line naming it and the step to resume from."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RL_CONFIG = str(REPO / "examples" / "arith" / "rlvr.yaml")
+ASSETS = REPO / "tests" / "assets"
+TIMEOUT_S = 240
+
+# Runs each case through the CLI in one interpreter; prints [exit code, stderr, Ray started?] per case.
+CHECKER = """
+import contextlib, io, json, sys
+import ray
+from rlsys.run import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue(), ray.is_initialized()])
+print(json.dumps(results))
+"""
+
+
+def worker_process(log_dir: str, worker: str) -> psutil.Process:
+    """The process of an rlsys actor, found by the log file the driver gave it (logs/<worker>.log)."""
+    wanted = os.path.join(log_dir, f"{worker}.log")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter():
+            try:
+                if process.environ().get("RLSYS_LOG_FILE") == wanted:
+                    return process
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+        time.sleep(0.5)
+    raise AssertionError(f"no process writes {wanted}")
+
+
+def wait_for(path: str, process: subprocess.Popen, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isdir(path):
+        if process.poll() is not None:
+            raise AssertionError(f"run ended (exit {process.returncode}) before {path}:\n{process.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tiny_model_dir, arith_files, tmp_path_factory):
+    """Broken model directories, data files and reward files."""
+    tmp = tmp_path_factory.mktemp("bad")
+    for name, drop in (("no_tokenizer", ("tokenizer.json", "vocab.json", "tokenizer_config.json")),
+                       ("no_weights", ("model.safetensors",))):
+        shutil.copytree(tiny_model_dir, tmp / name, ignore=shutil.ignore_patterns(*drop))
+    shutil.copytree(tiny_model_dir, tmp / "bad_config")
+    (tmp / "bad_config" / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    (tmp / "corrupt.parquet").write_bytes(pathlib.Path(arith_files["rl_train"]).read_bytes()[:3000])
+    (tmp / "syntax_error.py").write_text("def compute_score(:\n")
+    import datasets
+
+    datasets.Dataset.from_list([{"data_source": "x", "prompt": "1+1="}] * 4).to_parquet(str(tmp / "no_truth.parquet"))
+    return tmp
+
+
+def test_bad_input_exits_2_with_one_line_before_ray_starts(bad_inputs, tiny_model_dir, arith_files):
+    base = ["rlvr", "--config", RL_CONFIG, f"model.path={tiny_model_dir}", f"output_dir={bad_inputs / 'out'}",
+            f"data.train_files=[{arith_files['rl_train']}]", f"eval.files=[{arith_files['test']}]"]
+    cases = {
+        f"model.path={bad_inputs / 'no_tokenizer'}": "model.path: no tokenizer files in",
+        f"model.path={bad_inputs / 'no_weights'}": "model.path: no weights in",
+        f"model.path={bad_inputs / 'bad_config'}": "config.json cannot be read by transformers",
+        f"data.train_files=[{bad_inputs / 'corrupt.parquet'}]": "corrupt.parquet: cannot be read",
+        f"data.train_files=[{bad_inputs / 'no_truth.parquet'}]": "no usable rows in",
+        "reward.terms=[{path: /no/such/reward.py}]": "reward.terms[0].path: file not found: /no/such/reward.py",
+        f"reward.terms=[{{path: {bad_inputs / 'syntax_error.py'}}}]":
+            "reward.terms[0].path: importing", 
+        "reward.terms=[{name: no_such_reward}]": "reward.terms[0].name: unknown reward 'no_such_reward'",
+        f"reward.terms=[{{path: {ASSETS / 'types_reward.py'}, function: wrong_arity}}]":
+            "reward.terms[0]: wrong_arity(solution_str, ground_truth, rubric) cannot be called",
+        "eval.reward=no_such_reward": "eval.reward: unknown reward 'no_such_reward'",
+        "parallel.dp_shard=64": "ray.cpus_per_worker: 64 workers x 1 CPUs",
+        "ray.cpus_per_worker=64": "ray.cpus_per_worker: 2 workers x 64 CPUs",
+    }
+    argvs = [base + [override] for override in cases]
+    result = subprocess.run([sys.executable, "-c", CHECKER, json.dumps(argvs)], capture_output=True, text=True,
+                            timeout=TIMEOUT_S, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for (override, expected), (code, stderr, ray_started) in zip(cases.items(), json.loads(result.stdout)):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (override, stderr)
+        assert lines[0].startswith("rlsys rlvr: error: ") and not ray_started, (override, stderr)
+
+
+@pytest.fixture
+def sft_run(sft_config, tmp_path):
+    """An SFT run of 40 steps on 2 ranks, checkpointing every 2, as a CLI subprocess."""
+
+    def start(*overrides: str) -> tuple[subprocess.Popen, str]:
+        out = str(tmp_path / "run")
+        command = [sys.executable, "-m", "rlsys.run", "sft", "--config", sft_config.path, f"output_dir={out}",
+                   "train.steps=40", "train.save_every=2", "train.global_batch_size=8", "train.micro_batch_size=4",
+                   "tracking.backends=[jsonl]", *overrides]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out
+
+    return start
+
+
+def test_killed_rank_ends_the_run_with_one_line_and_a_resume_step(sft_run):
+    process, out = sft_run()
+    wait_for(os.path.join(out, "checkpoints", "step_000002"), process)
+    worker_process(os.path.join(out, "logs"), "train-1").kill()
+    _, stderr = process.communicate(timeout=TIMEOUT_S)
+    assert process.returncode == 3, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    step = int(last.rsplit(" ", 1)[1])
+    assert last.startswith("rlsys sft: error: train rank 1 (rlsys/train/1) died during sft step "), last
+    assert last.endswith(f"checkpoints kept in {out}/checkpoints; re-run the same command to resume from step {step}")
+    assert step >= 2 and os.path.isdir(os.path.join(out, "checkpoints", f"step_{step:06d}"))
+
+
+def test_hung_collective_times_out_with_one_line(sft_run):
+    """A rank frozen with SIGSTOP ends the run after train.collective_timeout_s."""
+    process, out = sft_run("train.collective_timeout_s=5")
+    wait_for(os.path.join(out, "checkpoints", "step_000002"), process)
+    frozen = worker_process(os.path.join(out, "logs"), "train-1")
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        _, stderr = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        if frozen.is_running():
+            frozen.kill()
+    assert process.returncode == 3, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    # rank 0 times out in a collective with the frozen rank, or, when frozen after its last
+    # collective of a call, the driver gives up on it 5 s after rank 0 answered
+    hung = ("train rank 0 (rlsys/train/0) timed out in a collective",
+            "train rank 1 (rlsys/train/1) did not answer within 5 s of its peers")
+    assert any(h in last for h in hung) and "re-run the same command" in last, last

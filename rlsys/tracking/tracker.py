@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -75,7 +76,7 @@ class ConsoleBackend:
     _KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "reward/mean", "val/accuracy")
 
     def __init__(self, run_name: str, total_steps: int, start_step: int, log_every: int):
-        self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True)
+        self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, **_bar_width())
         self._log_every = log_every
 
     def log(self, step: int, metrics: Metrics) -> None:
@@ -85,6 +86,16 @@ class ConsoleBackend:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _bar_width() -> dict:
+    """tqdm sizes the bar to the terminal; a pseudo-terminal that reports width 0 (`script`,
+    some CI runners) would get an empty bar."""
+    try:
+        width = os.get_terminal_size(sys.stderr.fileno()).columns
+    except OSError:
+        return {}  # not a terminal: tqdm's fixed width
+    return {"dynamic_ncols": True} if width else {"ncols": 100, "nrows": 24}
 
 
 class WandbBackend:

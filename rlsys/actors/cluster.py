@@ -43,7 +43,7 @@ def ensure_ray(cfg: RayConfig) -> None:
     else:
         context = ray.init(
             address="local",  # a cluster of our own even when `ray start` runs on this machine
-            num_cpus=os.cpu_count(),
+            num_cpus=cfg.num_cpus or os.cpu_count(),
             include_dashboard=cfg.include_dashboard,
             dashboard_host=cfg.dashboard_host,
             runtime_env=runtime_env,
@@ -82,12 +82,12 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def check_resources(num_workers: int, cpus: float, gpus: float, key: str) -> None:
+def check_resources(num_workers: int, cpus: float, gpus: float, key: str, local_cpus: int | None = None) -> None:
     """Fail fast, naming the config key, when the cluster cannot place `num_workers`
     bundles of `cpus` CPUs and `gpus` GPUs (each bundle on a single node). Before Ray
-    starts a local cluster, the cluster is this machine."""
+    starts a local cluster, the cluster is this machine (with `local_cpus` logical CPUs)."""
     for resource, per_worker in (("CPU", cpus), ("GPU", gpus)):
-        nodes = _node_resources(resource)
+        nodes = _node_resources(resource, local_cpus)
         total, largest = sum(nodes), max(nodes, default=0)
         if num_workers * per_worker > total:
             raise ConfigError(f"{key}: {num_workers} workers x {per_worker:g} {resource}s = "
@@ -97,13 +97,13 @@ def check_resources(num_workers: int, cpus: float, gpus: float, key: str) -> Non
                               f"the cluster's {len(nodes)} nodes has {largest:g}")
 
 
-def _node_resources(resource: str) -> list[float]:
+def _node_resources(resource: str, local_cpus: int | None) -> list[float]:
     if ray.is_initialized():
         return [n["Resources"].get(resource, 0) for n in ray.nodes() if n["Alive"]]
     if os.environ.get("RAY_ADDRESS"):
         return [float("inf")]  # an existing cluster: checked once connected
     if resource == "CPU":
-        return [os.cpu_count() or 1]
+        return [local_cpus or os.cpu_count() or 1]
     import torch
 
     return [torch.cuda.device_count()]

@@ -41,7 +41,10 @@ class TrainGroup:
                 for rank in range(world_size)
             ]
             master_addr, master_port = self._wait([self.workers[0].master_address.remote()])[0]
-            self.run_all("setup", master_addr, master_port)
+            placement = self.run_all("setup", master_addr, master_port)
+            self.dp_ranks = [dp_rank for dp_rank, _ in placement]
+            self.collected = sorted((dp_rank, rank) for rank, (dp_rank, collected) in enumerate(placement)
+                                    if collected)
         except BaseException:
             self.shutdown()
             raise
@@ -51,10 +54,13 @@ class TrainGroup:
         return self._wait([call(getattr(w, method), *args, **kwargs) for w in self.workers])
 
     def run_data_parallel(self, method: str, batch: Batch, **kwargs: Any) -> list:
-        """Split `batch` by rows across data-parallel ranks and call `method` on each rank's share."""
-        shards = split_rows(batch, self.dims.dp_size)
-        return self._wait([call(getattr(w, method), shards[self.dims.dp_rank(rank)], **kwargs)
-                           for rank, w in enumerate(self.workers)])
+        """Split `batch` by rows into one shard per data-parallel rank; every rank of a
+        data-parallel group (its tensor-parallel peers) gets the same shard. Returns the
+        outputs of the collected ranks, one per shard, in data-parallel order."""
+        shards = [ray.put(shard) for shard in split_rows(batch, self.dims.dp_size)]
+        outputs = self._wait([call(getattr(w, method), shards[self.dp_ranks[rank]], **kwargs)
+                              for rank, w in enumerate(self.workers)])
+        return [outputs[rank] for _, rank in self.collected]
 
     def _wait(self, refs: list) -> list:
         return wait_all(refs, self.names, self.straggler_timeout_s)

@@ -1,19 +1,39 @@
-"""Next-token log-probs and the token-sum language-modelling loss."""
+"""Next-token log-probs and the language-modelling loss, as pure loss functions
+for the model engine (`rlsys.engine.model_engine`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+Batch = dict[str, torch.Tensor]
 
 
-def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1, shape [B, T-1], in fp32."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return logprobs_of_labels(logits, input_ids)
+@dataclass
+class LossOutput:
+    """What a loss function gives the engine for one micro-batch."""
+
+    loss: torch.Tensor | None
+    """This micro-batch's share of the global loss (None when only outputs are wanted)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Scalar shares of global metrics: they add up over micro-batches and data-parallel ranks."""
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-row outputs, [rows, T] aligned with input_ids."""
 
 
 def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-prob of labels[:, t] under logits[:, t-1]; labels are aligned with the inputs."""
+    """Log-prob of labels[:, t] under logits[:, t-1], shape [B, T-1], fp32.
+
+    Vocabulary-sharded logits (a DTensor under loss parallel, inside its context)
+    take the log-softmax shard by shard: only per-token maxima and sums cross ranks."""
+    if isinstance(logits, DTensor):
+        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll = F.nll_loss(logprobs.flatten(0, 1), labels[:, 1:].flatten(), reduction="none")
+        return -nll.full_tensor().view(labels.shape[0], -1)
     logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return logprobs.gather(-1, labels[:, 1:].unsqueeze(-1)).squeeze(-1)
 
@@ -21,3 +41,20 @@ def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 def masked_nll_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of -log p over target tokens; loss_mask is [B, T] aligned with the inputs."""
     return -(logprobs * loss_mask[:, 1:]).sum()
+
+
+def nll_loss(num_global_targets: int) -> Callable[[torch.Tensor, Batch], LossOutput]:
+    """Pretrain/SFT: mean negative log-likelihood over the global batch's target tokens."""
+
+    def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
+        logprobs = logprobs_of_labels(logits, micro["input_ids"].to(logits.device))
+        loss = masked_nll_sum(logprobs, micro["loss_mask"].to(logprobs.device)) / num_global_targets
+        return LossOutput(loss, {"loss": loss})
+
+    return loss_fn
+
+
+def token_logprobs(logits: torch.Tensor, micro: Batch) -> LossOutput:
+    """Forward only: per-token log-probs [B, T] aligned with input_ids (column 0 is 0)."""
+    logprobs = logprobs_of_labels(logits, micro["input_ids"].to(logits.device))
+    return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})

@@ -10,7 +10,17 @@ import glob
 import os
 
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import EvalConfig, EvalJobConfig, ModelConfig, RayConfig, RLJobConfig, TrainJobConfig
+from rlsys.config.schema import (
+    EvalConfig,
+    EvalJobConfig,
+    ModelConfig,
+    ParallelConfig,
+    RayConfig,
+    RLJobConfig,
+    TrainJobConfig,
+)
+from rlsys.parallel.dims import LayoutError, ParallelDims
+from rlsys.parallel.tp import check_tp_family
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -18,9 +28,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 
 def check_train_job(cfg: TrainJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
-    check_model_dir(cfg.model, "model.path")
+    dims = check_layout(cfg.parallel, check_model_dir(cfg.model, "model.path"))
     _check_files(cfg.data.train_files, "data.train_files")
-    train, dp = cfg.train, cfg.parallel.dp_shard * cfg.parallel.dp_replicate
+    train, dp = cfg.train, dims.dp_size
     if train.global_batch_size % (train.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size: {train.global_batch_size} is not divisible by "
@@ -28,7 +38,7 @@ def check_train_job(cfg: TrainJobConfig) -> None:
         )
     if cfg.eval is not None:
         _check_eval(cfg.eval)
-    _check_training_resources(cfg.ray, dp)
+    _check_training_resources(cfg.ray, dims.world_size)
 
 
 def check_rl_job(cfg: RLJobConfig) -> None:
@@ -36,12 +46,13 @@ def check_rl_job(cfg: RLJobConfig) -> None:
 
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
+    dims = check_layout(cfg.parallel, model_config)
     _check_files(cfg.data.train_files, "data.train_files")
     _check_heads_split(model_config, cfg.rollout.tensor_parallel_size, "rollout.tensor_parallel_size")
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
     if mini and prompts % mini:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
-    dp = cfg.parallel.dp_shard * cfg.parallel.dp_replicate
+    dp = dims.dp_size
     responses = (mini or prompts) * cfg.rollout.n
     if responses % dp:
         raise ConfigError(f"train.prompts_per_step: {responses} responses per update cannot be split evenly "
@@ -54,12 +65,13 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         resolve_term(term, f"reward.terms[{i}]")
     if cfg.eval is not None:
         _check_eval(cfg.eval)
-    _check_training_resources(cfg.ray, dp)
+    _check_training_resources(cfg.ray, dims.world_size)
     if cfg.rollout.placement == "separate":
         from rlsys.actors.cluster import check_resources
 
         gpus = cfg.rollout.gpus_per_engine * cfg.rollout.tensor_parallel_size
-        check_resources(cfg.rollout.num_engines, cfg.rollout.cpus_per_engine, gpus, "rollout.cpus_per_engine")
+        check_resources(cfg.rollout.num_engines, cfg.rollout.cpus_per_engine, gpus, "rollout.cpus_per_engine",
+                        cfg.ray.num_cpus)
 
 
 def check_eval_job(cfg: EvalJobConfig) -> None:
@@ -86,6 +98,25 @@ def check_model_dir(model: ModelConfig, key: str):
     if not any(os.path.isfile(os.path.join(model.path, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"{key}: no tokenizer files in {model.path} (expected one of {', '.join(_TOKENIZER_FILES)})")
     return config
+
+
+def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
+    """The training layout, checked against what is built so far and against the model."""
+    for key in ("pp", "cp"):
+        if getattr(parallel, key) > 1:
+            raise ConfigError(f"parallel.{key}: {'pipeline' if key == 'pp' else 'context'} parallelism is "
+                              "not available yet (must be 1)")
+    if parallel.tp == 1 and (parallel.sequence_parallel or parallel.loss_parallel):
+        key = "sequence_parallel" if parallel.sequence_parallel else "loss_parallel"
+        raise ConfigError(f"parallel.{key}: needs parallel.tp > 1")
+    try:
+        dims = ParallelDims.of(parallel)
+        dims.check_model(model_config)
+        if dims.tp > 1:
+            check_tp_family(model_config)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+    return dims
 
 
 def _check_heads_split(model_config, degree: int, key: str) -> None:
@@ -127,7 +158,8 @@ def _check_eval(cfg: EvalConfig) -> None:
 def _check_training_resources(ray_cfg: RayConfig, world_size: int) -> None:
     from rlsys.actors.cluster import check_resources
 
-    check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
+    check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker",
+                    ray_cfg.num_cpus)
 
 
 def _check_files(paths: list[str], key: str) -> None:

@@ -88,10 +88,24 @@ class TrainConfig(LoopConfig):
 
 @dataclass(config=STRICT)
 class ParallelConfig:
+    """The training group's layout: world size = dp_replicate x dp_shard x tp x pp x cp ranks."""
+
     dp_shard: int = Field(default=1, gt=0)
     """FSDP2 shard degree (ranks that split each parameter)."""
     dp_replicate: int = Field(default=1, gt=0)
     """Replica groups of the sharded model (HSDP when both are > 1)."""
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel degree: attention heads, MLP columns and the vocabulary split across this many ranks."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline-parallel stages (not available yet: must be 1)."""
+    cp: int = Field(default=1, gt=0)
+    """Context-parallel degree (not available yet: must be 1)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residual activations split along the sequence between the tp ranks."""
+    loss_parallel: bool = False
+    """With tp > 1: log-probs from the vocabulary-sharded LM head without gathering the logits."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of keeping them."""
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
 
@@ -102,6 +116,9 @@ class RayConfig:
     """CPUs reserved for each training rank (also its torch thread count)."""
     gpus_per_worker: float = Field(default=0.0, ge=0)
     """GPUs for each training rank; 0 trains on CPU with gloo, >0 on CUDA with nccl."""
+    num_cpus: int | None = Field(default=None, gt=0)
+    """Logical CPUs of a local cluster (default: this machine's cores). More than the cores lets a
+    layout with more ranks than cores run, slowly; ignored when joining RAY_ADDRESS."""
     include_dashboard: bool = True
     """Start the Ray dashboard with a local cluster (ignored when joining RAY_ADDRESS)."""
     dashboard_host: str = "127.0.0.1"

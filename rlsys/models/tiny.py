@@ -34,10 +34,12 @@ class TinyModelSpec:
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 1
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
     max_position_embeddings: int = 256
     vocab_size: int = 128
+    tie_word_embeddings: bool = False
+    """Untied by default, so tensor parallelism can split the embedding and the LM head."""
     seed: int = 0
 
 
@@ -74,7 +76,7 @@ def build_model(spec: TinyModelSpec, tokenizer: Qwen2Tokenizer):
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -98,7 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory to write")
     for name, value in asdict(TinyModelSpec()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            parser.add_argument(flag, type=int, default=value)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
     write_tiny_model(out, TinyModelSpec(**args))

@@ -1,41 +1,109 @@
-"""ParallelDims: the parallel layout of the training group and its DeviceMesh."""
+"""ParallelDims: the parallel layout of the training group and its DeviceMesh.
+
+Ranks are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp), the
+order torchtitan uses: tensor-parallel peers are neighbours (the most
+traffic, on one node), pipeline stages are the outermost split.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class LayoutError(ValueError):
+    """Degrees that the world or the model cannot take; the message starts with the config key."""
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one rank sits in the layout."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    dp_rank: int
+    """Which shard of a data-parallel batch this rank consumes (the same for all its tp/cp/pp peers)."""
+    collected: bool
+    """Whether the driver gathers this rank's outputs: tp rank 0, cp rank 0, last pipeline stage."""
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Ranks are laid out row-major over (dp_replicate, dp_shard).
-
-    dp_shard ranks split every parameter (FSDP2); dp_replicate groups hold
-    replicas of the sharded model (HSDP). Every rank is a data-parallel rank.
-    """
-
+    pp: int = 1
     dp_replicate: int = 1
+    """Replica groups of the sharded model (HSDP when dp_shard > 1 too)."""
     dp_shard: int = 1
+    """Ranks that split every parameter (FSDP2)."""
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def of(cls, parallel) -> ParallelDims:
+        """The layout of a `parallel:` config section."""
+        return cls(**{name: getattr(parallel, name) for name in MESH_DIMS})
+
+    def __post_init__(self):
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise LayoutError(f"parallel.{f.name}: must be >= 1, got {getattr(self, f.name)}")
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        size = 1
+        for degree in self.degrees:
+            size *= degree
+        return size
 
     @property
     def dp_size(self) -> int:
-        return self.world_size
+        return self.dp_replicate * self.dp_shard
 
-    def dp_rank(self, rank: int) -> int:
-        return rank
+    def coordinates(self, rank: int) -> Coordinates:
+        coords, rest = {}, rank
+        for name, degree in reversed(list(zip(MESH_DIMS, self.degrees))):
+            coords[name], rest = rest % degree, rest // degree
+        return Coordinates(**coords, dp_rank=coords["dp_replicate"] * self.dp_shard + coords["dp_shard"],
+                           collected=coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == self.pp - 1)
+
+    def check_model(self, model_config, tie_word_embeddings: bool | None = None) -> None:
+        """Degrees the model can take: tp splits heads, KV heads, the MLP and the vocabulary;
+        pp needs a decoder layer per stage."""
+        if self.tp > 1:
+            heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+            for what, size in (("attention heads", heads), ("key/value heads", kv_heads),
+                               ("intermediate size", model_config.intermediate_size),
+                               ("vocabulary", model_config.vocab_size)):
+                if size % self.tp:
+                    raise LayoutError(f"parallel.tp: {self.tp} does not divide the model's {what} ({size})")
+            tied = model_config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+            if tied:
+                raise LayoutError("parallel.tp: the model ties its input and output embeddings, which tensor "
+                                  "parallelism shards along different dimensions; use an untied model")
+        if self.pp > model_config.num_hidden_layers:
+            raise LayoutError(f"parallel.pp: {self.pp} stages for {model_config.num_hidden_layers} decoder layers")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
-        )
+        """One mesh over every dimension (degree-1 ones included, so names always resolve),
+        with the flattened data-parallel views FSDP and the batch split use."""
+        mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """1-D mesh for plain FSDP, 2-D (replicate, shard) for HSDP."""
+        """Parameters are sharded over dp_shard x cp (context-parallel ranks hold the same
+        weights), replicated over dp_replicate: a 2-D mesh for HSDP, else 1-D."""
         if self.dp_replicate > 1:
-            return mesh["dp_replicate", "dp_shard"]
-        return mesh["dp_shard"]
+            return mesh["dp_replicate", "dp_shard_cp"]
+        return mesh["dp_shard_cp"]

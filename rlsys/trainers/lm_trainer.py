@@ -15,11 +15,13 @@ from typing import Literal
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
+from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.checks import check_train_job, load_tokenizer
 from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
 from rlsys.data.files import DataError
+from rlsys.parallel.dims import ParallelDims
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
 from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
@@ -62,7 +64,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         from rlsys.eval import evaluate_model
 
         set_phase(f"{stage}: eval")
-        cpus = cfg.ray.cpus_per_worker * cfg.parallel.dp_shard * cfg.parallel.dp_replicate
+        cpus = cfg.ray.cpus_per_worker * ParallelDims.of(cfg.parallel).world_size
         summary["eval"] = evaluate_model(hf_dir, evaluator, cfg.output_dir, cpus, cfg.ray.gpus_per_worker)
     summary["time_s"] = round(time.time() - started, 1)
     finish_run(cfg.output_dir, summary)
@@ -100,13 +102,13 @@ def _train(cfg: TrainJobConfig, stage: Stage, examples: list[Example], sampler: 
 def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler, pad_id: int) -> dict:
     started = time.perf_counter()
     batch = collate([examples[i] for i in sampler.next_indices()], pad_id)
-    per_rank = group.run_data_parallel("train_step", batch, num_global_targets=num_targets(batch))
+    step = group.run_data_parallel("train_step", batch, loss_fn=nll_loss(num_targets(batch)))[0]
     elapsed = time.perf_counter() - started
     tokens = int(batch["attention_mask"].sum())
     return {
-        "loss": sum(r["loss"] for r in per_rank),
-        "grad_norm": per_rank[0]["grad_norm"],
-        "lr": per_rank[0]["lr"],
+        "loss": step["loss"],
+        "grad_norm": step["grad_norm"],
+        "lr": step["lr"],
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed,

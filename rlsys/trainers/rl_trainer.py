@@ -3,7 +3,7 @@
 One step, in data-flow order:
   prompts -> RolloutGroup.generate -> rewards -> GRPO advantages
   -> TrainGroup.compute_logprobs (old; reference if KL is on)
-  -> TrainGroup.update_policy (mini-batches x epochs) -> weight sync to the engines
+  -> TrainGroup.train_step with the policy loss (mini-batches x epochs) -> weight sync to the engines
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from rlsys.actors.rollout_worker import Sample
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.grpo import grpo_advantages
+from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.checks import check_rl_job, load_tokenizer
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch, EpochSampler, collate_rollouts, num_targets, per_token, split_rows
@@ -136,10 +137,9 @@ class RLVRTrainer:
         for _ in range(algo.ppo_epochs):
             for mini in split_rows(batch, num_minis):
                 counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0]}
-                per_rank = self.train.run_data_parallel("update_policy", mini, counts=counts, algo=algo)
-                for name in per_rank[0]:
-                    value = per_rank[0][name] if name in ("actor/grad_norm", "actor/lr") else sum(
-                        r[name] for r in per_rank)
+                update = self.train.run_data_parallel("train_step", mini, loss_fn=policy_loss(counts, algo))[0]
+                for name, value in update.items():
+                    name = f"actor/{name}" if name in ("grad_norm", "lr") else name
                     sums[name] = sums.get(name, 0.0) + value / self.updates_per_step
         return sums
 

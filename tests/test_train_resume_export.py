@@ -1,4 +1,4 @@
-"""A real SFT run on 2 FSDP2 ranks: resume reproduces the losses; the HF
+"""A real SFT run on 2 tensor-parallel ranks: resume reproduces the losses; the HF
 export loads in transformers and vLLM, which generate the same tokens."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def losses(output_dir: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def straight_run(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
-    """6 uninterrupted steps, checkpointing at steps 3 and 6."""
+    """6 uninterrupted steps on 2 tensor-parallel ranks (sequence and loss parallel on),
+    checkpointing at steps 3 and 6. (FSDP2 resume is covered by the RLVR tests.)"""
     from rlsys.config.loader import build_config
     from rlsys.config.schema import TrainJobConfig
 
@@ -32,7 +33,7 @@ def straight_run(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
         "data": {"train_files": [arith_files["sft"]], "max_seq_len": 32},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "train": {"steps": STEPS, "global_batch_size": 16, "micro_batch_size": 4, "save_every": 3},
-        "parallel": {"dp_shard": 2},
+        "parallel": {"tp": 2, "sequence_parallel": True, "loss_parallel": True},
         "ray": {"include_dashboard": False},
         "tracking": {"backends": ["jsonl", "tensorboard"]},
     })

@@ -1,0 +1,101 @@
+"""Every training layout gives the single-process loss, gradients and log-probs of the same
+global batch: FSDP2, HSDP, tensor parallel (with sequence and loss parallel) and FSDP2 x TP,
+for the SFT loss and the RL policy loss with a KL term."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlsys.actors.train_worker import build_worker_spec
+from rlsys.actors.worker_group import TrainGroup
+from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
+from rlsys.algorithms.rl_step import policy_loss
+from rlsys.config.schema import AlgorithmConfig, DataConfig
+from rlsys.data.batching import collate, num_targets
+from rlsys.data.examples import load_sft_examples
+
+ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
+LAYOUTS = {  # name: overrides
+    "fsdp2": ["parallel.dp_shard=2"],
+    "hsdp": ["parallel.dp_replicate=2"],
+    "tp2": ["parallel.tp=2"],
+    "tp2-sp-lp": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
+    "fsdp2xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
+    "fsdp2xtp2-sp-lp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                        "parallel.loss_parallel=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_model_dir, arith_files):
+    """12 SFT rows (3 micro-batches of varying length per rank), and the same rows as an RL
+    mini-batch: per-row advantages on the answer tokens, old and reference log-probs nearby."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    examples, _ = load_sft_examples(DataConfig(train_files=[arith_files["sft"]], max_seq_len=32), tokenizer)
+    sft = collate(examples[:12], tokenizer.pad_token_id)
+    generator = torch.Generator().manual_seed(0)
+    logprobs = reference_logprobs(tiny_model_dir, sft)
+    noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
+    rl = {**sft, "advantages": torch.randn(12, 1, generator=generator) * sft["loss_mask"],
+          "old_logprobs": logprobs + noise(), "ref_logprobs": logprobs + noise()}
+    counts = {"tokens": num_targets(rl), "sequences": 12}
+    return sft, rl, counts
+
+
+def reference_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def reference_logprobs(model_dir: str, batch) -> torch.Tensor:
+    with torch.no_grad():
+        logits = reference_model(model_dir)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.pad(logprobs_of_labels(logits, batch["input_ids"]), (1, 0))
+
+
+def reference_gradients(model_dir: str, batch, loss_fn) -> tuple[float, dict[str, torch.Tensor]]:
+    model = reference_model(model_dir)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    out = loss_fn(logits, batch)
+    out.loss.backward()
+    return out.loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_gradients_match(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, ref in expected.items():
+        relative = (got[name] - ref).norm() / ref.norm()
+        assert relative < 1e-5, f"{name}: relative gradient error {relative:.2e}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, batches, layout):
+    sft, rl, counts = batches
+    cfg = sft_config(*LAYOUTS[layout], "train.micro_batch_size=2")
+    sft_loss, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
+    _, rl_grads = reference_gradients(tiny_model_dir, rl, policy_loss(counts, ALGO))
+
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+    try:
+        [metrics, *_] = group.run_data_parallel("forward_backward", sft, loss_fn=nll_loss(num_targets(sft)))
+        got_sft = group.run_all("full_gradients")
+        group.run_all("zero_grad")
+        group.run_data_parallel("forward_backward", rl, loss_fn=policy_loss(counts, ALGO))
+        got_rl = group.run_all("full_gradients")
+        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
+        local_shapes = group.run_all("local_shapes")
+    finally:
+        group.shutdown()
+
+    assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
+    assert_gradients_match(got_sft[0], sft_grads)
+    assert_gradients_match(got_rl[0], rl_grads)
+    for rank_grads in got_sft[1:]:
+        assert all(torch.equal(rank_grads[name], got_sft[0][name]) for name in rank_grads)
+    expected = reference_logprobs(tiny_model_dir, sft) * sft["attention_mask"]
+    assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
+    shards = cfg.parallel.dp_shard * cfg.parallel.tp
+    q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    assert local_shapes[0]["model.layers.0.self_attn.q_proj.weight"][0] == q_rows // shards  # sharded, not copied

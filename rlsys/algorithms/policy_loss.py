@@ -53,6 +53,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, global_tok
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, rows_per_chunk: int = 2) -> torch.Tensor:
+    """Per-token entropy [B, T], a few rows at a time: the softmax temporaries are
+    [rows, T, vocab] each, which for a 150k vocabulary outweigh the model's activations."""
+    return torch.cat([_entropy(chunk) for chunk in logits.split(rows_per_chunk)])
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     return -(logprobs.exp() * logprobs).sum(-1)

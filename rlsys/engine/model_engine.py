@@ -76,7 +76,7 @@ class ModelEngine:
     def _build_optimizer(self) -> None:
         optim = self.spec.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                           weight_decay=optim.weight_decay, foreach=True)
+                                           weight_decay=optim.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_multiplier(step, optim.warmup_steps, self.spec.total_steps, optim.min_lr_ratio))

@@ -1,0 +1,162 @@
+"""Per-rank memory of a training layout: bytes of parameters, gradients and optimizer
+state each rank holds, and the peak memory of loading the model and of one training
+step, for a random-init Qwen2-shaped model.
+
+    .venv/bin/python benchmarks/memory.py --layout dp_shard=2 --layout tp=2 --layout dp_shard=2,tp=2
+
+Each layout runs in its own gloo process group (torch.multiprocessing, no Ray: the
+model engine does not need it). The `ideal` column is the model's total bytes divided
+by the ranks that shard it (dp_shard x tp); `vs ideal` is the rank's parameter bytes
+against it. Peak memory on CPU is the rank process's resident set (sampled every 5 ms)
+above its size before the model was built; on GPU, torch's max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlsys.algorithms.lm_loss import nll_loss
+from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from rlsys.engine.model_engine import EngineSpec, ModelEngine
+from rlsys.parallel.dims import ParallelDims
+
+GIB = 2**30
+
+
+def write_model(out_dir: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                vocab: int) -> int:
+    """A random-init Qwen2 model directory (weights and config only); returns its parameter count."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+                         tie_word_embeddings=False, max_position_embeddings=4096)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+class PeakSampler:
+    """Resident-set high-water mark of this process over a window."""
+
+    def __init__(self):
+        self.peak, self._running = 0, False
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        self.peak, self._running = self.rss(), True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while self._running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self._running = False
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def local_bytes(tensors) -> int:
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
+
+
+def run_rank(rank: int, layout: dict, model_dir: str, port: int, batch_shape: tuple[int, int], results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ParallelDims(**layout).world_size)
+    dims = ParallelDims(**layout)
+    parallel = ParallelConfig(**layout)
+    spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=batch_shape[0],
+                      total_steps=10, param_dtype=None)
+    baseline = PeakSampler.rss()
+    with PeakSampler() as load:
+        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+    rows, length = batch_shape
+    ids = torch.randint(0, 1000, (rows * dims.dp_size, length), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    shard = {k: v.tensor_split(dims.dp_size)[dims.coordinates(rank).dp_rank] for k, v in batch.items()}
+    loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
+    with PeakSampler() as step:
+        engine.forward_backward(shard, loss_fn)
+        grads = local_bytes(p.grad for p in engine.model.parameters())
+        engine.optimizer_step()
+    params = local_bytes(engine.model.parameters())
+    optim = local_bytes(t for state in engine.optimizer.state.values() for t in state.values() if t.dim() > 0)
+    results.put((rank, {"params": params, "grads": grads, "optim": optim,
+                        "load_peak": load.peak - baseline, "step_peak": step.peak - baseline}))
+    dist.destroy_process_group()
+
+
+def measure(layout: dict, model_dir: str, batch_shape: tuple[int, int]) -> list[dict]:
+    world = ParallelDims(**layout).world_size
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=run_rank, args=(r, layout, model_dir, port, batch_shape, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    by_rank = dict(results.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    return [by_rank[r] for r in range(world)]
+
+
+def parse_layout(text: str) -> dict:
+    return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layout", action="append", type=parse_layout,
+                        help="e.g. dp_shard=2,tp=2 (repeatable; default: dp_shard=2, tp=2, dp_shard=2,tp=2)")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rows", type=int, default=4, help="rows per data-parallel rank")
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    layouts = args.layout or [{"dp_shard": 2}, {"tp": 2}, {"dp_shard": 2, "tp": 2}]
+    with tempfile.TemporaryDirectory() as model_dir:
+        count = write_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
+                            args.vocab)
+        total = count * 4
+        print(f"model: {count / 1e6:.1f} M parameters, {total / GIB:.3f} GiB in fp32; "
+              f"batch {args.rows} x {args.seq_len} tokens per data-parallel rank\n")
+        print("| layout | rank | params MiB | grads MiB | optimizer MiB | ideal MiB | vs ideal | load peak MiB "
+              "| step peak MiB |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for layout in layouts:
+            shards = layout.get("dp_shard", 1) * layout.get("tp", 1)
+            name = " x ".join(f"{k}={v}" for k, v in layout.items())
+            for rank, row in enumerate(measure(layout, model_dir, (args.rows, args.seq_len))):
+                print(f"| {name} | {rank} | {row['params'] / 2**20:.1f} | {row['grads'] / 2**20:.1f} "
+                      f"| {row['optim'] / 2**20:.1f} | {total / shards / 2**20:.1f} "
+                      f"| {row['params'] / (total / shards):.3f} | {row['load_peak'] / 2**20:.0f} "
+                      f"| {row['step_peak'] / 2**20:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

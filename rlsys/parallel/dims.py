@@ -75,7 +75,7 @@ class ParallelDims:
         return Coordinates(**coords, dp_rank=coords["dp_replicate"] * self.dp_shard + coords["dp_shard"],
                            collected=coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == self.pp - 1)
 
-    def check_model(self, model_config, tie_word_embeddings: bool | None = None) -> None:
+    def check_model(self, model_config) -> None:
         """Degrees the model can take: tp splits heads, KV heads, the MLP and the vocabulary;
         pp needs a decoder layer per stage."""
         if self.tp > 1:
@@ -85,8 +85,7 @@ class ParallelDims:
                                ("vocabulary", model_config.vocab_size)):
                 if size % self.tp:
                     raise LayoutError(f"parallel.tp: {self.tp} does not divide the model's {what} ({size})")
-            tied = model_config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
-            if tied:
+            if getattr(model_config, "tie_word_embeddings", False):
                 raise LayoutError("parallel.tp: the model ties its input and output embeddings, which tensor "
                                   "parallelism shards along different dimensions; use an untied model")
         if self.pp > model_config.num_hidden_layers:

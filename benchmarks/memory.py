@@ -79,10 +79,9 @@ def local_bytes(tensors) -> int:
 
 def run_rank(rank: int, layout: dict, model_dir: str, port: int, batch_shape: tuple[int, int], results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=ParallelDims(**layout).world_size)
-    dims = ParallelDims(**layout)
     parallel = ParallelConfig(**layout)
+    dims = ParallelDims.of(parallel)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dims.world_size)
     spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=batch_shape[0],
                       total_steps=10, param_dtype=None)
     baseline = PeakSampler.rss()

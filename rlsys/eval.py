@@ -20,7 +20,7 @@ from rlsys.config.checks import check_eval_job, load_tokenizer
 from rlsys.config.schema import EvalConfig, EvalJobConfig, RewardConfig, RolloutConfig
 from rlsys.data.rl import load_prompts
 from rlsys.rewards.loading import eval_term
-from rlsys.rewards.runner import RewardInput, RewardRunner
+from rlsys.rewards.runner import RewardRunner, reward_inputs
 from rlsys.trainers.run_dir import prepare_run_dir, write_summary
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,7 @@ class Evaluator:
         """Accuracy and reward errors on the split, and one result row per prompt."""
         samples = rollout.generate(list(enumerate(self.prompt_ids)), self.seed, 1, self.cfg.temperature,
                                    self.cfg.max_new_tokens)
-        inputs = [RewardInput(self.prompts[s.prompt_index].data_source, s.text,
-                              self.prompts[s.prompt_index].ground_truth, self.prompts[s.prompt_index].extra_info)
-                  for s in samples]
+        inputs = reward_inputs(samples, self.prompts)
         scored, metrics = self.rewards.score(inputs)
         rows = [{"prompt": self.prompts[s.prompt_index].text, "response": s.text, "ground_truth": item.ground_truth,
                  "score": result.score, "response_tokens": len(s.response_ids)}

@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlsys {args.stage}: error: {err}", file=sys.stderr)
         return 2
     except WorkerFailure as failure:
-        print(f"rlsys {args.stage}: error: {failure}; {getattr(failure, 'resume_hint', '')}".rstrip("; "),
-              file=sys.stderr)
+        print(f"rlsys {args.stage}: error: {failure}; {failure.resume_hint}".rstrip("; "), file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print(f"rlsys {args.stage}: interrupted; re-run the same command to resume", file=sys.stderr)

@@ -99,9 +99,9 @@ class ModelEngine:
                     out.loss.backward()
                 for name, value in out.metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
-                for name, value in out.rows.items():
-                    rows.setdefault(name, []).append(F.pad(value.detach().cpu(), (0, shard["input_ids"].shape[1] -
-                                                                                  value.shape[1])))
+                for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
+                    width = shard["input_ids"].shape[1] - value.shape[1]
+                    rows.setdefault(name, []).append(F.pad(value.detach().cpu(), (0, width)))
         if forward_only:
             self.model.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
         return self._sum_over_dp(sums), {name: torch.cat(parts) for name, parts in rows.items()}

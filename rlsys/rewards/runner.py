@@ -37,6 +37,13 @@ class RewardInput(NamedTuple):
     extra_info: Any
 
 
+def reward_inputs(samples: list, prompts: list) -> list[RewardInput]:
+    """One input per sampled response (`Sample`), with its prompt's (`Prompt`) data source,
+    ground truth and extra info."""
+    return [RewardInput(prompts[s.prompt_index].data_source, s.text, prompts[s.prompt_index].ground_truth,
+                        prompts[s.prompt_index].extra_info) for s in samples]
+
+
 @dataclass
 class ScoredSample:
     score: float = 0.0

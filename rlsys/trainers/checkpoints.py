@@ -26,8 +26,8 @@ class CheckpointDir:
         self.keep_last = keep_last
 
     def latest(self) -> str | None:
-        steps = self._complete_steps()
-        return os.path.join(self.root, f"step_{steps[-1]:06d}") if steps else None
+        step = self.latest_step()
+        return os.path.join(self.root, f"step_{step:06d}") if step else None
 
     def latest_step(self) -> int:
         """The newest complete checkpoint's step (0 when there is none)."""

@@ -29,7 +29,7 @@ from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts
 from rlsys.eval import Evaluator
 from rlsys.parallel.weight_sync import WeightSync
-from rlsys.rewards.runner import RewardInput, RewardRunner
+from rlsys.rewards.runner import RewardRunner, reward_inputs
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
 from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
@@ -97,7 +97,7 @@ class RLVRTrainer:
                                             cfg.rollout.n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
             self.rollout.call_all("sleep")
         with timer("reward"):
-            scored, reward_metrics = self.rewards.score(_reward_inputs(samples, self.prompts))
+            scored, reward_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
         rewards = torch.tensor([s.score for s in scored])
         advantages = grpo_advantages(rewards, torch.tensor([s.prompt_index for s in samples]),
                                      cfg.algorithm.norm_adv_by_std)
@@ -229,11 +229,6 @@ def _rl_attempt(cfg: RLJobConfig, data: RLData, config_dict: dict, summary: dict
         trainer.train.run_all("export_hf", os.path.join(cfg.output_dir, HF_MODEL_DIR))
     finally:
         trainer.shutdown()
-
-
-def _reward_inputs(samples: list[Sample], prompts: list[Prompt]) -> list[RewardInput]:
-    return [RewardInput(prompts[s.prompt_index].data_source, s.text, prompts[s.prompt_index].ground_truth,
-                        prompts[s.prompt_index].extra_info) for s in samples]
 
 
 def _sample_metrics(samples: list[Sample], batch: Batch, times: dict[str, float]) -> dict[str, float]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
 from rlsys.rollout.vllm_engine import create_llm
@@ -54,6 +55,7 @@ class RolloutWorker:
         self.llm = create_llm(model_path, cfg.engine_memory_gib, seed, cfg.tensor_parallel_size,
                               sleep_mode=torch.cuda.is_available() and cfg.placement == "colocated")
 
+    @releases_freed_memory
     def generate(self, prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int) -> list[Sample]:
         """Sample `n` responses for each (prompt_index, prompt_ids). The seed of
@@ -75,6 +77,7 @@ class RolloutWorker:
             for c in output.outputs
         ]
 
+    @releases_freed_memory
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         self.llm.collective_rpc(_load_weights, args=(weights,))
         return len(weights)

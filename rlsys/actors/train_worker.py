@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.algorithms.lm_loss import token_logprobs
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.console import redirect_actor_output
@@ -80,6 +81,7 @@ class TrainWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
+    @releases_freed_memory
     def setup(self, master_addr: str, master_port: int) -> tuple[int, bool]:
         """Join the process group, build the engines; returns (data-parallel rank, collected?)."""
         spec = self.spec
@@ -99,12 +101,14 @@ class TrainWorker:
 
     # -- training -----------------------------------------------------------
 
+    @releases_freed_memory
     def forward_backward(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
         """Accumulate the gradients of `loss_fn` (from `rlsys.algorithms`, sent by the driver)
         over this rank's shard; returns its global metrics."""
         metrics, _ = self.policy.forward_backward(shard, loss_fn)
         return metrics
 
+    @releases_freed_memory
     def train_step(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
         """forward_backward, then one optimizer step: metrics plus grad_norm and lr."""
         return {**self.forward_backward(shard, loss_fn), **self.policy.optimizer_step()}
@@ -112,6 +116,7 @@ class TrainWorker:
     def zero_grad(self) -> None:
         self.policy.optimizer.zero_grad(set_to_none=True)
 
+    @releases_freed_memory
     def compute_logprobs(self, shard: Batch, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs [B, T] aligned with input_ids (column 0 is 0), without grad."""
         engine = self.reference if reference else self.policy
@@ -127,6 +132,7 @@ class TrainWorker:
     def parameter_nbytes(self) -> dict[str, int]:
         return self.policy.parameter_nbytes()
 
+    @releases_freed_memory
     def gather_bucket(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """Full tensors of `names` (a collective: every rank calls it); rank 0 returns them."""
         full = {name: tensor.cpu() for name, tensor in self.policy.full_tensors(names)}
@@ -144,12 +150,15 @@ class TrainWorker:
 
     # -- state --------------------------------------------------------------
 
+    @releases_freed_memory
     def save_checkpoint(self, path: str) -> None:
         self.policy.save(path, self.rank)
 
+    @releases_freed_memory
     def load_checkpoint(self, path: str) -> None:
         self.policy.load(path, self.rank)
 
+    @releases_freed_memory
     def export_hf(self, out_dir: str) -> None:
         self.policy.export_hf(out_dir, write=self.rank == 0)
 

@@ -34,8 +34,9 @@ def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
         logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = F.nll_loss(logprobs.flatten(0, 1), labels[:, 1:].flatten(), reduction="none")
         return -nll.full_tensor().view(labels.shape[0], -1)
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logprobs.gather(-1, labels[:, 1:].unsqueeze(-1)).squeeze(-1)
+    # not log_softmax: its [B, T, vocab] output would be kept for backward beside the logits
+    logits = logits[:, :-1].float()
+    return logits.gather(-1, labels[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def masked_nll_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -94,10 +94,11 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, batch_shape: tu
     loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
     with PeakSampler() as step:
         engine.forward_backward(shard, loss_fn)
-        grads = local_bytes(p.grad for p in engine.model.parameters())
+        grads = local_bytes(p.grad for _, p in engine.named_parameters())
         engine.optimizer_step()
-    params = local_bytes(engine.model.parameters())
-    optim = local_bytes(t for state in engine.optimizer.state.values() for t in state.values() if t.dim() > 0)
+    params = local_bytes(p for _, p in engine.named_parameters())
+    optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
+                        for t in state.values() if t.dim() > 0)
     results.put((rank, {"params": params, "grads": grads, "optim": optim,
                         "load_peak": load.peak - baseline, "step_peak": step.peak - baseline}))
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Every training layout gives the single-process loss, gradients and log-probs of the same
-global batch: FSDP2, HSDP, tensor parallel (with sequence and loss parallel) and FSDP2 x TP,
-for the SFT loss and the RL policy loss with a KL term."""
+global batch: FSDP2, HSDP, tensor parallel (with sequence and loss parallel), FSDP2 x TP and
+pipeline parallel (three schedules, and composed with FSDP2 and TP), for the SFT loss and the
+RL policy loss with a KL term."""
 
 from __future__ import annotations
 
@@ -25,7 +26,22 @@ LAYOUTS = {  # name: overrides
     "fsdp2xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
     "fsdp2xtp2-sp-lp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                         "parallel.loss_parallel=true"],
+    "pp2-gpipe": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2-1f1b": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "pp2-interleaved": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
+    "pp2xfsdp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2"],
+    "pp2xtp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2"],
 }
+
+
+@pytest.fixture(scope="module")
+def four_layer_model_dir(tmp_path_factory) -> str:
+    """Pipeline layouts need a layer per stage: 4 for interleaved 1F1B over 2 ranks."""
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=2)
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny4")), spec)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +78,17 @@ def reference_gradients(model_dir: str, batch, loss_fn) -> tuple[float, dict[str
     return out.loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
+def merge_stages(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One full gradient per name: pipeline stages hold different names, and every rank
+    holding a name (its data- and tensor-parallel peers) must agree exactly."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank_grads in per_rank:
+        for name, grad in rank_grads.items():
+            assert name not in merged or torch.equal(merged[name], grad), name
+            merged.setdefault(name, grad)
+    return merged
+
+
 def assert_gradients_match(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name, ref in expected.items():
@@ -71,11 +98,13 @@ def assert_gradients_match(got: dict, expected: dict) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, batches, layout):
+def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, four_layer_model_dir, batches,
+                                       layout):
     sft, rl, counts = batches
-    cfg = sft_config(*LAYOUTS[layout], "train.micro_batch_size=2")
-    sft_loss, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
-    _, rl_grads = reference_gradients(tiny_model_dir, rl, policy_loss(counts, ALGO))
+    model_dir = four_layer_model_dir if layout.startswith("pp") else tiny_model_dir
+    cfg = sft_config(*LAYOUTS[layout], "train.micro_batch_size=2", f"model.path={model_dir}")
+    sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
+    _, rl_grads = reference_gradients(model_dir, rl, policy_loss(counts, ALGO))
 
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
@@ -90,11 +119,9 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
         group.shutdown()
 
     assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
-    assert_gradients_match(got_sft[0], sft_grads)
-    assert_gradients_match(got_rl[0], rl_grads)
-    for rank_grads in got_sft[1:]:
-        assert all(torch.equal(rank_grads[name], got_sft[0][name]) for name in rank_grads)
-    expected = reference_logprobs(tiny_model_dir, sft) * sft["attention_mask"]
+    assert_gradients_match(merge_stages(got_sft), sft_grads)
+    assert_gradients_match(merge_stages(got_rl), rl_grads)
+    expected = reference_logprobs(model_dir, sft) * sft["attention_mask"]
     assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
     shards = cfg.parallel.dp_shard * cfg.parallel.tp
     q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]

@@ -58,8 +58,9 @@ def test_buckets_keep_decoder_blocks_whole():
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=1", "parallel.tp=2"],
-                                    ["parallel.tp=2", "parallel.sequence_parallel=true"]],
-                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp"])
+                                    ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.dp_shard=1", "parallel.pp=2"]],
+                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp", "pp2"])
 def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     """Perturb the sharded policy, sync it bucket by bucket from its training layout into
     vLLM's: vLLM's per-token log-probs equal the trainer's within 1e-4 (and differ before)."""

@@ -1,5 +1,5 @@
-"""A real SFT run on 2 tensor-parallel ranks: resume reproduces the losses; the HF
-export loads in transformers and vLLM, which generate the same tokens."""
+"""A real SFT run on 2 tensor-parallel ranks, and on 2 pipeline stages: resume reproduces the
+losses; the HF export loads in transformers and vLLM, which generate the same tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ import pytest
 from rlsys.trainers.lm_trainer import run_lm_training
 
 STEPS = 6
+LAYOUTS = {
+    "tp2-sp-lp": {"tp": 2, "sequence_parallel": True, "loss_parallel": True},
+    "pp2": {"pp": 2, "pp_schedule": "1f1b"},
+}
 
 
 def losses(output_dir: str) -> dict[int, float]:
@@ -19,10 +23,10 @@ def losses(output_dir: str) -> dict[int, float]:
         return {row["step"]: row["loss"] for row in map(json.loads, f)}
 
 
-@pytest.fixture(scope="module")
-def straight_run(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
-    """6 uninterrupted steps on 2 tensor-parallel ranks (sequence and loss parallel on),
-    checkpointing at steps 3 and 6. (FSDP2 resume is covered by the RLVR tests.)"""
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def straight_run(request, ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
+    """6 uninterrupted steps on 2 tensor-parallel ranks (sequence and loss parallel on), or on 2
+    pipeline stages, checkpointing at steps 3 and 6. (FSDP2 resume is covered by the RLVR tests.)"""
     from rlsys.config.loader import build_config
     from rlsys.config.schema import TrainJobConfig
 
@@ -33,7 +37,7 @@ def straight_run(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
         "data": {"train_files": [arith_files["sft"]], "max_seq_len": 32},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "train": {"steps": STEPS, "global_batch_size": 16, "micro_batch_size": 4, "save_every": 3},
-        "parallel": {"tp": 2, "sequence_parallel": True, "loss_parallel": True},
+        "parallel": LAYOUTS[request.param],
         "ray": {"include_dashboard": False},
         "tracking": {"backends": ["jsonl", "tensorboard"]},
     })
@@ -45,8 +49,9 @@ def test_output_directory_layout(straight_run):
     cfg, summary = straight_run
     out = cfg.output_dir
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000003", "step_000006"]
+    weights = "hf_model/model.safetensors" if cfg.parallel.pp == 1 else "hf_model/model.safetensors.index.json"
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "report.png", "report.html",
-                 "hf_model/config.json", "hf_model/model.safetensors", "hf_model/tokenizer.json"):
+                 "hf_model/config.json", weights, "hf_model/tokenizer.json"):
         assert os.path.isfile(os.path.join(out, name)), name
     assert list(losses(out)) == list(range(1, STEPS + 1))
     assert summary["final_loss"] == losses(out)[STEPS]

@@ -96,8 +96,8 @@ class TrainWorker:
         self.policy = ModelEngine(spec.engine_spec(), mesh, self.device)
         self.reference = ModelEngine(spec.engine_spec(), mesh, self.device, trainable=False) \
             if spec.with_reference else None
-        where = spec.dims.coordinates(self.rank)
-        return where.dp_rank, where.collected
+        self.where = spec.dims.coordinates(self.rank)
+        return self.where.dp_rank, self.where.collected
 
     # -- training -----------------------------------------------------------
 
@@ -114,14 +114,15 @@ class TrainWorker:
         return {**self.forward_backward(shard, loss_fn), **self.policy.optimizer_step()}
 
     def zero_grad(self) -> None:
-        self.policy.optimizer.zero_grad(set_to_none=True)
+        self.policy.zero_grad()
 
     @releases_freed_memory
-    def compute_logprobs(self, shard: Batch, reference: bool = False) -> torch.Tensor:
-        """Per-token log-probs [B, T] aligned with input_ids (column 0 is 0), without grad."""
+    def compute_logprobs(self, shard: Batch, reference: bool = False) -> torch.Tensor | None:
+        """Per-token log-probs [B, T] aligned with input_ids (column 0 is 0), without grad
+        (None on a pipeline stage before the last)."""
         engine = self.reference if reference else self.policy
         _, rows = engine.forward_backward(shard, token_logprobs, forward_only=True)
-        return rows["logprobs"]
+        return rows.get("logprobs")
 
     def perturb_parameters(self, scale: float, seed: int) -> None:
         """Tests use it to make the policy differ from the engines'."""
@@ -134,19 +135,23 @@ class TrainWorker:
 
     @releases_freed_memory
     def gather_bucket(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """Full tensors of `names` (a collective: every rank calls it); rank 0 returns them."""
-        full = {name: tensor.cpu() for name, tensor in self.policy.full_tensors(names)}
-        return full if self.rank == 0 else None
+        """Full tensors of `names`, from this rank's pipeline stage (a collective over the
+        stage's ranks); the stage's leading rank returns them."""
+        full = {}
+        for name, tensor in self.policy.full_tensors(names):
+            if self.where.leads_stage:
+                full[name] = tensor.cpu()
+        return full or None
 
     # -- inspection (tests) ---------------------------------------------------
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients by parameter name (gathers: every rank must call)."""
-        return {name: p.grad.full_tensor().cpu() for name, p in self.policy.model.named_parameters()}
+        return {name: p.grad.full_tensor().cpu() for name, p in self.policy.named_parameters()}
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of this rank's shard of each parameter."""
-        return {name: tuple(p.to_local().shape) for name, p in self.policy.model.named_parameters()}
+        return {name: tuple(p.to_local().shape) for name, p in self.policy.named_parameters()}
 
     # -- state --------------------------------------------------------------
 
@@ -160,7 +165,7 @@ class TrainWorker:
 
     @releases_freed_memory
     def export_hf(self, out_dir: str) -> None:
-        self.policy.export_hf(out_dir, write=self.rank == 0)
+        self.policy.export_hf(out_dir, writes_stage=self.where.leads_stage, writes_config=self.rank == 0)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

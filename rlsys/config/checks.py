@@ -20,6 +20,7 @@ from rlsys.config.schema import (
     TrainJobConfig,
 )
 from rlsys.parallel.dims import LayoutError, ParallelDims
+from rlsys.parallel.pipeline import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
@@ -102,21 +103,33 @@ def check_model_dir(model: ModelConfig, key: str):
 
 def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     """The training layout, checked against what is built so far and against the model."""
-    for key in ("pp", "cp"):
-        if getattr(parallel, key) > 1:
-            raise ConfigError(f"parallel.{key}: {'pipeline' if key == 'pp' else 'context'} parallelism is "
-                              "not available yet (must be 1)")
+    if parallel.cp > 1:
+        raise ConfigError("parallel.cp: context parallelism is not available yet (must be 1)")
+    if parallel.pp > 1:
+        _check_pipeline(parallel)
     if parallel.tp == 1 and (parallel.sequence_parallel or parallel.loss_parallel):
         key = "sequence_parallel" if parallel.sequence_parallel else "loss_parallel"
         raise ConfigError(f"parallel.{key}: needs parallel.tp > 1")
     try:
         dims = ParallelDims.of(parallel)
-        dims.check_model(model_config)
+        dims.check_model(model_config, stages_per_rank(parallel))
         if dims.tp > 1:
             check_tp_family(model_config)
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     return dims
+
+
+def _check_pipeline(parallel: ParallelConfig) -> None:
+    if parallel.sequence_parallel or parallel.loss_parallel:
+        key = "sequence_parallel" if parallel.sequence_parallel else "loss_parallel"
+        raise ConfigError(f"parallel.{key}: not available yet with parallel.pp > 1")
+    if parallel.pp_schedule == "1f1b" and parallel.pp_microbatches < parallel.pp:
+        raise ConfigError(f"parallel.pp_microbatches: 1f1b needs at least pp ({parallel.pp}) micro-batches, "
+                          f"got {parallel.pp_microbatches}")
+    if parallel.pp_schedule == "interleaved_1f1b" and parallel.pp_microbatches % parallel.pp:
+        raise ConfigError(f"parallel.pp_microbatches: interleaved_1f1b needs a multiple of pp ({parallel.pp}), "
+                          f"got {parallel.pp_microbatches}")
 
 
 def _check_heads_split(model_config, degree: int, key: str) -> None:

@@ -97,7 +97,15 @@ class ParallelConfig:
     tp: int = Field(default=1, gt=0)
     """Tensor-parallel degree: attention heads, MLP columns and the vocabulary split across this many ranks."""
     pp: int = Field(default=1, gt=0)
-    """Pipeline-parallel stages (not available yet: must be 1)."""
+    """Pipeline-parallel ranks: the decoder layers split into consecutive stages."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """With pp > 1: all forwards then all backwards (gpipe), one forward one backward (1f1b), or 1f1b
+    over several smaller stages per rank (interleaved_1f1b), which shrinks the pipeline bubble."""
+    pp_microbatches: int = Field(default=4, gt=0)
+    """With pp > 1: micro-batches each data-parallel shard is split into (replaces train.micro_batch_size);
+    at least pp for 1f1b; a multiple of pp for interleaved_1f1b."""
+    pp_stages_per_rank: int = Field(default=2, gt=1)
+    """With interleaved_1f1b: stages each pipeline rank holds (rank r runs stages r, r + pp, ...)."""
     cp: int = Field(default=1, gt=0)
     """Context-parallel degree (not available yet: must be 1)."""
     sequence_parallel: bool = False

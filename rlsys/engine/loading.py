@@ -20,20 +20,30 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlsys.config.schema import ModelConfig, ParallelConfig
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import parallelize
+from rlsys.parallel.pipeline import split_into_stages, stages_per_rank
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, parallel: ParallelConfig,
-                        device: torch.device, param_dtype: torch.dtype | None) -> nn.Module:
+                        device: torch.device, param_dtype: torch.dtype | None) -> list[nn.Module]:
+    """This rank's model parts: its pipeline stages, or the whole model without pipelining."""
     config = AutoConfig.from_pretrained(model_cfg.path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
-    parallelize(model, dims, mesh, parallel, param_dtype)
-    model.to_empty(device=device)
-    _load_weights(model, model_cfg.path)
-    _init_rotary_buffers(model, device)
-    return model
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
+
+    if dims.pp > 1:
+        parts = split_into_stages(build, dims.pp, mesh["pp"].get_local_rank(), stages_per_rank(parallel))
+    else:
+        parts = [build()]
+    for part in parts:
+        parallelize(part, dims, mesh, parallel, param_dtype)
+        part.to_empty(device=device)
+        _load_weights(part, model_cfg.path)
+        _init_rotary_buffers(part, device)
+    return parts
 
 
 def _load_weights(model: nn.Module, path: str) -> None:

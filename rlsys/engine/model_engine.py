@@ -3,6 +3,11 @@ its optimizer and schedule. It knows nothing of Ray or of RL: a Ray worker
 holds one engine per role (the policy, a frozen reference) and hands it loss
 functions (`rlsys.algorithms`).
 
+Under pipeline parallelism a rank holds one or more stages of the model
+(`parts`), each with its own optimizer, and a schedule runs the loss on the
+last stage (`rlsys.parallel.pipeline_schedule`); otherwise `parts` is the
+one whole (sharded) model.
+
 A loss function is pure: `loss_fn(logits, micro_batch) -> LossOutput`, its
 loss already divided by GLOBAL counts (all data-parallel ranks, all
 micro-batches), so summed gradients are the single-process gradient in any
@@ -12,8 +17,10 @@ layout, and its metric sums add up across data-parallel ranks the same way.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,22 +28,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from rlsys.algorithms.lm_loss import LossOutput
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.data.batching import Batch, micro_batches
 from rlsys.engine.loading import load_parallel_model
 from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.pipeline_schedule import run_schedule
 
 LossFn = Callable[[torch.Tensor, Batch], LossOutput]
 
@@ -64,22 +75,36 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 class ModelEngine:
     def __init__(self, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, trainable: bool = True):
         self.spec, self.mesh, self.device = spec, mesh, device
-        self.model = load_parallel_model(spec.model, spec.dims, mesh, spec.parallel, device, spec.param_dtype)
+        self.parts = load_parallel_model(spec.model, spec.dims, mesh, spec.parallel, device, spec.param_dtype)
         self.dp_group = mesh["dp"].get_group()
+        self.pp_group = mesh["pp"].get_group()
+        self.pp_rank = mesh["pp"].get_local_rank()
         self.sequence_multiple = spec.dims.tp if spec.parallel.sequence_parallel else 1
-        self.optimizer = self.scheduler = None
+        self.optimizers, self.schedulers = [], []
         if trainable:
-            self._build_optimizer()
+            self._build_optimizers()
         else:
-            self.model.eval().requires_grad_(False)
+            for part in self.parts:
+                part.eval().requires_grad_(False)
 
-    def _build_optimizer(self) -> None:
+    def _build_optimizers(self) -> None:
         optim = self.spec.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                           weight_decay=optim.weight_decay, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_multiplier(step, optim.warmup_steps, self.spec.total_steps, optim.min_lr_ratio))
+        for part in self.parts:
+            optimizer = torch.optim.AdamW(part.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                          weight_decay=optim.weight_decay, fused=True)
+            self.optimizers.append(optimizer)
+            self.schedulers.append(torch.optim.lr_scheduler.LambdaLR(
+                optimizer,
+                lambda step: lr_multiplier(step, optim.warmup_steps, self.spec.total_steps, optim.min_lr_ratio)))
+
+    @property
+    def trainable(self) -> bool:
+        return bool(self.optimizers)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under their HF names (stages never share a name)."""
+        for part in self.parts:
+            yield from part.named_parameters()
 
     # -- compute --------------------------------------------------------------
 
@@ -87,8 +112,19 @@ class ModelEngine:
                          ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Run `loss_fn` on every micro-batch of this rank's `shard` (and backward unless
         `forward_only`). Returns the metric sums, added up over the data-parallel ranks, and
-        the per-row outputs of this shard, [rows, T] like its input_ids."""
-        self.model.train(not forward_only and self.optimizer is not None)
+        the per-row outputs of this shard, [rows, T] like its input_ids (on the ranks that
+        compute the loss: under pipelining, the last stage)."""
+        for part in self.parts:
+            part.train(not forward_only and self.trainable)
+        if self.spec.dims.pp > 1:
+            sums, rows = self._pipelined(shard, loss_fn, forward_only)
+        else:
+            sums, rows = self._micro_batched(shard, loss_fn, forward_only)
+        for part in self.parts:
+            part.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
+        return self._sum_over_dp(sums), rows
+
+    def _micro_batched(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
         sums: dict[str, torch.Tensor] = {}
         rows: dict[str, list[torch.Tensor]] = {}
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
@@ -102,118 +138,166 @@ class ModelEngine:
                 for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
                     width = shard["input_ids"].shape[1] - value.shape[1]
                     rows.setdefault(name, []).append(F.pad(value.detach().cpu(), (0, width)))
-        if forward_only:
-            self.model.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
-        return self._sum_over_dp(sums), {name: torch.cat(parts) for name, parts in rows.items()}
+        return sums, {name: torch.cat(parts) for name, parts in rows.items()}
+
+    def _pipelined(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
+        parallel = self.spec.parallel
+        activation_dtype = self.spec.param_dtype or next(self.parts[0].parameters()).dtype
+        return run_schedule(self.parts, self.pp_group, shard, loss_fn, parallel.pp_schedule,
+                            parallel.pp_microbatches, activation_dtype, forward_only)
 
     def _forward(self, micro: Batch) -> torch.Tensor:
         """Logits of one micro-batch, [rows, T, vocab] (vocabulary-sharded DTensor under loss parallel)."""
         micro = {k: v.to(self.device) for k, v in micro.items()}
-        length = micro["input_ids"].shape[1]
+        model, length = self.parts[0], micro["input_ids"].shape[1]
         if self.sequence_multiple == 1:
-            return self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                              use_cache=False).logits
+            return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                         use_cache=False).logits
         # sequence parallel splits the sequence evenly, and HF would build masks and positions
         # at the local length: pad to a multiple of tp and pass both prepared at full length
         padded = -length % self.sequence_multiple
         ids = F.pad(micro["input_ids"], (0, padded))
         mask = F.pad(micro["attention_mask"], (0, padded))
-        logits = self.model(input_ids=ids, attention_mask=_causal_mask(mask),
-                            position_ids=torch.arange(ids.shape[1], device=ids.device).expand_as(ids),
-                            use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=_causal_mask(mask),
+                       position_ids=torch.arange(ids.shape[1], device=ids.device).expand_as(ids),
+                       use_cache=False).logits
         return logits[:, :length]
 
     def _loss_context(self):
         return loss_parallel() if self.spec.parallel.loss_parallel else contextlib.nullcontext()
 
     def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        if not sums:
+        if not sums:  # a pipeline stage before the last: its data-parallel peers have none either
             return {}
         stacked = torch.stack([torch.as_tensor(v, device=self.device) for v in sums.values()])
         dist.all_reduce(stacked, group=self.dp_group)
         return dict(zip(sums, stacked.tolist()))
 
     def optimizer_step(self) -> dict[str, float]:
-        grad_norm = clip_grad_norm(self.model, self.spec.optim.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        params = [p for _, p in self.named_parameters()]
+        grad_norm = clip_grad_norm(params, self.spec.optim.max_grad_norm, self.pp_group)
+        lr = self.schedulers[0].get_last_lr()[0]
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+        self.zero_grad()
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     # -- weights --------------------------------------------------------------
 
     def parameter_nbytes(self) -> dict[str, int]:
-        """Full (unsharded) size of each parameter, by HF name, in module order."""
-        return {name: p.numel() * p.element_size() for name, p in self.model.named_parameters()}
+        """Full (unsharded) size of each of this rank's parameters, by HF name, in module order."""
+        return {name: p.numel() * p.element_size() for name, p in self.named_parameters()}
 
     def full_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors of `names`, gathered from every mesh axis (a collective:
-        every rank iterates in the same order)."""
-        self.model.reshard()
-        params = dict(self.model.named_parameters())
+        """HF-named full tensors of `names`, gathered from every mesh axis but pp (a collective
+        over the ranks of this pipeline stage: each iterates in the same order)."""
+        for part in self.parts:
+            part.reshard()
+        params = dict(self.named_parameters())
         for name in names:
             param = params[name]
             yield name, (param.full_tensor() if isinstance(param, DTensor) else param).detach()
 
     def perturb_parameters(self, scale: float, seed: int) -> None:
-        """Add seeded noise to every parameter, the same in any layout."""
-        generator = torch.Generator().manual_seed(seed)
+        """Add seeded noise to every parameter, the same in any layout (seeded by name)."""
         with torch.no_grad():
-            for p in self.model.parameters():
+            for name, p in self.named_parameters():
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 noise = (torch.randn(p.shape, generator=generator) * scale).to(p.device)
                 p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
 
     # -- state ----------------------------------------------------------------
 
+    def _state(self) -> dict:
+        """Model and optimizer state of every part, keyed by HF names (so any layout can read it)."""
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        model, optim = {}, {}
+        for part in self.parts:
+            model.update(get_model_state_dict(part))
+        for part, optimizer in zip(self.parts, self.optimizers):
+            optim.update(get_optimizer_state_dict(part, optimizer, options=flat))
+        return {"model": model, "optim": optim}
+
     def save(self, path: str, rank: int) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(path, "model_optim"))
-        extra = {"scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        dcp.save(self._state(), checkpoint_id=os.path.join(path, "model_optim"))
+        extra = {"schedulers": [s.state_dict() for s in self.schedulers], "rng": torch.get_rng_state()}
         torch.save(extra, os.path.join(path, f"rank{rank}.pt"))
 
     def load(self, path: str, rank: int) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state = self._state()
         dcp.load(state, checkpoint_id=os.path.join(path, "model_optim"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        flat = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        for part, optimizer in zip(self.parts, self.optimizers):
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(part, optimizer, state["optim"], options=flat)
         extra = torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
+        for scheduler, scheduler_state in zip(self.schedulers, extra["schedulers"]):
+            scheduler.load_state_dict(scheduler_state)
         torch.set_rng_state(extra["rng"])
 
-    def export_hf(self, out_dir: str, write: bool) -> None:
-        """A Hugging Face directory of the full model (a collective; the rank with `write` writes)."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if write:
-            src = self.spec.model.path
-            with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
-            skeleton.save_pretrained(out_dir, state_dict=state)
-            AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
-            if os.path.isfile(os.path.join(src, "generation_config.json")):
-                GenerationConfig.from_pretrained(src).save_pretrained(out_dir)
+    def export_hf(self, out_dir: str, writes_stage: bool, writes_config: bool) -> None:
+        """A Hugging Face directory of the full model (a collective). Each pipeline stage's
+        writer saves that stage's full tensors as one safetensors shard; with several
+        stages, the config writer then adds the index mapping names to shards."""
+        os.makedirs(out_dir, exist_ok=True)
+        pp = self.spec.dims.pp
+        shard_name = "model.safetensors" if pp == 1 else f"model-{self.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+        tensors = {}
+        for name, tensor in self.full_tensors(list(self.parameter_nbytes())):
+            if writes_stage:
+                tensors[name] = tensor.cpu().contiguous()
+        if writes_stage:
+            save_file(tensors, os.path.join(out_dir, shard_name), metadata={"format": "pt"})
+        del tensors
+        dist.barrier()
+        if writes_config:
+            self._write_hf_metadata(out_dir)
         dist.barrier()
 
+    def _write_hf_metadata(self, out_dir: str) -> None:
+        src = self.spec.model.path
+        AutoConfig.from_pretrained(src).save_pretrained(out_dir)
+        AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
+        if os.path.isfile(os.path.join(src, "generation_config.json")):
+            GenerationConfig.from_pretrained(src).save_pretrained(out_dir)
+        if self.spec.dims.pp > 1:
+            weight_map = {}
+            for shard in sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors")):
+                with safe_open(os.path.join(out_dir, shard), framework="pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), shard))
+            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group) -> float:
     """The global gradient norm over every mesh axis, clipping to `max_norm` (0: no clipping).
 
     Parameters of one layout live on different meshes (tensor-parallel weights on
     dp x tp, norms on dp only), which torch's clip_grad_norm_ cannot stack: the norm
-    is taken per group of equally placed gradients, made whole, then combined."""
+    is taken per group of equally placed gradients, made whole, then combined, and
+    summed over the pipeline stages, which hold disjoint parameters."""
     groups: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in model.parameters():
+    for p in params:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else (None, None)
             groups.setdefault(key, []).append(p)
-    norms = []
-    for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    norms = [torch.zeros(())]
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).cpu())
+    squared = torch.linalg.vector_norm(torch.stack(norms)) ** 2
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
     if max_norm:
-        for params in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device), foreach=True)
     return float(total)
 
 

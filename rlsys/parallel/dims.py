@@ -31,6 +31,8 @@ class Coordinates:
     """Which shard of a data-parallel batch this rank consumes (the same for all its tp/cp/pp peers)."""
     collected: bool
     """Whether the driver gathers this rank's outputs: tp rank 0, cp rank 0, last pipeline stage."""
+    leads_stage: bool
+    """The first rank of its pipeline stage: it writes and sends the stage's full weights."""
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,16 @@ class ParallelDims:
         for name, degree in reversed(list(zip(MESH_DIMS, self.degrees))):
             coords[name], rest = rest % degree, rest // degree
         return Coordinates(**coords, dp_rank=coords["dp_replicate"] * self.dp_shard + coords["dp_shard"],
-                           collected=coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == self.pp - 1)
+                           collected=coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == self.pp - 1,
+                           leads_stage=rank % (self.world_size // self.pp) == 0)
 
-    def check_model(self, model_config) -> None:
+    def stage_leaders(self) -> list[int]:
+        """The leading rank of each pipeline stage, in stage order."""
+        return [stage * (self.world_size // self.pp) for stage in range(self.pp)]
+
+    def check_model(self, model_config, stages_per_rank: int = 1) -> None:
         """Degrees the model can take: tp splits heads, KV heads, the MLP and the vocabulary;
-        pp needs a decoder layer per stage."""
+        pp needs untied embeddings and a decoder layer per stage."""
         if self.tp > 1:
             heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
             for what, size in (("attention heads", heads), ("key/value heads", kv_heads),
@@ -88,8 +95,12 @@ class ParallelDims:
             if getattr(model_config, "tie_word_embeddings", False):
                 raise LayoutError("parallel.tp: the model ties its input and output embeddings, which tensor "
                                   "parallelism shards along different dimensions; use an untied model")
-        if self.pp > model_config.num_hidden_layers:
-            raise LayoutError(f"parallel.pp: {self.pp} stages for {model_config.num_hidden_layers} decoder layers")
+        if self.pp > 1 and getattr(model_config, "tie_word_embeddings", False):
+            raise LayoutError("parallel.pp: the model ties its input and output embeddings, which live on the first "
+                              "and the last pipeline stage; use an untied model")
+        stages, layers = self.pp * stages_per_rank, model_config.num_hidden_layers
+        if stages > layers:
+            raise LayoutError(f"parallel.pp: {stages} pipeline stages for {layers} decoder layers")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One mesh over every dimension (degree-1 ones included, so names always resolve),

@@ -26,7 +26,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel
         apply_tp(model, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
-    apply_fsdp(model, dims.fsdp_mesh(mesh), param_dtype)
+    # a pipeline stage runs several micro-batches forward before their backward: keep it gathered
+    apply_fsdp(model, dims.fsdp_mesh(mesh), param_dtype, reshard_after_forward=dims.pp == 1)
     return model
 
 

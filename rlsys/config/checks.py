@@ -101,8 +101,9 @@ def check_model_dir(model: ModelConfig, key: str):
 
 def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     """The training layout, checked against what is built so far and against the model."""
-    if parallel.cp > 1:
-        raise ConfigError("parallel.cp: context parallelism is not available yet (must be 1)")
+    if parallel.cp > 1 and (parallel.pp > 1 or parallel.sequence_parallel or parallel.loss_parallel):
+        key = "pp" if parallel.pp > 1 else "sequence_parallel" if parallel.sequence_parallel else "loss_parallel"
+        raise ConfigError(f"parallel.{key}: not available yet with parallel.cp > 1")
     if parallel.pp > 1:
         _check_pipeline(parallel)
     if parallel.tp == 1 and (parallel.sequence_parallel or parallel.loss_parallel):

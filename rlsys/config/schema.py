@@ -107,7 +107,7 @@ class ParallelConfig:
     pp_stages_per_rank: int = Field(default=2, gt=1)
     """With interleaved_1f1b: stages each pipeline rank holds (rank r runs stages r, r + pp, ...)."""
     cp: int = Field(default=1, gt=0)
-    """Context-parallel degree (not available yet: must be 1)."""
+    """Context-parallel ranks: each holds a contiguous chunk of every sequence (Ulysses all-to-all attention)."""
     sequence_parallel: bool = False
     """With tp > 1: norms and residual activations split along the sequence between the tp ranks."""
     loss_parallel: bool = False

@@ -46,6 +46,7 @@ from rlsys.algorithms.lm_loss import LossOutput
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.data.batching import Batch, micro_batches
 from rlsys.engine.loading import load_parallel_model
+from rlsys.parallel.context_parallel import chunk_for_rank, gather_rows
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.pipeline_schedule import run_schedule
 
@@ -76,7 +77,8 @@ class ModelEngine:
     def __init__(self, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, trainable: bool = True):
         self.spec, self.mesh, self.device = spec, mesh, device
         self.parts = load_parallel_model(spec.model, spec.dims, mesh, spec.parallel, device, spec.param_dtype)
-        self.dp_group = mesh["dp"].get_group()
+        self.metric_group = mesh["dp_cp"].get_group()
+        self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
         self.pp_group = mesh["pp"].get_group()
         self.pp_rank = mesh["pp"].get_local_rank()
         self.sequence_multiple = spec.dims.tp if spec.parallel.sequence_parallel else 1
@@ -122,7 +124,7 @@ class ModelEngine:
             sums, rows = self._micro_batched(shard, loss_fn, forward_only)
         for part in self.parts:
             part.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
-        return self._sum_over_dp(sums), rows
+        return self._sum_metrics(sums), rows
 
     def _micro_batched(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
         sums: dict[str, torch.Tensor] = {}
@@ -130,12 +132,17 @@ class ModelEngine:
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad, self._loss_context():
             for micro in micro_batches(shard, self.spec.micro_batch_size):
-                out = loss_fn(self._forward(micro), micro)
+                length = micro["input_ids"].shape[1]
+                logits, micro = self._context_parallel_forward(micro) if self.spec.dims.cp > 1 \
+                    else (self._forward(micro), micro)
+                out = loss_fn(logits, micro)
                 if not forward_only:
                     out.loss.backward()
                 for name, value in out.metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
                 for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
+                    if self.spec.dims.cp > 1:
+                        value = gather_rows(value.detach(), length, self.cp_group)
                     width = shard["input_ids"].shape[1] - value.shape[1]
                     rows.setdefault(name, []).append(F.pad(value.detach().cpu(), (0, width)))
         return sums, {name: torch.cat(parts) for name, parts in rows.items()}
@@ -163,14 +170,24 @@ class ModelEngine:
                        use_cache=False).logits
         return logits[:, :length]
 
+    def _context_parallel_forward(self, micro: Batch) -> tuple[torch.Tensor, Batch]:
+        """Logits of this rank's chunk of the sequence, with the chunk's fields one token longer
+        (`context_parallel.chunk_for_rank`) and one unused logit row to match."""
+        chunk_micro, chunk = chunk_for_rank(micro, self.spec.dims.cp, self.cp_rank)
+        ids = chunk_micro["input_ids"][:, :chunk].to(self.device)
+        start = self.cp_rank * chunk
+        positions = torch.arange(start, start + chunk, device=ids.device).expand_as(ids)
+        logits = self.parts[0](input_ids=ids, position_ids=positions, use_cache=False).logits
+        return F.pad(logits, (0, 0, 0, 1)), chunk_micro
+
     def _loss_context(self):
         return loss_parallel() if self.spec.parallel.loss_parallel else contextlib.nullcontext()
 
-    def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _sum_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         if not sums:  # a pipeline stage before the last: its data-parallel peers have none either
             return {}
         stacked = torch.stack([torch.as_tensor(v, device=self.device) for v in sums.values()])
-        dist.all_reduce(stacked, group=self.dp_group)
+        dist.all_reduce(stacked, group=self.metric_group)  # context-parallel ranks hold parts of each sum
         return dict(zip(sums, stacked.tolist()))
 
     def optimizer_step(self) -> dict[str, float]:

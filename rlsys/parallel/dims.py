@@ -95,6 +95,12 @@ class ParallelDims:
             if getattr(model_config, "tie_word_embeddings", False):
                 raise LayoutError("parallel.tp: the model ties its input and output embeddings, which tensor "
                                   "parallelism shards along different dimensions; use an untied model")
+        if self.cp > 1:
+            heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+            for what, size in (("attention heads", heads), ("key/value heads", kv_heads)):
+                if size % (self.tp * self.cp):
+                    raise LayoutError(f"parallel.cp: tp x cp = {self.tp * self.cp} does not divide the model's "
+                                      f"{what} ({size}): context parallel attention splits each rank's heads")
         if self.pp > 1 and getattr(model_config, "tie_word_embeddings", False):
             raise LayoutError("parallel.pp: the model ties its input and output embeddings, which live on the first "
                               "and the last pipeline stage; use an untied model")

@@ -1,5 +1,5 @@
 """Apply a parallel layout to a model, in torchtitan's order: tensor parallel
-(with sequence and loss parallel), then activation checkpointing, then FSDP2
+(with sequence and loss parallel), context parallel attention, then activation checkpointing, then FSDP2
 over the data-parallel submesh. Each step is one small function in its own
 module; FSDP comes last because it shards whatever the steps before left,
 plain tensors or tensor-parallel DTensors alike."""
@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlsys.config.schema import ParallelConfig
+from rlsys.parallel.context_parallel import apply_cp
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.fsdp import apply_fsdp
 from rlsys.parallel.tp import apply_tp
@@ -24,6 +25,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel
                 param_dtype: torch.dtype | None) -> nn.Module:
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
+    if dims.cp > 1:
+        apply_cp(model, mesh["cp"])
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     # a pipeline stage runs several micro-batches forward before their backward: keep it gathered

@@ -1,0 +1,111 @@
+"""Context parallelism, Ulysses style: each context-parallel rank holds a contiguous
+chunk of every sequence; attention, the one place tokens meet, trades the split with
+two all-to-alls: sequence-split, all heads -> all tokens, 1/cp of the heads -> attention
+-> back. Everything else (norms, MLP, LM head, loss) runs on the rank's own chunk.
+
+It needs no attention kernel support, so it runs on CPU (PyTorch's ring attention has
+no CPU kernels). It is registered with transformers' AttentionInterface under
+"ulysses" and selected per model; causal attention over the gathered sequence needs no
+padding mask because batches are right-padded.
+
+`chunk_for_rank` gives a rank its tokens plus the next chunk's first token, so the
+unchanged loss functions see every next-token label, the one across the chunk
+boundary included; `gather_rows` puts the per-token outputs back in order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AttentionInterface
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "ulysses"
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Route `model`'s attention through the all-to-all over `cp_mesh`."""
+    group = cp_mesh.get_group()
+    for module in model.modules():
+        if hasattr(module, "o_proj") and hasattr(module, "q_proj"):
+            module.cp_group = group
+    model.config._attn_implementation = ATTENTION
+    log.info("context parallel over %d ranks (Ulysses all-to-all attention)", cp_mesh.size())
+
+
+def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """[B, heads, T/cp, D] per rank in, [B, T/cp, heads, D] out, as HF attention functions."""
+    group = module.cp_group
+    query, key, value = (_seq_to_heads(t, group) for t in (query, key, value))
+    repeats = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                         dropout_p=dropout if module.training else 0.0)
+    return _heads_to_seq(out, group).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, ulysses_attention)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 (chunk i to rank i), with the same exchange as its
+    backward. torch.distributed.nn's all_to_all falls back to scatters on gloo that
+    treat group ranks as global ones, which breaks on any subgroup but the first."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, H, T/cp, D] -> [B, H/cp, T, D]: rank i receives head group i of every chunk."""
+    size = dist.get_world_size(group)
+    batch, heads, chunk, dim = x.shape
+    parts = x.view(batch, size, heads // size, chunk, dim).transpose(0, 1)
+    received = _AllToAll.apply(parts, group)  # [cp (source chunk), B, H/cp, T/cp, D]
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * chunk, dim)
+
+
+def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, H/cp, T, D] -> [B, H, T/cp, D]: the inverse of `_seq_to_heads`."""
+    size = dist.get_world_size(group)
+    batch, local_heads, length, dim = x.shape
+    parts = x.view(batch, local_heads, size, length // size, dim).permute(2, 0, 1, 3, 4)
+    received = _AllToAll.apply(parts, group)  # [cp (source head group), B, H/cp, T/cp, D]
+    return received.transpose(0, 1).reshape(batch, size * local_heads, length // size, dim)
+
+
+def chunk_for_rank(micro: dict[str, torch.Tensor], cp: int, rank: int) -> tuple[dict[str, torch.Tensor], int]:
+    """This rank's chunk of every [B, T] field, one token longer than its share (the next
+    chunk's first token, or padding), and the chunk length without that token."""
+    length = micro["input_ids"].shape[1]
+    chunk = -(-length // cp)
+    padded = {name: F.pad(value, (0, chunk * cp + 1 - length)) for name, value in micro.items()}
+    start = rank * chunk
+    return {name: value[:, start:start + chunk + 1] for name, value in padded.items()}, chunk
+
+
+def gather_rows(rows: torch.Tensor, length: int, group) -> torch.Tensor:
+    """Per-token outputs [B, chunk + 1] of every rank (column j + 1 for the rank's token j + 1,
+    column 0 unused) -> [B, length] in sequence order, column 0 zero."""
+    parts = [torch.empty_like(rows[:, 1:]) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, rows[:, 1:].contiguous(), group=group)
+    return F.pad(torch.cat(parts, dim=1), (1, 0))[:, :length]

@@ -6,7 +6,8 @@ step, for a random-init Qwen2-shaped model.
 
 Each layout runs in its own gloo process group (torch.multiprocessing, no Ray: the
 model engine does not need it). The `ideal` column is the model's total bytes divided
-by the ranks that shard it (dp_shard x tp); `vs ideal` is the rank's parameter bytes
+by the ranks that split it (dp_shard x cp x tp x pp; pipeline stages split by layer, so
+the stage with the embedding or the LM head holds more); `vs ideal` is the rank's parameter bytes
 against it. Peak memory on CPU is the rank process's resident set (sampled every 5 ms)
 above its size before the model was built; on GPU, torch's max_memory_allocated.
 """
@@ -14,6 +15,7 @@ above its size before the model was built; on GPU, torch's max_memory_allocated.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import tempfile
@@ -149,7 +151,7 @@ def main() -> None:
               "| step peak MiB |")
         print("|---|---|---|---|---|---|---|---|---|")
         for layout in layouts:
-            shards = layout.get("dp_shard", 1) * layout.get("tp", 1)
+            shards = math.prod(layout.get(name, 1) for name in ("dp_shard", "cp", "tp", "pp"))
             name = " x ".join(f"{k}={v}" for k, v in layout.items())
             for rank, row in enumerate(measure(layout, model_dir, (args.rows, args.seq_len))):
                 print(f"| {name} | {rank} | {row['params'] / 2**20:.1f} | {row['grads'] / 2**20:.1f} "

@@ -38,7 +38,7 @@ def ray_cluster():
     from rlsys.actors.cluster import ensure_ray
     from rlsys.config.schema import RayConfig
 
-    ensure_ray(RayConfig(include_dashboard=False, num_cpus=4))  # 4-rank layouts on 2 cores
+    ensure_ray(RayConfig(include_dashboard=False, num_cpus=8))  # 4- and 8-rank layouts on 2 cores
     yield
     ray.shutdown()
 

@@ -31,6 +31,7 @@ LAYOUTS = {  # name: overrides
     "pp2-interleaved": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
     "pp2xfsdp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2"],
     "pp2xtp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2"],
+    "pp2xfsdp2xtp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp_microbatches=2"],
     "cp2": ["parallel.dp_shard=1", "parallel.cp=2"],
     "cp2xfsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
 }

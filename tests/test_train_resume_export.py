@@ -1,5 +1,6 @@
-"""A real SFT run on 2 tensor-parallel ranks, and on 2 pipeline stages: resume reproduces the
-losses; the HF export loads in transformers and vLLM, which generate the same tokens."""
+"""A real SFT run on 2 tensor-parallel ranks, on 2 pipeline stages and on 2 context-parallel
+ranks: resume reproduces the losses; the HF export loads in transformers and vLLM, which
+generate the same tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ STEPS = 6
 LAYOUTS = {
     "tp2-sp-lp": {"tp": 2, "sequence_parallel": True, "loss_parallel": True},
     "pp2": {"pp": 2, "pp_schedule": "1f1b"},
+    "cp2": {"cp": 2},
 }
 
 
@@ -25,8 +27,9 @@ def losses(output_dir: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def straight_run(request, ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
-    """6 uninterrupted steps on 2 tensor-parallel ranks (sequence and loss parallel on), or on 2
-    pipeline stages, checkpointing at steps 3 and 6. (FSDP2 resume is covered by the RLVR tests.)"""
+    """6 uninterrupted steps on 2 tensor-parallel ranks (sequence and loss parallel on), 2 pipeline
+    stages or 2 context-parallel ranks, checkpointing at steps 3 and 6. (FSDP2 resume is covered by
+    the RLVR tests.)"""
     from rlsys.config.loader import build_config
     from rlsys.config.schema import TrainJobConfig
 

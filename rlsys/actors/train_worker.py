@@ -111,7 +111,8 @@ class TrainWorker:
     @releases_freed_memory
     def train_step(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
         """forward_backward, then one optimizer step: metrics plus grad_norm and lr."""
-        return {**self.forward_backward(shard, loss_fn), **self.policy.optimizer_step()}
+        metrics, _ = self.policy.forward_backward(shard, loss_fn)
+        return {**metrics, **self.policy.optimizer_step()}
 
     def zero_grad(self) -> None:
         self.policy.zero_grad()

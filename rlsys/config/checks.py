@@ -101,14 +101,13 @@ def check_model_dir(model: ModelConfig, key: str):
 
 def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     """The training layout, checked against what is built so far and against the model."""
-    if parallel.cp > 1 and (parallel.pp > 1 or parallel.sequence_parallel or parallel.loss_parallel):
-        key = "pp" if parallel.pp > 1 else "sequence_parallel" if parallel.sequence_parallel else "loss_parallel"
-        raise ConfigError(f"parallel.{key}: not available yet with parallel.cp > 1")
+    tp_option = _tp_option(parallel)
+    if parallel.cp > 1 and (parallel.pp > 1 or tp_option):
+        raise ConfigError(f"parallel.{'pp' if parallel.pp > 1 else tp_option}: not available yet with parallel.cp > 1")
     if parallel.pp > 1:
-        _check_pipeline(parallel)
-    if parallel.tp == 1 and (parallel.sequence_parallel or parallel.loss_parallel):
-        key = "sequence_parallel" if parallel.sequence_parallel else "loss_parallel"
-        raise ConfigError(f"parallel.{key}: needs parallel.tp > 1")
+        _check_pipeline(parallel, tp_option)
+    if parallel.tp == 1 and tp_option:
+        raise ConfigError(f"parallel.{tp_option}: needs parallel.tp > 1")
     try:
         dims = ParallelDims.of(parallel)
         dims.check_model(model_config, stages_per_rank(parallel))
@@ -119,10 +118,14 @@ def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     return dims
 
 
-def _check_pipeline(parallel: ParallelConfig) -> None:
-    if parallel.sequence_parallel or parallel.loss_parallel:
-        key = "sequence_parallel" if parallel.sequence_parallel else "loss_parallel"
-        raise ConfigError(f"parallel.{key}: not available yet with parallel.pp > 1")
+def _tp_option(parallel: ParallelConfig) -> str | None:
+    """The first tensor-parallel option switched on (sequence or loss parallel), if any."""
+    return next((key for key in ("sequence_parallel", "loss_parallel") if getattr(parallel, key)), None)
+
+
+def _check_pipeline(parallel: ParallelConfig, tp_option: str | None) -> None:
+    if tp_option:
+        raise ConfigError(f"parallel.{tp_option}: not available yet with parallel.pp > 1")
     if parallel.pp_schedule == "1f1b" and parallel.pp_microbatches < parallel.pp:
         raise ConfigError(f"parallel.pp_microbatches: 1f1b needs at least pp ({parallel.pp}) micro-batches, "
                           f"got {parallel.pp_microbatches}")

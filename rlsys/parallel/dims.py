@@ -76,11 +76,17 @@ class ParallelDims:
             coords[name], rest = rest % degree, rest // degree
         return Coordinates(**coords, dp_rank=coords["dp_replicate"] * self.dp_shard + coords["dp_shard"],
                            collected=coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == self.pp - 1,
-                           leads_stage=rank % (self.world_size // self.pp) == 0)
+                           leads_stage=rank % self.ranks_per_stage == 0)
 
-    def stage_leaders(self) -> list[int]:
-        """The leading rank of each pipeline stage, in stage order."""
-        return [stage * (self.world_size // self.pp) for stage in range(self.pp)]
+    @property
+    def ranks_per_stage(self) -> int:
+        return self.world_size // self.pp
+
+    def stage_ranks(self) -> list[range]:
+        """The ranks of each pipeline stage, in stage order (pp is the outermost dimension);
+        the first of each leads it."""
+        size = self.ranks_per_stage
+        return [range(stage * size, (stage + 1) * size) for stage in range(self.pp)]
 
     def check_model(self, model_config, stages_per_rank: int = 1) -> None:
         """Degrees the model can take: tp splits heads, KV heads, the MLP and the vocabulary;

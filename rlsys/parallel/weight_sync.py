@@ -45,11 +45,9 @@ class WeightSync:
     def __init__(self, train_group, rollout_group, bucket_mb: float):
         self.train_group, self.rollout_group = train_group, rollout_group
         nbytes = train_group.run_all("parameter_nbytes")
-        dims = train_group.dims
-        per_stage = dims.world_size // dims.pp
-        self.stages = [(list(range(leader, leader + per_stage)), plan_buckets(nbytes[leader], int(bucket_mb * 2**20)))
-                       for leader in dims.stage_leaders()]
-        self.total_bytes = sum(sum(nbytes[leader].values()) for leader in dims.stage_leaders())
+        self.stages = [(ranks, plan_buckets(nbytes[ranks[0]], int(bucket_mb * 2**20)))
+                       for ranks in train_group.dims.stage_ranks()]
+        self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks, _ in self.stages)
 
     def run(self) -> dict[str, float]:
         started = time.perf_counter()

@@ -63,3 +63,33 @@ def test_aggregations_by_hand():
     # split into two micro-batches, the shares add up to the whole
     halves = [aggregate(per_token[i:i + 1], mask[i:i + 1], "seq-mean-token-mean", 4, 2) for i in (0, 1)]
     assert sum(halves).item() == pytest.approx(3.0)
+
+
+def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
+    """With no old_logprobs the policy loss takes the current ones, detached: the loss,
+    gradient and log-prob rows equal those of a separate pass's old log-probs."""
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+    from rlsys.algorithms.rl_step import policy_loss
+    from rlsys.config.schema import AlgorithmConfig
+    from rlsys.data.batching import collate_rollouts, on_response_tokens, per_token
+
+    torch.manual_seed(0)
+    batch = collate_rollouts([[1, 2], [3, 4, 5]], [[6, 7, 8], [9]], pad_id=0)
+    batch["advantages"] = per_token(torch.tensor([1.0, -2.0]), batch)
+    logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
+    counts = {"tokens": 4, "sequences": 2}
+    loss_fn = policy_loss(counts, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28))
+
+    on_policy = loss_fn(logits, batch)
+    (grad_on_policy,) = torch.autograd.grad(on_policy.loss, logits)
+    old = torch.nn.functional.pad(logprobs_of_labels(logits, batch["input_ids"]).detach(), (1, 0))
+    recomputed = loss_fn(logits, {**batch, "old_logprobs": old})
+    (grad_recomputed,) = torch.autograd.grad(recomputed.loss, logits)
+
+    assert on_policy.loss.item() == pytest.approx(recomputed.loss.item())
+    assert grad_on_policy.abs().sum() > 0 and torch.allclose(grad_on_policy, grad_recomputed)
+    assert torch.equal(on_policy.rows["logprobs"], old)
+    # the engine's per-token values land on the response tokens, in row order
+    placed = on_response_tokens(torch.tensor([0.1, 0.2, 0.3, 0.4]), batch)
+    assert torch.allclose(placed * batch["loss_mask"], placed)
+    assert torch.allclose(placed[0, 2:5], torch.tensor([0.1, 0.2, 0.3])) and placed[1, 3].item() == pytest.approx(0.4)

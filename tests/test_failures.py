@@ -15,7 +15,6 @@ import time
 
 import psutil
 import pytest
-import yaml
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RL_CONFIG = str(REPO / "examples" / "arith" / "rlvr.yaml")

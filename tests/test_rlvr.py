@@ -57,6 +57,21 @@ def test_buckets_keep_decoder_blocks_whole():
                                        ["model.layers.1.q.weight", "model.layers.1.k.weight", "model.norm.weight"]]
 
 
+def test_shards_of_uneven_and_whole_tensors_reassemble():
+    """Rank shards (uneven rows, a column split, bf16, a replica sent by one rank only)
+    come back as the full tensors, through the same buffers the object store carries."""
+    from rlsys.parallel.weight_shards import Assembler, pack
+
+    weight, head, norm = torch.randn(5, 3), torch.randn(4, 6).to(torch.bfloat16), torch.randn(3)
+    rank0 = pack([("w", weight[:3], (5, 3), (0, 0)), ("head", head[:, :3], (4, 6), (0, 0)), ("norm", norm, (3,), (0,))])
+    rank1 = pack([("w", weight[3:], (5, 3), (3, 0)), ("head", head[:, 3:], (4, 6), (0, 3))])
+    assemble = Assembler()
+    for _ in range(2):  # the staging buffer is reused
+        full = assemble([rank0, None, rank1])
+        assert list(full) == ["w", "head", "norm"]
+        assert torch.equal(full["w"], weight) and torch.equal(full["head"], head) and torch.equal(full["norm"], norm)
+
+
 @pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=1", "parallel.tp=2"],
                                     ["parallel.tp=2", "parallel.sequence_parallel=true"],
                                     ["parallel.dp_shard=1", "parallel.pp=2"],

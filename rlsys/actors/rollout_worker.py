@@ -11,6 +11,7 @@ import torch
 from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
+from rlsys.parallel.weight_shards import Assembler, ShardBucket
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 
@@ -35,7 +36,7 @@ def _load_weights(worker, weights: dict[str, torch.Tensor]) -> None:
 
 
 class RolloutWorker:
-    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int):
+    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int, sleep_mode: bool = False):
         redirect_actor_output()
         torch.set_num_threads(num_threads)
         if not torch.cuda.is_available():
@@ -43,8 +44,9 @@ class RolloutWorker:
                                   cpu_thread_binding(num_threads, cfg.tensor_parallel_size))
             keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
+        self.assemble = Assembler()
         self.llm = create_llm(model_path, cfg.engine_memory_gib, seed, cfg.tensor_parallel_size,
-                              sleep_mode=torch.cuda.is_available() and cfg.placement == "colocated")
+                              sleep_mode=sleep_mode)
 
     @releases_freed_memory
     def generate(self, prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
@@ -69,7 +71,9 @@ class RolloutWorker:
         ]
 
     @releases_freed_memory
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+    def load_weights(self, *buckets: ShardBucket | None) -> int:
+        """Load one bucket, given as every training rank's shards of it."""
+        weights = self.assemble(list(buckets))
         self.llm.collective_rpc(_load_weights, args=(weights,))
         return len(weights)
 
@@ -77,10 +81,7 @@ class RolloutWorker:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free the KV cache while the colocated trainer runs (GPU only)."""
-        if torch.cuda.is_available():
-            self.llm.sleep(level=1)
+        self.llm.sleep(level=1)
 
     def wake_up(self) -> None:
-        if torch.cuda.is_available():
-            self.llm.wake_up()
+        self.llm.wake_up()

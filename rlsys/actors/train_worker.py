@@ -22,6 +22,7 @@ from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
 from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.weight_shards import ShardBucket, pack
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,11 @@ class TrainWorker:
         return metrics
 
     @releases_freed_memory
-    def train_step(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """forward_backward, then one optimizer step: metrics plus grad_norm and lr."""
-        metrics, _ = self.policy.forward_backward(shard, loss_fn)
-        return {**metrics, **self.policy.optimizer_step()}
+    def train_step(self, shard: Batch, loss_fn: LossFn) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """forward_backward, then one optimizer step: metrics plus grad_norm and lr, and the
+        loss function's per-row outputs from before the step (empty off the last pipeline stage)."""
+        metrics, rows = self.policy.forward_backward(shard, loss_fn)
+        return {**metrics, **self.policy.optimizer_step()}, rows
 
     def zero_grad(self) -> None:
         self.policy.zero_grad()
@@ -134,15 +136,11 @@ class TrainWorker:
     def parameter_nbytes(self) -> dict[str, int]:
         return self.policy.parameter_nbytes()
 
-    @releases_freed_memory
-    def gather_bucket(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """Full tensors of `names`, from this rank's pipeline stage (a collective over the
-        stage's ranks); the stage's leading rank returns them."""
-        full = {}
-        for name, tensor in self.policy.full_tensors(names):
-            if self.where.leads_stage:
-                full[name] = tensor.cpu()
-        return full or None
+    def sync_shards(self, names: list[str]) -> ShardBucket | None:
+        """This rank's shards of `names` in one buffer, for the engines to reassemble
+        (None when it holds only replicas of them)."""
+        shards = list(self.policy.local_shards(names))
+        return pack(shards) if shards else None
 
     # -- inspection (tests) ---------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels
@@ -16,13 +17,15 @@ from rlsys.config.schema import AlgorithmConfig
 def policy_loss(counts: dict[str, int], algo: AlgorithmConfig) -> Callable[[torch.Tensor, Batch], LossOutput]:
     """`counts`: the mini-batch's global response tokens and sequences. A micro-batch holds
     [B, T] tensors aligned with input_ids: loss_mask (1 on response tokens), advantages,
-    old_logprobs and, with a KL term, ref_logprobs."""
+    old_logprobs (absent when the update is on-policy: the current log-probs, detached, are
+    the old ones) and, with a KL term, ref_logprobs. Its rows output the current log-probs."""
 
     def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
         micro = {k: v.to(logits.device) for k, v in micro.items()}
         logprobs = logprobs_of_labels(logits, micro["input_ids"])
         mask = micro["loss_mask"][:, 1:]
-        pg, clipped = ppo_clip_loss(logprobs, micro["old_logprobs"][:, 1:], micro["advantages"][:, 1:],
+        old_logprobs = micro["old_logprobs"][:, 1:] if "old_logprobs" in micro else logprobs.detach()
+        pg, clipped = ppo_clip_loss(logprobs, old_logprobs, micro["advantages"][:, 1:],
                                     algo.clip_ratio_low, algo.clip_ratio_high)
         per_token, kl = pg, torch.zeros_like(pg)
         if algo.kl_coef > 0:
@@ -39,7 +42,7 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig) -> Callable[[torc
                 "actor/entropy": _token_share(entropy, mask, counts["tokens"]),
                 "actor/kl": _token_share(kl, mask, counts["tokens"]),
             }
-        return LossOutput(loss, metrics)
+        return LossOutput(loss, metrics, rows={"logprobs": F.pad(logprobs.detach(), (1, 0))})
 
     return loss_fn
 

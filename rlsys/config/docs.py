@@ -45,7 +45,7 @@ def _description(schema: type, name: str) -> str:
     for cls in schema.__mro__:
         info = getattr(cls, "__pydantic_fields__", {}).get(name)
         if info is not None and info.description:
-            return info.description
+            return " ".join(info.description.split())  # one table row
     return ""
 
 

@@ -242,6 +242,11 @@ class AlgorithmConfig:
     """Passes over each rollout batch."""
     ppo_mini_batch_size: int = Field(default=0, ge=0)
     """Prompts per policy update (0: the whole rollout batch, one update per epoch)."""
+    old_logprobs: Literal["auto", "trainer", "rollout"] = "auto"
+    """The PPO ratio's old log-probs. trainer: a forward pass over the batch before the
+    update; rollout: the engine's own sampling log-probs (no extra pass); auto: none are
+    needed when the update is one epoch of one mini-batch (the policy being updated is the
+    one that sampled, so the loss uses its current log-probs, detached), else trainer."""
 
 
 @dataclass(config=STRICT)

@@ -83,3 +83,11 @@ def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]],
 def per_token(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Broadcast one value per row over that row's response tokens ([B] -> [B, T])."""
     return values.float().unsqueeze(1) * batch["loss_mask"]
+
+
+def on_response_tokens(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Place one value per response token (all rows' responses, in row order, concatenated)
+    at those tokens' positions ([N] -> [B, T], 0 elsewhere)."""
+    placed = torch.zeros_like(batch["loss_mask"])
+    placed[batch["loss_mask"].bool()] = values.float()
+    return placed

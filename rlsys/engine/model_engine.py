@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -219,6 +220,22 @@ class ModelEngine:
         for name in names:
             param = params[name]
             yield name, (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+    def local_shards(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor, tuple, tuple]]:
+        """This rank's shard of each of `names` as (name, shard, full shape, offset of the shard
+        in the full tensor): no collective. A rank holding a replica of a shard (a Replicate
+        placement at a coordinate other than 0: another data-parallel replica, a tensor-parallel
+        peer's copy of a norm) yields nothing for it, so each element is sent once."""
+        for part in self.parts:
+            part.reshard()
+        params = dict(self.named_parameters())
+        for name in names:
+            param = params[name].detach()
+            coordinate = param.device_mesh.get_coordinate()
+            if any(c and placement.is_replicate() for c, placement in zip(coordinate, param.placements)):
+                continue
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            yield name, param.to_local(), tuple(param.shape), offset
 
     def perturb_parameters(self, scale: float, seed: int) -> None:
         """Add seeded noise to every parameter, the same in any layout (seeded by name)."""

@@ -1,13 +1,14 @@
 """Trainer -> rollout weight sync: full tensors under HF names, bucket by bucket.
 
-Each pipeline stage sends its own layers (one stage without pipelining). A
-bucket is gathered from the stage's FSDP / tensor-parallel shards
-(`DTensor.full_tensor()` on each of the stage's ranks), handed from the stage's
-leading rank to every engine through Ray's object store, and loaded by vLLM's
-weight loaders, which re-shard and fuse it for the engine's own layout. Buckets
-are filled with whole decoder blocks, so a block's q/k/v and gate/up (fused
-into one tensor by vLLM) arrive together. No rank ever holds more than one
-bucket of full tensors, and neither does the driver.
+Each pipeline stage sends its own layers (one stage without pipelining). For
+each bucket every rank of the stage packs its own FSDP / tensor-parallel shards
+(`weight_shards.pack`, no collective among the ranks), each engine takes all
+ranks' buffers from Ray's object store, places the shards into full tensors
+(`weight_shards.Assembler`) and loads them with vLLM's weight loaders, which
+re-shard and fuse them for the engine's own layout. Buckets are filled with
+whole decoder blocks, so a block's q/k/v and gate/up (fused into one tensor by
+vLLM) arrive together. No process holds more than two buckets of the model at a
+time (one being packed, one being loaded); the driver holds none.
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ class WeightSync:
         self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks, _ in self.stages)
 
     def run(self) -> dict[str, float]:
+        """Each bucket goes as every stage rank's shards, straight from the ranks' object
+        stores to the engines (the driver only passes references); the ranks pack the
+        next bucket while the engines load this one."""
         started = time.perf_counter()
         train, rollout = self.train_group, self.rollout_group
+        loading: list = []
         for ranks, buckets in self.stages:
             for names in buckets:
-                refs = [call(train.workers[rank].gather_bucket, names) for rank in ranks]
-                wait_all(refs[1:], [train.names[rank] for rank in ranks[1:]])
-                # the leader's bucket goes from its object store to the engines; a failure of the
-                # leader surfaces in the engines' calls and is reported as the leader's
-                wait_all([call(engine.load_weights, refs[0]) for engine in rollout.engines], rollout.names)
+                shards = [call(train.workers[rank].sync_shards, names) for rank in ranks]
+                wait_all(loading, rollout.names)
+                loading = [call(engine.load_weights, *shards) for engine in rollout.engines]
+        wait_all(loading, rollout.names)
         rollout.call_all("finish_sync")
         return {"sync/time_s": time.perf_counter() - started,
                 "sync/buckets": sum(len(buckets) for _, buckets in self.stages), "sync/mb": self.total_bytes / 2**20}

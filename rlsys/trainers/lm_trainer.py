@@ -102,7 +102,7 @@ def _train(cfg: TrainJobConfig, stage: Stage, examples: list[Example], sampler: 
 def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler, pad_id: int) -> dict:
     started = time.perf_counter()
     batch = collate([examples[i] for i in sampler.next_indices()], pad_id)
-    step = group.run_data_parallel("train_step", batch, loss_fn=nll_loss(num_targets(batch)))[0]
+    step, _ = group.run_data_parallel("train_step", batch, loss_fn=nll_loss(num_targets(batch)))[0]
     elapsed = time.perf_counter() - started
     tokens = int(batch["attention_mask"].sum())
     return {

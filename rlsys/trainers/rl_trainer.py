@@ -2,7 +2,8 @@
 
 One step, in data-flow order:
   prompts -> RolloutGroup.generate -> rewards -> GRPO advantages
-  -> TrainGroup.compute_logprobs (old; reference if KL is on)
+  -> TrainGroup.compute_logprobs (old, unless the update is on-policy or takes the
+     engine's; reference if KL is on)
   -> TrainGroup.train_step with the policy loss (mini-batches x epochs) -> weight sync to the engines
 """
 
@@ -24,7 +25,15 @@ from rlsys.algorithms.grpo import grpo_advantages
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.checks import check_rl_job, load_tokenizer
 from rlsys.config.schema import RLJobConfig
-from rlsys.data.batching import Batch, EpochSampler, collate_rollouts, num_targets, per_token, split_rows
+from rlsys.data.batching import (
+    Batch,
+    EpochSampler,
+    collate_rollouts,
+    num_targets,
+    on_response_tokens,
+    per_token,
+    split_rows,
+)
 from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts
 from rlsys.eval import Evaluator
@@ -69,6 +78,9 @@ class RLVRTrainer:
         self.evaluator = data.evaluator
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
+        self.old_logprobs = cfg.algorithm.old_logprobs
+        if self.old_logprobs == "auto":
+            self.old_logprobs = "current" if self.updates_per_step == 1 else "trainer"
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train = self.rollout = None
         ensure_ray(cfg.ray)
@@ -92,10 +104,10 @@ class RLVRTrainer:
         started = time.perf_counter()
         indices = self.sampler.next_indices()
         with timer("generate"):
-            self.rollout.call_all("wake_up")
+            self.rollout.wake_up()
             samples = self.rollout.generate([(i, self.prompt_ids[i]) for i in indices], cfg.seed * 100_003 + step,
                                             cfg.rollout.n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
-            self.rollout.call_all("sleep")
+            self.rollout.sleep()
         with timer("reward"):
             scored, reward_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
         rewards = torch.tensor([s.score for s in scored])
@@ -104,13 +116,19 @@ class RLVRTrainer:
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  self.tokenizer.pad_token_id)
         batch["advantages"] = per_token(advantages, batch)
-        with timer("old_logprob"):
-            batch["old_logprobs"] = self._logprobs(batch)
+        engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
+        if self.old_logprobs == "trainer":
+            with timer("old_logprob"):
+                batch["old_logprobs"] = self._logprobs(batch)
+        elif self.old_logprobs == "rollout":
+            batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
         if cfg.algorithm.kl_coef > 0:
             with timer("reference"):
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
         with timer("update"):
-            update_metrics = self._update(batch)
+            update_metrics, sampler_logprobs = self._update(batch)
+        if self.old_logprobs == "trainer":
+            sampler_logprobs = batch["old_logprobs"]
         with timer("sync"):
             sync_metrics = self.sync.run()
         timer.times["time/step_s"] = time.perf_counter() - started
@@ -121,6 +139,7 @@ class RLVRTrainer:
             "reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored),
             **reward_metrics,
             **_sample_metrics(samples, batch, timer.times),
+            "rollout/logprob_abs_diff": _logprob_gap(sampler_logprobs, engine_logprobs, batch),
             **update_metrics,
             **sync_metrics,
             **timer.times,
@@ -129,28 +148,33 @@ class RLVRTrainer:
     def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         return torch.cat(self.train.run_data_parallel("compute_logprobs", batch, reference=reference))
 
-    def _update(self, batch: Batch) -> dict[str, float]:
-        """ppo_epochs passes over the batch in mini-batches of whole prompt groups."""
+    def _update(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor]:
+        """ppo_epochs passes over the batch in mini-batches of whole prompt groups. Returns the
+        mean metrics and the trainer's log-probs of the first mini-batch's rows, taken before
+        the first optimizer step: those of the policy that sampled them."""
         algo = self.cfg.algorithm
         num_minis = self._mini_batches_per_step()
         sums: dict[str, float] = {}
+        sampler_logprobs = None
         for _ in range(algo.ppo_epochs):
             for mini in split_rows(batch, num_minis):
                 counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0]}
-                update = self.train.run_data_parallel("train_step", mini, loss_fn=policy_loss(counts, algo))[0]
-                for name, value in update.items():
+                outputs = self.train.run_data_parallel("train_step", mini, loss_fn=policy_loss(counts, algo))
+                if sampler_logprobs is None:
+                    sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
+                for name, value in outputs[0][0].items():
                     name = f"actor/{name}" if name in ("grad_norm", "lr") else name
                     sums[name] = sums.get(name, 0.0) + value / self.updates_per_step
-        return sums
+        return sums, sampler_logprobs
 
     # -- validation, checkpoints --------------------------------------------
 
     def validate(self, step: int) -> dict[str, float]:
         """Accuracy on the eval split (greedy by default), judged by eval.reward, generated by the engines."""
         set_phase(f"rlvr step {step}: validate")
-        self.rollout.call_all("wake_up")
+        self.rollout.wake_up()
         summary, _ = self.evaluator.run(self.rollout)
-        self.rollout.call_all("sleep")
+        self.rollout.sleep()
         return {"val/accuracy": summary["accuracy"], "val/reward_errors": summary["reward_errors"]}
 
     def save(self, step: int) -> None:
@@ -237,17 +261,13 @@ def _sample_metrics(samples: list[Sample], batch: Batch, times: dict[str, float]
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-        "rollout/logprob_abs_diff": _rollout_logprob_gap(samples, batch),
         "throughput/generated_tokens_per_s": lengths.sum().item() / times["time/generate_s"],
         "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["time/step_s"],
     }
 
 
-def _rollout_logprob_gap(samples: list[Sample], batch: Batch) -> float:
-    """Mean |trainer old log-prob - engine log-prob| over response tokens."""
-    gaps = []
-    for row, sample in enumerate(samples):
-        start = len(sample.prompt_ids)
-        trainer = batch["old_logprobs"][row, start:start + len(sample.response_ids)]
-        gaps.append((trainer - torch.tensor(sample.logprobs)).abs())
-    return torch.cat(gaps).mean().item() if gaps else 0.0
+def _logprob_gap(trainer: torch.Tensor, engine: torch.Tensor, batch: Batch) -> float:
+    """Mean |trainer log-prob - engine log-prob| over the response tokens of the rows the
+    trainer's log-probs cover (the first rows of the batch), both of the sampling policy."""
+    mask = batch["loss_mask"][:len(trainer)].bool()
+    return (trainer[mask] - engine[:int(mask.sum())]).abs().mean().item() if mask.any() else 0.0

@@ -23,13 +23,13 @@ from rlsys.config.schema import RLJobConfig
 PHASES = ("generate", "reward", "old_logprob", "reference", "update", "sync")
 
 
-def bench_config(args) -> RLJobConfig:
+def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
     overrides = [
         f"output_dir={args.out}", f"model.path={args.model}", f"data.train_files=[{args.data}]",
         f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.engine_memory_gib=0.25",
         f"train.steps={args.steps}", f"train.prompts_per_step={args.prompts}", "train.micro_batch_size=128",
         "train.save_every=0", "train.resume=false", f"parallel.dp_shard={args.dp}", "ray.include_dashboard=false",
-        "tracking.backends=[jsonl]", f"algorithm.kl_coef={args.kl_coef}",
+        "tracking.backends=[jsonl]", f"algorithm.kl_coef={args.kl_coef}", *extra,
     ]
     return load_config(RLJobConfig, None, overrides)
 
@@ -46,8 +46,9 @@ def rlsys_steps(cfg: RLJobConfig) -> tuple[list[dict], list]:
     return rows, prompts
 
 
-def bare_vllm_tokens_per_s(cfg: RLJobConfig, prompts, repeats: int) -> float:
-    """The same prompts and sampling parameters through a plain in-process vLLM engine."""
+def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, list]:
+    """The same prompts and sampling parameters through a plain in-process vLLM engine:
+    the median time of `repeats` generations after a warm-up, and the last outputs."""
     from vllm import SamplingParams, TokensPrompt
 
     from rlsys.rollout.vllm_engine import create_llm
@@ -57,13 +58,18 @@ def bare_vllm_tokens_per_s(cfg: RLJobConfig, prompts, repeats: int) -> float:
     params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_new_tokens, logprobs=0, seed=cfg.seed)
     llm.generate(requests, params, use_tqdm=False)  # warm-up
-    rates = []
+    times = []
     for _ in range(repeats):
         started = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
-        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        rates.append(tokens / (time.perf_counter() - started))
-    return statistics.median(rates)
+        times.append(time.perf_counter() - started)
+    del llm
+    return statistics.median(times), outputs
+
+
+def bare_vllm_tokens_per_s(cfg: RLJobConfig, prompts, repeats: int) -> float:
+    seconds, outputs = bare_vllm_generate(cfg, prompts, repeats)
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs) / seconds
 
 
 def main() -> None:

@@ -1,0 +1,91 @@
+"""Weight-sync throughput beside a memory copy of the same bytes, measured in one run.
+
+    .venv/bin/python benchmarks/sync.py                      # Qwen2.5-0.5B-shaped, random init
+    .venv/bin/python benchmarks/sync.py --model runs/arith/sft/hf_model parallel.tp=2 parallel.dp_shard=1
+
+Builds the training group (any layout, given as config overrides) and one colocated
+vLLM engine, runs the trainer -> engine sync `--repeats` times and prints its median
+time and MB/s, then the median time of copying the same number of bytes from one
+tensor into another in this process (torch's memcpy, all threads): the floor of any
+host-memory path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from rlsys.config.loader import load_config
+from rlsys.config.schema import RLJobConfig
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+def ensure_model(path: str) -> None:
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    if not os.path.isdir(path):
+        print(f"writing a random Qwen2.5-0.5B-shaped model to {path}")
+        write_tiny_model(path, TinyModelSpec(**QWEN25_05B))
+
+
+def sync_times(cfg: RLJobConfig, repeats: int) -> tuple[list[float], dict[str, float]]:
+    from rlsys.actors.cluster import ensure_ray
+    from rlsys.actors.rollout_group import RolloutGroup
+    from rlsys.actors.train_worker import build_worker_spec
+    from rlsys.actors.worker_group import TrainGroup
+    from rlsys.parallel.weight_sync import WeightSync
+
+    ensure_ray(cfg.ray)
+    train = TrainGroup(build_worker_spec(cfg, 1, 1), cfg.ray)
+    rollout = None
+    try:
+        rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, train.placement,
+                               cfg.ray.cpus_per_worker * train.dims.world_size)
+        sync = WeightSync(train, rollout, cfg.rollout.sync_bucket_mb)
+        runs = [sync.run() for _ in range(repeats + 1)][1:]
+    finally:
+        for group in (rollout, train):
+            if group is not None:
+                group.shutdown()
+    return [r["sync/time_s"] for r in runs], runs[-1]
+
+
+def memcpy_time(nbytes: int, repeats: int = 5) -> float:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="runs/bench/qwen2.5-0.5b-random")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="rlsys config overrides (key=value), e.g. parallel.tp=2")
+    args = parser.parse_args()
+    ensure_model(args.model)
+    cfg = load_config(RLJobConfig, None, [
+        "output_dir=runs/bench/sync", f"model.path={args.model}", "data.train_files=[unused.parquet]",
+        "parallel.dp_shard=2", "rollout.engine_memory_gib=0.25", "ray.include_dashboard=false", *args.overrides])
+    times, last = sync_times(cfg, args.repeats)
+    seconds, mb = statistics.median(times), last["sync/mb"]
+    floor = memcpy_time(int(mb * 2**20))
+    print(f"\nweight sync of {mb:,.1f} MB in {last['sync/buckets']:.0f} buckets "
+          f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> 1 engine), "
+          f"median of {args.repeats}:")
+    print(f"  sync    {seconds:8.3f} s  {mb / seconds:10,.0f} MB/s")
+    print(f"  memcpy  {floor:8.3f} s  {mb / floor:10,.0f} MB/s   (same bytes, one process)")
+    print(f"  sync / memcpy time: {seconds / floor:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

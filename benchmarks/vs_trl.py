@@ -1,0 +1,172 @@
+"""rlsys beside TRL's GRPOTrainer on identical work, with the machine's floor for that step.
+
+    .venv/bin/pip install -e '.[cpu,test,bench]'     # TRL is a benchmark extra only
+    .venv/bin/python benchmarks/vs_trl.py --workload arith
+    .venv/bin/python benchmarks/vs_trl.py --workload random22m
+
+One invocation runs, one after the other on the same machine:
+  floor  a bare in-process vLLM `generate` of the step's prompts plus one
+         single-process forward/backward over the generated batch;
+  TRL    GRPOTrainer, one process, HF generate (what a TRL user on CPU gets);
+  rlsys  the rlvr step (Ray actors: FSDP2 ranks + a colocated vLLM engine).
+Both trainers get the same model directory, the same VeRL-parquet prompts through
+the chat template, n samples per prompt, temperature, learning rate (constant),
+PPO clip 0.2/0.28, token-mean loss, std-normalised group advantages, no KL and one
+update per step. Step times are means over the steps after the first (warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlvr_bench import bench_config, bare_vllm_generate, rlsys_steps
+
+WORKLOADS = {
+    # the example's SFT model: short answers, many prompts
+    "arith": dict(model="runs/arith/sft/hf_model", prompts=64, max_new_tokens=8),
+    # a random 22.7 M-parameter Qwen2 (hidden 512, 8 layers): long responses, few prompts
+    "random22m": dict(model="runs/bench/random22m", prompts=8, max_new_tokens=128),
+}
+RANDOM22M = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=512)
+
+
+@dataclass
+class Result:
+    step_s: float
+    response_tokens: float
+    """Mean generated tokens per step."""
+
+
+def floor_step(cfg, prompts) -> tuple[float, float]:
+    """Bare vLLM generate of the prompts, plus one forward/backward over what it generated
+    in this process with all threads: (generate s, forward/backward s)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+    from rlsys.data.batching import collate_rollouts
+
+    generate_s, outputs = bare_vllm_generate(cfg, prompts, repeats=3)
+    prompt_ids = [ids for (_, ids), out in zip(prompts, outputs) for _ in out.outputs]
+    response_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
+    batch = collate_rollouts(prompt_ids, response_ids, pad_id=0)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = (logprobs_of_labels(logits, batch["input_ids"]) * batch["loss_mask"][:, 1:]).sum()
+        loss.backward()
+        times.append(time.perf_counter() - started)
+        model.zero_grad(set_to_none=True)
+    return generate_s, statistics.median(times)
+
+
+def trl_steps(args, cfg) -> Result:
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlsys.rewards.builtin import arith_exact
+
+    def arith_reward(completions, reward_model, data_source, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [arith_exact(src, text, truth["ground_truth"]) for text, truth, src in zip(texts, reward_model, data_source)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends = [time.perf_counter()]
+
+        def on_step_end(self, *_, **__):
+            self.ends.append(time.perf_counter())
+
+    dataset = load_dataset("parquet", data_files=cfg.data.train_files, split="train")
+    completions = args.prompts * args.n
+    config = GRPOConfig(
+        output_dir=os.path.join(args.out, "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        logging_steps=1, max_steps=args.steps, seed=cfg.seed, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
+        adam_beta2=cfg.optim.betas[1], max_grad_norm=cfg.optim.max_grad_norm,
+        per_device_train_batch_size=completions, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=args.n, max_completion_length=args.max_new_tokens, temperature=args.temperature,
+        top_p=1.0, beta=0.0, num_iterations=1, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+        scale_rewards="group", disable_dropout=True, dataloader_num_workers=0,
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=arith_reward, args=config, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(cfg.model.path), callbacks=[clock])
+    trainer.train()
+    steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][1:]
+    lengths = [row["completions/mean_length"] * completions for row in trainer.state.log_history
+               if "completions/mean_length" in row][1:]
+    return Result(statistics.mean(steps), statistics.mean(lengths))
+
+
+def rlsys_result(cfg) -> tuple[Result, dict[str, float], list]:
+    rows, prompts = rlsys_steps(cfg)
+    measured = rows[1:]
+    mean = {k: statistics.mean(r[k] for r in measured) for k in measured[0]}
+    tokens = mean["throughput/generated_tokens_per_s"] * mean["time/generate_s"]
+    return Result(mean["time/step_s"], tokens), mean, prompts
+
+
+def ensure_random_model(path: str) -> None:
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    if not os.path.isdir(path):
+        write_tiny_model(path, TinyModelSpec(**RANDOM22M))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="arith")
+    parser.add_argument("--data", default="runs/arith/data/rl_train.parquet")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--out", default="runs/bench/vs_trl")
+    parser.add_argument("--skip-trl", action="store_true", help="floor and rlsys only (no TRL installed)")
+    parser.add_argument("overrides", nargs="*", help="extra rlsys config overrides (key=value)")
+    args = parser.parse_args()
+    workload = WORKLOADS[args.workload]
+    args.model, args.prompts, args.max_new_tokens = workload["model"], workload["prompts"], workload["max_new_tokens"]
+    args.kl_coef = 0.0
+    if args.workload == "random22m":
+        ensure_random_model(args.model)
+    os.makedirs(args.out, exist_ok=True)
+    cfg = bench_config(args, [f"optim.lr={args.lr}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",
+                              f"rollout.temperature={args.temperature}", "algorithm.clip_ratio_low=0.2",
+                              "algorithm.clip_ratio_high=0.28", "algorithm.loss_agg=token-mean",
+                              "algorithm.norm_adv_by_std=true", *args.overrides])
+
+    rlsys, phases, prompts = rlsys_result(cfg)
+    print(f"rlsys: {rlsys.step_s:.3f} s/step, {rlsys.response_tokens:.0f} response tokens/step", flush=True)
+    generate_s, fwd_bwd_s = floor_step(cfg, prompts)
+    print(f"floor: generate {generate_s:.3f} s + forward/backward {fwd_bwd_s:.3f} s", flush=True)
+    trl = None if args.skip_trl else trl_steps(args, cfg)
+
+    floor = generate_s + fwd_bwd_s
+    print(f"\n{args.workload}: {args.prompts} prompts x n={args.n}, <= {args.max_new_tokens} new tokens, "
+          f"{args.steps - 1} measured steps each; {os.cpu_count()} CPUs")
+    print(f"{'':<34}{'s/step':>8}{'tokens/step':>13}{'x floor':>9}")
+    print(f"{'floor (bare vLLM + 1 fwd/bwd)':<34}{floor:>8.3f}{'':>13}{1:>9.2f}   "
+          f"(generate {generate_s:.3f} + fwd/bwd {fwd_bwd_s:.3f})")
+    if trl:
+        print(f"{'TRL GRPOTrainer (1 process)':<34}{trl.step_s:>8.3f}{trl.response_tokens:>13.0f}{trl.step_s / floor:>9.2f}")
+    print(f"{'rlsys rlvr':<34}{rlsys.step_s:>8.3f}{rlsys.response_tokens:>13.0f}{rlsys.step_s / floor:>9.2f}   "
+          + " ".join(f"{p} {phases[f'time/{p}_s']:.3f}" for p in ("generate", "reward", "old_logprob", "update", "sync")
+                     if f"time/{p}_s" in phases))
+    if trl:
+        print(f"rlsys / TRL step time: {rlsys.step_s / trl.step_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,8 +18,11 @@ from rlsys.console import LOG_FILE_ENV, verbose
 log = logging.getLogger(__name__)
 
 # Run-time environment of every actor: no hub access, quiet tokenizers.
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-              "OMP_WAIT_POLICY": "PASSIVE"}
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# ... and of one role's actors. Idle training ranks must not spin on the cores a colocated
+# engine generates on; the engine keeps OpenMP's default wait policy, whose short spin
+# between its many small decode kernels PASSIVE would turn into sleeps and wake-ups.
+ROLE_ENV = {"train": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 _log_dir = ""
 _actor_names: dict[str, str] = {}
@@ -138,9 +141,11 @@ def spawn(actor_cls, role: str, index: int, *args, timeout_s: float = 30.0, **op
     <log dir>/<role>-<index>.log (see `rlsys.console`); a name still held by an actor
     being killed is waited for rather than refused."""
     name = actor_name(role, index)
+    env = dict(ROLE_ENV.get(role, {}))
     if _log_dir and not verbose():
-        path = os.path.join(_log_dir, f"{role}-{index}.log")
-        options["runtime_env"] = {"env_vars": {LOG_FILE_ENV: path}}
+        env[LOG_FILE_ENV] = os.path.join(_log_dir, f"{role}-{index}.log")
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     deadline = time.monotonic() + timeout_s
     while True:
         try:

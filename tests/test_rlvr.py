@@ -58,17 +58,17 @@ def test_buckets_keep_decoder_blocks_whole():
 
 
 def test_shards_of_uneven_and_whole_tensors_reassemble():
-    """Rank shards (uneven rows, a column split, bf16, a replica sent by one rank only)
+    """Rank shards (uneven rows, a column split, bf16, a tensor sent whole by one rank)
     come back as the full tensors, through the same buffers the object store carries."""
     from rlsys.parallel.weight_shards import Assembler, pack
 
-    weight, head, norm = torch.randn(5, 3), torch.randn(4, 6).to(torch.bfloat16), torch.randn(3)
-    rank0 = pack([("w", weight[:3], (5, 3), (0, 0)), ("head", head[:, :3], (4, 6), (0, 0)), ("norm", norm, (3,), (0,))])
-    rank1 = pack([("w", weight[3:], (5, 3), (3, 0)), ("head", head[:, 3:], (4, 6), (0, 3))])
+    weight, head, norm = torch.randn(5, 3), torch.randn(3, 5).to(torch.bfloat16), torch.randn(3)
+    rank0 = pack([("head", head[:, :2], (3, 5), (0, 0)), ("w", weight[:3], (5, 3), (0, 0)), ("norm", norm, (3,), (0,))])
+    rank1 = pack([("w", weight[3:], (5, 3), (3, 0)), ("head", head[:, 2:], (3, 5), (0, 2))])
     assemble = Assembler()
     for _ in range(2):  # the staging buffer is reused
         full = assemble([rank0, None, rank1])
-        assert list(full) == ["w", "head", "norm"]
+        assert list(full) == ["head", "w", "norm"]  # 30 bytes of bf16 before fp32: staged aligned
         assert torch.equal(full["w"], weight) and torch.equal(full["head"], head) and torch.equal(full["norm"], norm)
 
 

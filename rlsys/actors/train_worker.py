@@ -137,8 +137,8 @@ class TrainWorker:
         return self.policy.parameter_nbytes()
 
     def sync_shards(self, names: list[str]) -> ShardBucket | None:
-        """This rank's shards of `names` in one buffer, for the engines to reassemble
-        (None when it holds only replicas of them)."""
+        """This rank's shards of `names`, for the engines to reassemble (None when it
+        holds only replicas of them)."""
         shards = list(self.policy.local_shards(names))
         return pack(shards) if shards else None
 

@@ -225,7 +225,8 @@ class ModelEngine:
         """This rank's shard of each of `names` as (name, shard, full shape, offset of the shard
         in the full tensor): no collective. A rank holding a replica of a shard (a Replicate
         placement at a coordinate other than 0: another data-parallel replica, a tensor-parallel
-        peer's copy of a norm) yields nothing for it, so each element is sent once."""
+        peer's copy of a norm) yields nothing for it, so each element is sent once. Every
+        parameter is a DTensor: FSDP2 always wraps the model, on a mesh of one rank too."""
         for part in self.parts:
             part.reshard()
         params = dict(self.named_parameters())
@@ -234,7 +235,7 @@ class ModelEngine:
             coordinate = param.device_mesh.get_coordinate()
             if any(c and placement.is_replicate() for c, placement in zip(coordinate, param.placements)):
                 continue
-            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             yield name, param.to_local(), tuple(param.shape), offset
 
     def perturb_parameters(self, scale: float, seed: int) -> None:

@@ -31,7 +31,7 @@ WORKLOADS = {
     # the example's SFT model: short answers, many prompts
     "arith": dict(model="runs/arith/sft/hf_model", prompts=64, max_new_tokens=8),
     # a random 22.7 M-parameter Qwen2 (hidden 512, 8 layers): long responses, few prompts
-    "random22m": dict(model="runs/bench/random22m", prompts=8, max_new_tokens=128),
+    "random22m": dict(model="runs/bench/random22m-v103", prompts=8, max_new_tokens=128),
 }
 RANDOM22M = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=512)
@@ -117,10 +117,13 @@ def rlsys_result(cfg) -> tuple[Result, dict[str, float], list]:
 
 
 def ensure_random_model(path: str) -> None:
-    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+    """The vocabulary is exactly the tokenizer's. With 128 ids for 103 tokens, HF generate's
+    responses averaged 84 tokens and vLLM's 72 (both stop at a sampled end token): not the
+    same work. With 103 ids both generate the same number of tokens."""
+    from rlsys.models.tiny import TinyModelSpec, build_tokenizer, write_tiny_model
 
     if not os.path.isdir(path):
-        write_tiny_model(path, TinyModelSpec(**RANDOM22M))
+        write_tiny_model(path, TinyModelSpec(**RANDOM22M, vocab_size=len(build_tokenizer())))
 
 
 def main() -> None:

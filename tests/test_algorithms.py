@@ -78,7 +78,7 @@ def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
     batch["advantages"] = per_token(torch.tensor([1.0, -2.0]), batch)
     logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
     counts = {"tokens": 4, "sequences": 2}
-    loss_fn = policy_loss(counts, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28), with_logprobs=True)
+    loss_fn = policy_loss(counts, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28))
 
     on_policy = loss_fn(logits, batch)
     (grad_on_policy,) = torch.autograd.grad(on_policy.loss, logits)

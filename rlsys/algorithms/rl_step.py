@@ -14,13 +14,11 @@ from rlsys.algorithms.policy_loss import aggregate, entropy_from_logits, kl_pena
 from rlsys.config.schema import AlgorithmConfig
 
 
-def policy_loss(counts: dict[str, int], algo: AlgorithmConfig,
-                with_logprobs: bool = False) -> Callable[[torch.Tensor, Batch], LossOutput]:
+def policy_loss(counts: dict[str, int], algo: AlgorithmConfig) -> Callable[[torch.Tensor, Batch], LossOutput]:
     """`counts`: the mini-batch's global response tokens and sequences. A micro-batch holds
     [B, T] tensors aligned with input_ids: loss_mask (1 on response tokens), advantages,
     old_logprobs (absent when the update is on-policy: the current log-probs, detached, are
-    the old ones) and, with a KL term, ref_logprobs. `with_logprobs`: also output the current
-    log-probs as rows."""
+    the old ones) and, with a KL term, ref_logprobs. Its rows output the current log-probs."""
 
     def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
         micro = {k: v.to(logits.device) for k, v in micro.items()}
@@ -44,8 +42,7 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig,
                 "actor/entropy": _token_share(entropy, mask, counts["tokens"]),
                 "actor/kl": _token_share(kl, mask, counts["tokens"]),
             }
-        rows = {"logprobs": F.pad(logprobs.detach(), (1, 0))} if with_logprobs else {}
-        return LossOutput(loss, metrics, rows)
+        return LossOutput(loss, metrics, rows={"logprobs": F.pad(logprobs.detach(), (1, 0))})
 
     return loss_fn
 

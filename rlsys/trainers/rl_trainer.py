@@ -125,10 +125,10 @@ class RLVRTrainer:
         if cfg.algorithm.kl_coef > 0:
             with timer("reference"):
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
-        recomputed = self.old_logprobs == "trainer"
         with timer("update"):
-            update_metrics, update_logprobs = self._update(batch, with_logprobs=not recomputed)
-        sampler_logprobs = batch["old_logprobs"] if recomputed else update_logprobs
+            update_metrics, sampler_logprobs = self._update(batch)
+        if self.old_logprobs == "trainer":
+            sampler_logprobs = batch["old_logprobs"]
         with timer("sync"):
             sync_metrics = self.sync.run()
         timer.times["time/step_s"] = time.perf_counter() - started
@@ -148,26 +148,24 @@ class RLVRTrainer:
     def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         return torch.cat(self.train.run_data_parallel("compute_logprobs", batch, reference=reference))
 
-    def _update(self, batch: Batch, with_logprobs: bool) -> tuple[dict[str, float], torch.Tensor | None]:
+    def _update(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor]:
         """ppo_epochs passes over the batch in mini-batches of whole prompt groups. Returns the
-        mean metrics and, `with_logprobs`, the trainer's log-probs of the first mini-batch's
-        rows, taken before the first optimizer step: those of the policy that sampled them."""
+        mean metrics and the trainer's log-probs of the first mini-batch's rows, taken before
+        the first optimizer step: those of the policy that sampled them."""
         algo = self.cfg.algorithm
         num_minis = self._mini_batches_per_step()
         sums: dict[str, float] = {}
-        first_logprobs = None
-        for epoch in range(algo.ppo_epochs):
-            for index, mini in enumerate(split_rows(batch, num_minis)):
+        sampler_logprobs = None
+        for _ in range(algo.ppo_epochs):
+            for mini in split_rows(batch, num_minis):
                 counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0]}
-                first = with_logprobs and epoch == index == 0
-                outputs = self.train.run_data_parallel("train_step", mini,
-                                                       loss_fn=policy_loss(counts, algo, with_logprobs=first))
-                if first:
-                    first_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
+                outputs = self.train.run_data_parallel("train_step", mini, loss_fn=policy_loss(counts, algo))
+                if sampler_logprobs is None:
+                    sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
                 for name, value in outputs[0][0].items():
                     name = f"actor/{name}" if name in ("grad_norm", "lr") else name
                     sums[name] = sums.get(name, 0.0) + value / self.updates_per_step
-        return sums, first_logprobs
+        return sums, sampler_logprobs
 
     # -- validation, checkpoints --------------------------------------------
 

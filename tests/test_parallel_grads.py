@@ -1,7 +1,8 @@
 """Every training layout gives the single-process loss, gradients and log-probs of the same
 global batch: FSDP2, HSDP, tensor parallel (with sequence and loss parallel), FSDP2 x TP and
-pipeline parallel (three schedules, and composed with FSDP2 and TP) and context parallel
-(alone and with FSDP2), for the SFT loss and the RL policy loss with a KL term."""
+pipeline parallel (three schedules, and composed with FSDP2, TP with sequence and loss
+parallel, and context parallel) and context parallel (alone, with FSDP2 and with TP with
+sequence and loss parallel), for the SFT loss and the RL policy loss with a KL term."""
 
 from __future__ import annotations
 
@@ -34,16 +35,21 @@ LAYOUTS = {  # name: overrides
     "pp2xfsdp2xtp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp_microbatches=2"],
     "cp2": ["parallel.dp_shard=1", "parallel.cp=2"],
     "cp2xfsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
+    # every composition with context parallel, and pipelining with sequence and loss parallel, in one layout
+    "pp2xcp2xtp2-sp-lp": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.cp=2", "parallel.tp=2",
+                          "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
+                          "parallel.pp_microbatches=2"],
 }
 
 
 @pytest.fixture(scope="module")
 def four_layer_model_dir(tmp_path_factory) -> str:
-    """Pipeline layouts need a layer per stage: 4 for interleaved 1F1B over 2 ranks."""
+    """Pipeline layouts need a layer per stage (4 for interleaved 1F1B over 2 ranks), tp x cp
+    a head (and a key/value head) per rank of the two."""
     from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=2)
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4)
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny4")), spec)
 
 

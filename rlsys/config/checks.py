@@ -102,10 +102,8 @@ def check_model_dir(model: ModelConfig, key: str):
 def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     """The training layout, checked against what is built so far and against the model."""
     tp_option = _tp_option(parallel)
-    if parallel.cp > 1 and (parallel.pp > 1 or tp_option):
-        raise ConfigError(f"parallel.{'pp' if parallel.pp > 1 else tp_option}: not available yet with parallel.cp > 1")
     if parallel.pp > 1:
-        _check_pipeline(parallel, tp_option)
+        _check_pipeline(parallel)
     if parallel.tp == 1 and tp_option:
         raise ConfigError(f"parallel.{tp_option}: needs parallel.tp > 1")
     try:
@@ -123,9 +121,7 @@ def _tp_option(parallel: ParallelConfig) -> str | None:
     return next((key for key in ("sequence_parallel", "loss_parallel") if getattr(parallel, key)), None)
 
 
-def _check_pipeline(parallel: ParallelConfig, tp_option: str | None) -> None:
-    if tp_option:
-        raise ConfigError(f"parallel.{tp_option}: not available yet with parallel.pp > 1")
+def _check_pipeline(parallel: ParallelConfig) -> None:
     if parallel.pp_schedule == "1f1b" and parallel.pp_microbatches < parallel.pp:
         raise ConfigError(f"parallel.pp_microbatches: 1f1b needs at least pp ({parallel.pp}) micro-batches, "
                           f"got {parallel.pp_microbatches}")

@@ -47,9 +47,9 @@ from rlsys.algorithms.lm_loss import LossOutput
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.data.batching import Batch, micro_batches
 from rlsys.engine.loading import load_parallel_model
-from rlsys.parallel.context_parallel import chunk_for_rank, gather_rows
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.pipeline_schedule import run_schedule
+from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
 
 LossFn = Callable[[torch.Tensor, Batch], LossOutput]
 
@@ -133,53 +133,51 @@ class ModelEngine:
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad, self._loss_context():
             for micro in micro_batches(shard, self.spec.micro_batch_size):
-                length = micro["input_ids"].shape[1]
-                logits, micro = self._context_parallel_forward(micro) if self.spec.dims.cp > 1 \
-                    else (self._forward(micro), micro)
-                out = loss_fn(logits, micro)
+                seq = self._rank_sequence(micro)
+                out = loss_fn(loss_logits(self._forward(seq), seq), seq.fields)
                 if not forward_only:
                     out.loss.backward()
                 for name, value in out.metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
                 for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
-                    if self.spec.dims.cp > 1:
-                        value = gather_rows(value.detach(), length, self.cp_group)
+                    value = whole_rows(value.detach(), seq, self.cp_group)
                     width = shard["input_ids"].shape[1] - value.shape[1]
-                    rows.setdefault(name, []).append(F.pad(value.detach().cpu(), (0, width)))
+                    rows.setdefault(name, []).append(F.pad(value.cpu(), (0, width)))
         return sums, {name: torch.cat(parts) for name, parts in rows.items()}
 
     def _pipelined(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
         parallel = self.spec.parallel
+        seq = self._rank_sequence(shard)
+        for stage in self.parts:
+            stage.positions = seq.positions.to(self.device)
         activation_dtype = self.spec.param_dtype or next(self.parts[0].parameters()).dtype
-        return run_schedule(self.parts, self.pp_group, shard, loss_fn, parallel.pp_schedule,
-                            parallel.pp_microbatches, activation_dtype, forward_only)
+        with self._loss_context():
+            sums, rows = run_schedule(
+                self.parts, self.pp_group, seq.input_ids, seq.fields,
+                lambda logits, micro: loss_fn(loss_logits(logits, seq), micro),
+                parallel.pp_schedule, parallel.pp_microbatches, activation_dtype, forward_only,
+                self.sequence_multiple)
+        return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
 
-    def _forward(self, micro: Batch) -> torch.Tensor:
-        """Logits of one micro-batch, [rows, T, vocab] (vocabulary-sharded DTensor under loss parallel)."""
-        micro = {k: v.to(self.device) for k, v in micro.items()}
-        model, length = self.parts[0], micro["input_ids"].shape[1]
-        if self.sequence_multiple == 1:
-            return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                         use_cache=False).logits
-        # sequence parallel splits the sequence evenly, and HF would build masks and positions
-        # at the local length: pad to a multiple of tp and pass both prepared at full length
-        padded = -length % self.sequence_multiple
-        ids = F.pad(micro["input_ids"], (0, padded))
-        mask = F.pad(micro["attention_mask"], (0, padded))
-        logits = model(input_ids=ids, attention_mask=_causal_mask(mask),
-                       position_ids=torch.arange(ids.shape[1], device=ids.device).expand_as(ids),
-                       use_cache=False).logits
-        return logits[:, :length]
+    def _rank_sequence(self, batch: Batch) -> RankSequence:
+        return rank_sequence(batch, self.spec.dims.cp, self.cp_rank, self.sequence_multiple)
 
-    def _context_parallel_forward(self, micro: Batch) -> tuple[torch.Tensor, Batch]:
-        """Logits of this rank's chunk of the sequence, with the chunk's fields one token longer
-        (`context_parallel.chunk_for_rank`) and one unused logit row to match."""
-        chunk_micro, chunk = chunk_for_rank(micro, self.spec.dims.cp, self.cp_rank)
-        ids = chunk_micro["input_ids"][:, :chunk].to(self.device)
-        start = self.cp_rank * chunk
-        positions = torch.arange(start, start + chunk, device=ids.device).expand_as(ids)
-        logits = self.parts[0](input_ids=ids, position_ids=positions, use_cache=False).logits
-        return F.pad(logits, (0, 0, 0, 1)), chunk_micro
+    def _forward(self, seq: RankSequence) -> torch.Tensor:
+        """Logits of this rank's share of a micro-batch, [rows, span, vocab] (a vocabulary-sharded
+        DTensor under loss parallel). Positions are passed whole: under sequence parallel HF
+        would otherwise count them at the split length."""
+        ids = seq.input_ids.to(self.device)
+        return self.parts[0](input_ids=ids, attention_mask=self._attention_mask(seq),
+                             position_ids=seq.positions.to(self.device).expand_as(ids), use_cache=False).logits
+
+    def _attention_mask(self, seq: RankSequence) -> torch.Tensor | None:
+        """The padding mask; none under context parallel, whose attention is causal over the
+        gathered right-padded sequence; prepared at full length under sequence parallel, where
+        HF would build it at the split length."""
+        if seq.chunked:
+            return None
+        mask = seq.fields["attention_mask"].to(self.device)
+        return _causal_mask(mask) if self.sequence_multiple > 1 else mask
 
     def _loss_context(self):
         return loss_parallel() if self.spec.parallel.loss_parallel else contextlib.nullcontext()

@@ -6,11 +6,8 @@ two all-to-alls: sequence-split, all heads -> all tokens, 1/cp of the heads -> a
 It needs no attention kernel support, so it runs on CPU (PyTorch's ring attention has
 no CPU kernels). It is registered with transformers' AttentionInterface under
 "ulysses" and selected per model; causal attention over the gathered sequence needs no
-padding mask because batches are right-padded.
-
-`chunk_for_rank` gives a rank its tokens plus the next chunk's first token, so the
-unchanged loss functions see every next-token label, the one across the chunk
-boundary included; `gather_rows` puts the per-token outputs back in order.
+padding mask because batches are right-padded. Which tokens a rank holds, and
+how its per-token outputs are put back in order: `rlsys.parallel.rank_sequence`.
 """
 
 from __future__ import annotations
@@ -91,21 +88,3 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     parts = x.view(batch, local_heads, size, length // size, dim).permute(2, 0, 1, 3, 4)
     received = _AllToAll.apply(parts, group)  # [cp (source head group), B, H/cp, T/cp, D]
     return received.transpose(0, 1).reshape(batch, size * local_heads, length // size, dim)
-
-
-def chunk_for_rank(micro: dict[str, torch.Tensor], cp: int, rank: int) -> tuple[dict[str, torch.Tensor], int]:
-    """This rank's chunk of every [B, T] field, one token longer than its share (the next
-    chunk's first token, or padding), and the chunk length without that token."""
-    length = micro["input_ids"].shape[1]
-    chunk = -(-length // cp)
-    padded = {name: F.pad(value, (0, chunk * cp + 1 - length)) for name, value in micro.items()}
-    start = rank * chunk
-    return {name: value[:, start:start + chunk + 1] for name, value in padded.items()}, chunk
-
-
-def gather_rows(rows: torch.Tensor, length: int, group) -> torch.Tensor:
-    """Per-token outputs [B, chunk + 1] of every rank (column j + 1 for the rank's token j + 1,
-    column 0 unused) -> [B, length] in sequence order, column 0 zero."""
-    parts = [torch.empty_like(rows[:, 1:]) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, rows[:, 1:].contiguous(), group=group)
-    return F.pad(torch.cat(parts, dim=1), (1, 0))[:, :length]

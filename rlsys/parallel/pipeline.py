@@ -57,6 +57,10 @@ class DecoderStage(nn.Module):
         self.config = causal_lm.config
         self._no_split_modules = causal_lm._no_split_modules
         self.index, self.num_stages, self.layers = index, num_stages, layers
+        self.positions: torch.Tensor | None = None
+        """Positions [1, L] of the tokens this rank's attention sees, set by the engine for each
+        batch: a context-parallel chunk's, or the whole sequence's while sequence parallel splits
+        the stage's input. None: 0..T-1 of the input."""
         self.model = causal_lm.model
         for i in range(len(self.model.layers)):
             if i not in layers:
@@ -84,7 +88,8 @@ class DecoderStage(nn.Module):
         """Token ids [B, T] on the first stage, hidden states [B, T, H] on the others;
         returns hidden states, or logits [B, T, vocab] on the last stage."""
         hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = self.positions if self.positions is not None \
+            else torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         masks = self._attention_masks(hidden, positions)
         rotary = self.model.rotary_emb(hidden, positions)
         layer_types = getattr(self.config, "layer_types", None)
@@ -97,8 +102,10 @@ class DecoderStage(nn.Module):
         return self.lm_head(self.model.norm(hidden))
 
     def _attention_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """HF's own causal masks (None where its attention kernel is causal by itself)."""
-        kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+        """HF's own causal masks (None where its attention kernel is causal by itself), as long
+        as `positions`: HF reads only the shape and dtype of `inputs_embeds`."""
+        queries = hidden[:, :1].expand(-1, positions.shape[1], -1)
+        kwargs = dict(config=self.config, inputs_embeds=queries, attention_mask=None, past_key_values=None,
                       position_ids=positions)
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):

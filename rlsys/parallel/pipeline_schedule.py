@@ -12,33 +12,39 @@ step to step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from rlsys.algorithms.lm_loss import LossOutput
+from rlsys.algorithms.lm_loss import Batch, LossOutput
 from rlsys.parallel.pipeline import DecoderStage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-def run_schedule(stages: list[DecoderStage], group: ProcessGroup, shard: dict[str, torch.Tensor], loss_fn,
-                 schedule: str, num_microbatches: int, activation_dtype: torch.dtype, forward_only: bool
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Returns this rank's metric sums and per-row outputs (empty unless it holds the last stage)."""
-    rows = shard["input_ids"].shape[0]
-    padded = _pad_rows(shard, num_microbatches)
-    micro_shape = (padded["input_ids"].shape[0] // num_microbatches, padded["input_ids"].shape[1])
+def run_schedule(stages: list[DecoderStage], group: ProcessGroup, input_ids: torch.Tensor, fields: Batch, loss_fn,
+                 schedule: str, num_microbatches: int, activation_dtype: torch.dtype, forward_only: bool,
+                 sequence_split: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Runs the first stage on `input_ids` [B, T] and `loss_fn` on the last stage's logits and
+    `fields` (per-token, [B, T'] each), micro-batch by micro-batch. Activations between stages
+    are [B, T / sequence_split, hidden] (sequence parallel splits them between the tensor-
+    parallel ranks). Returns this rank's metric sums and per-row outputs (empty unless it
+    holds the last stage)."""
+    rows = input_ids.shape[0]
+    input_ids, fields = _pad_rows(input_ids, num_microbatches), _pad_fields(fields, num_microbatches)
+    micro_rows = input_ids.shape[0] // num_microbatches
     device = next(stages[0].parameters()).device
-    pipeline_stages = [_pipeline_stage(stage, group, micro_shape, activation_dtype, device, not forward_only)
-                       for stage in stages]
-    recorder = _LossRecorder(loss_fn, {name: value.dtype for name, value in padded.items()})
+    shapes = _StageShapes(micro_rows, input_ids.shape[1], sequence_split, activation_dtype, not forward_only)
+    pipeline_stages = [_pipeline_stage(stage, group, shapes, device) for stage in stages]
+    recorder = _LossRecorder(loss_fn, {name: value.dtype for name, value in fields.items()})
     schedule_cls = SCHEDULES[schedule]
     runner = schedule_cls(pipeline_stages if schedule_cls is ScheduleInterleaved1F1B else pipeline_stages[0],
                           n_microbatches=num_microbatches, loss_fn=recorder, scale_grads=False)
-    args = (padded["input_ids"].to(device),) if any(s.is_first for s in stages) else ()
-    target = _pack(padded).to(device) if any(s.is_last for s in stages) else None
+    args = (input_ids.to(device),) if any(s.is_first for s in stages) else ()
+    target = _pack(fields).to(device) if any(s.is_last for s in stages) else None
     # a schedule's first run sets every parameter's grad to None: keep what earlier calls accumulated
     kept = {p: p.grad for stage in stages for p in stage.parameters() if p.grad is not None}
     if forward_only:
@@ -51,23 +57,36 @@ def run_schedule(stages: list[DecoderStage], group: ProcessGroup, shard: dict[st
     return recorder.sums(), {name: value[:rows] for name, value in recorder.rows().items()}
 
 
-def _pipeline_stage(stage: DecoderStage, group: ProcessGroup, micro_shape: tuple[int, int],
-                    activation_dtype: torch.dtype, device: torch.device, has_backward: bool) -> PipelineStage:
+@dataclass(frozen=True)
+class _StageShapes:
+    micro_rows: int
+    length: int
+    sequence_split: int
+    activation_dtype: torch.dtype
+    has_backward: bool
+
+
+def _pipeline_stage(stage: DecoderStage, group: ProcessGroup, shapes: _StageShapes,
+                    device: torch.device) -> PipelineStage:
     """A stage with its input and output shapes given (static: no shape-inference pass). Activations
     passed between stages must say they require grad, or no gradient is sent back for them."""
-    hidden = torch.empty(*micro_shape, stage.config.hidden_size, dtype=activation_dtype, device="meta",
-                         requires_grad=has_backward)
-    inputs = torch.empty(micro_shape, dtype=torch.long, device="meta") if stage.is_first else hidden
-    outputs = torch.empty(*micro_shape, stage.config.vocab_size, dtype=activation_dtype, device="meta") \
+    rows, length = shapes.micro_rows, shapes.length
+    hidden = torch.empty(rows, length // shapes.sequence_split, stage.config.hidden_size,
+                         dtype=shapes.activation_dtype, device="meta", requires_grad=shapes.has_backward)
+    inputs = torch.empty(rows, length, dtype=torch.long, device="meta") if stage.is_first else hidden
+    outputs = torch.empty(rows, length, stage.config.vocab_size, dtype=shapes.activation_dtype, device="meta") \
         if stage.is_last else hidden
     return PipelineStage(stage, stage.index, stage.num_stages, device, input_args=inputs, output_args=outputs,
                          group=group)
 
 
-def _pad_rows(shard: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+def _pad_rows(value: torch.Tensor, multiple: int) -> torch.Tensor:
     """Rows of padding (all masks 0) so the schedule's micro-batches are equal."""
-    extra = -shard["input_ids"].shape[0] % multiple
-    return {name: F.pad(value, (0, 0, 0, extra)) for name, value in shard.items()}
+    return F.pad(value, (0, 0, 0, -value.shape[0] % multiple))
+
+
+def _pad_fields(fields: Batch, multiple: int) -> Batch:
+    return {name: _pad_rows(value, multiple) for name, value in fields.items()}
 
 
 def _pack(batch: dict[str, torch.Tensor]) -> torch.Tensor:

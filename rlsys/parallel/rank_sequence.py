@@ -1,0 +1,77 @@
+"""What one rank computes of a batch's sequences.
+
+Context parallelism gives each rank a contiguous chunk of every sequence;
+sequence parallelism splits what a rank's model sees once more, evenly between
+the tensor-parallel ranks, so that length is padded to a multiple of tp. The
+loss functions stay the same pure functions in every layout: under context
+parallelism a rank's loss fields carry one token more than its chunk (the next
+chunk's first token, or padding), so every next-token label is seen, the one
+across the chunk boundary included, and the logits get one unused row to match.
+Padding never counts: batches are right-padded with all masks 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class RankSequence:
+    fields: Batch
+    """The loss function's view of the batch, [B, span], or [B, span + 1] under context parallel."""
+    input_ids: torch.Tensor
+    """The model's input, [B, span]."""
+    positions: torch.Tensor
+    """Positions of the input tokens in their sequences, [1, span]."""
+    length: int
+    """The batch's own sequence length."""
+    chunked: bool
+    """Context parallel: the fields carry the next chunk's first token."""
+
+
+def rank_sequence(batch: Batch, cp: int, cp_rank: int, multiple: int) -> RankSequence:
+    """This rank's share of `batch`, the model's input padded to a multiple of `multiple`."""
+    length = batch["input_ids"].shape[1]
+    if cp == 1:
+        fields = _pad_columns(batch, -length % multiple)
+        span = fields["input_ids"].shape[1]
+        return RankSequence(fields, fields["input_ids"], torch.arange(span).unsqueeze(0), length, chunked=False)
+    chunk = -(-length // (cp * multiple)) * multiple
+    padded = _pad_columns(batch, chunk * cp + 1 - length)
+    start = cp_rank * chunk
+    fields = {name: value[:, start:start + chunk + 1] for name, value in padded.items()}
+    return RankSequence(fields, fields["input_ids"][:, :chunk], torch.arange(start, start + chunk).unsqueeze(0),
+                        length, chunked=True)
+
+
+def loss_logits(logits: torch.Tensor, seq: RankSequence) -> torch.Tensor:
+    """The logits as long as the loss fields: one unused row more under context parallel
+    (padded on the local shard when loss parallel leaves them vocabulary-sharded)."""
+    if not seq.chunked:
+        return logits
+    if isinstance(logits, DTensor):
+        local = F.pad(logits.to_local(), (0, 0, 0, 1))
+        return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False)
+    return F.pad(logits, (0, 0, 0, 1))
+
+
+def whole_rows(rows: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:
+    """Per-token outputs of `seq`'s fields -> [B, length] in sequence order. Under context
+    parallel (a collective over `cp_group`) column j + 1 of each rank's rows is its token
+    j + 1 and column 0 is unused; the whole sequence's column 0 is zero."""
+    if not seq.chunked:
+        return rows[:, :seq.length]
+    parts = [torch.empty_like(rows[:, 1:]) for _ in range(dist.get_world_size(cp_group))]
+    dist.all_gather(parts, rows[:, 1:].contiguous(), group=cp_group)
+    return F.pad(torch.cat(parts, dim=1), (1, 0))[:, :seq.length]
+
+
+def _pad_columns(batch: Batch, extra: int) -> Batch:
+    return {name: F.pad(value, (0, extra)) for name, value in batch.items()} if extra else batch

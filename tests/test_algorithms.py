@@ -1,4 +1,6 @@
-"""GRPO advantages, the clipped loss, KL estimators and aggregation against hand-computed values."""
+"""Advantage estimators, policy losses, KL estimators and aggregations against hand-computed
+values (VeRL's semantics): groups of one, all-equal groups, padding holding NaN, log-ratios
+of +-30; and estimators and losses registered from a user's file."""
 
 from __future__ import annotations
 
@@ -7,39 +9,134 @@ import math
 import pytest
 import torch
 
-from rlsys.algorithms.grpo import grpo_advantages
-from rlsys.algorithms.policy_loss import aggregate, kl_penalty, ppo_clip_loss
+from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
+from rlsys.algorithms.policy_loss import aggregate, gspo_loss, kl_penalty, ppo_clip_loss
+from rlsys.config.schema import AlgorithmConfig
+
+SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7]
+GROUPS = [0, 0, 0, 0, 1, 1, 2]  # group 2 is a group of one, group 1 has equal rewards
+LENGTHS = [3, 1, 2, 3, 2, 1, 2]
 
 
-def test_grpo_advantages_by_hand():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5])
-    groups = torch.tensor([0, 0, 0, 0, 1, 1])
-    # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: constant -> 0
-    std = math.sqrt((4 * 0.25) / 3)
-    expected = torch.tensor([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std, 0.0, 0.0])
-    assert torch.allclose(grpo_advantages(rewards, groups), expected, atol=1e-5)
-    assert torch.allclose(grpo_advantages(rewards, groups, norm_by_std=False),
-                          torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0]))
+def rollouts() -> AdvantageInputs:
+    """Responses of LENGTHS tokens after a 1-token prompt, scores on their last tokens."""
+    mask = torch.zeros(len(SCORES), 5)
+    rewards = torch.zeros(len(SCORES), 5)
+    for row, (length, score) in enumerate(zip(LENGTHS, SCORES)):
+        mask[row, 1:1 + length] = 1
+        rewards[row, length] = score
+    return AdvantageInputs(rewards, mask, torch.tensor(GROUPS))
 
 
-def test_clipped_loss_by_hand():
-    old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
-    new = torch.log(torch.tensor([0.75, 0.25, 0.75, 0.55]))  # ratios 1.5, 0.5, 1.5, 1.1
-    adv = torch.tensor([1.0, -1.0, -1.0, 2.0])
-    loss, clipped = ppo_clip_loss(new, old, adv, clip_low=0.2, clip_high=0.28)
-    # A>0, r=1.5 -> clipped at 1.28: -1.28.  A<0, r=0.5 -> max(0.5, 0.8) = 0.8 (clipped).
-    # A<0, r=1.5 -> max(1.5, 1.28) = 1.5 (unclipped).  A>0, r=1.1 inside: -2.2.
-    assert torch.allclose(loss, torch.tensor([-1.28, 0.8, 1.5, -2.2]), atol=1e-5)
-    assert clipped.tolist() == [1.0, 1.0, 0.0, 0.0]
+def advantages(estimator: str, **options) -> torch.Tensor:
+    inputs = rollouts()
+    result = compute_advantages(inputs, AlgorithmConfig(adv_estimator=estimator, **options))
+    assert (result[inputs.response_mask == 0] == 0).all()
+    return result
 
 
-def test_kl_estimators_match_their_formulas():
+def per_response(result: torch.Tensor) -> list[float]:
+    """The advantage of each response, checking it is the same on every one of its tokens."""
+    values = []
+    for row, length in enumerate(LENGTHS):
+        tokens = result[row, 1:1 + length]
+        assert torch.allclose(tokens, tokens[0].expand_as(tokens))
+        values.append(tokens[0].item())
+    return values
+
+
+def whiten(values: list[float], lengths: list[int]) -> list[float]:
+    """VeRL's masked whitening over every response token (unbiased variance), by hand."""
+    tokens = [v for v, n in zip(values, lengths) for _ in range(n)]
+    mean = sum(tokens) / len(tokens)
+    var = sum((t - mean) ** 2 for t in tokens) / (len(tokens) - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+
+def test_grpo_and_dr_grpo_by_hand():
+    std = math.sqrt(4 * 0.25 / 3)  # group 0: mean 0.5, unbiased std
+    expected = [0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std, 0.0, 0.0, 0.7]  # a group of one: its raw score
+    assert per_response(advantages("grpo")) == pytest.approx(expected, abs=1e-5)
+    assert per_response(advantages("grpo", norm_adv_by_std=False)) == pytest.approx(
+        [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.7], abs=1e-6)
+
+
+def test_rloo_subtracts_the_mean_of_the_other_responses():
+    assert per_response(advantages("rloo")) == pytest.approx(
+        [1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3, 0.0, 0.0, 0.7], abs=1e-6)
+
+
+def test_reinforce_plus_plus_baseline_whitens_group_centred_scores_over_tokens():
+    centred = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.7]
+    assert per_response(advantages("reinforce_plus_plus_baseline")) == pytest.approx(
+        whiten(centred, LENGTHS), abs=1e-5)
+
+
+def test_reinforce_plus_plus_whitens_discounted_returns():
+    assert per_response(advantages("reinforce_plus_plus")) == pytest.approx(whiten(SCORES, LENGTHS), abs=1e-5)
+    # gamma 0.5: a response's token t carries its score x 0.5^(tokens after t)
+    result = advantages("reinforce_plus_plus", gamma=0.5)
+    returns = [score * 0.5 ** (length - 1 - t) for score, length in zip(SCORES, LENGTHS) for t in range(length)]
+    mean = sum(returns) / len(returns)
+    std = math.sqrt(sum((r - mean) ** 2 for r in returns) / (len(returns) - 1) + 1e-8)
+    mask = rollouts().response_mask.bool()
+    assert result[mask].tolist() == pytest.approx([(r - mean) / std for r in returns], abs=1e-5)
+
+
+ALGO = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+
+
+def test_ppo_clip_with_dual_clip_by_hand():
+    old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5, 0.2]))
+    new = torch.log(torch.tensor([0.75, 0.25, 0.75, 0.55, 0.8]))  # ratios 1.5, 0.5, 1.5, 1.1, 4
+    adv = torch.tensor([1.0, -1.0, -1.0, 2.0, -1.0])
+    terms = ppo_clip_loss(new, old, adv, torch.ones(5), ALGO)
+    # A>0, r=1.5: clipped at 1.28. A<0, r=0.5: max(0.5, 0.8) = 0.8 (clipped). A<0, r=1.5: 1.5 (unclipped,
+    # under the dual clip's 3). A>0, r=1.1: inside, -2.2. A<0, r=4: max(4, 1.28) = 4, dual clip -> 3.
+    assert terms.per_token.tolist() == pytest.approx([-1.28, 0.8, 1.5, -2.2, 3.0], abs=1e-5)
+    assert terms.clipped.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert terms.clipped_lower.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_log_ratios_of_30_stay_finite():
+    old = torch.zeros(4)
+    new = torch.tensor([30.0, 30.0, -30.0, -30.0], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    terms = ppo_clip_loss(new, old, adv, torch.ones(4), ALGO)
+    # log-ratio clamped to +-20: A>0 clipped at 1.28; A<0 bounded by the dual clip at 3;
+    # r = e^-20: A>0 unclipped (-e^-20), A<0 clipped at 0.8
+    assert terms.per_token.tolist() == pytest.approx([-1.28, 3.0, -math.exp(-20), 0.8], abs=1e-6)
+    terms.per_token.sum().backward()
+    assert torch.isfinite(new.grad).all()
+    assert kl_penalty(torch.tensor([30.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0  # VeRL's clamp
+
+
+def test_gspo_uses_one_clipped_ratio_per_sequence():
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.1, 0.3, float("nan")], [-0.2, float("nan"), float("nan")]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
+    terms = gspo_loss(new, old, adv, mask, ALGO)
+    # sequence log-ratios: mean(0.1, 0.3) = 0.2 and -0.2, both inside the clip range
+    ratio_up, ratio_down = math.exp(0.2), math.exp(-0.2)
+    assert terms.per_token[0, :2].tolist() == pytest.approx([-ratio_up] * 2, abs=1e-6)
+    assert terms.per_token[1, 0].item() == pytest.approx(ratio_down, abs=1e-6)
+    loss = aggregate(terms.per_token, mask, "seq-mean-token-mean", {"tokens": 3, "sequences": 2})
+    assert loss.item() == pytest.approx((-ratio_up + ratio_down) / 2, abs=1e-6)
+    loss.backward()
+    # d loss / d log p_t = -A x ratio / (tokens in the sequence) / sequences
+    assert new.grad[0, :2].tolist() == pytest.approx([-ratio_up / 4] * 2, abs=1e-6)
+    assert new.grad[1, 0].item() == pytest.approx(ratio_down / 2, abs=1e-6)
+
+
+def test_kl_estimators_under_both_names():
     p = torch.tensor([0.3, 0.6, 0.9])
     q = torch.tensor([0.5, 0.6, 0.2])
     logp, logq = p.log(), q.log()
-    assert torch.allclose(kl_penalty(logp, logq, "k1"), (p / q).log())
-    assert torch.allclose(kl_penalty(logp, logq, "k2"), 0.5 * (p / q).log() ** 2)
-    assert torch.allclose(kl_penalty(logp, logq, "k3"), q / p - 1 - (q / p).log())
+    for names, expected in ((("k1", "kl"), (p / q).log()), (("k2", "mse"), 0.5 * (p / q).log() ** 2),
+                            (("k3", "low_var_kl"), q / p - 1 - (q / p).log()), (("abs",), (p / q).log().abs())):
+        for name in names:
+            assert torch.allclose(kl_penalty(logp, logq, name), expected), name
     assert kl_penalty(logp, logq, "k3")[1] == 0 and (kl_penalty(logp, logq, "k3") >= 0).all()
 
 
@@ -55,14 +152,45 @@ def test_k3_is_an_unbiased_kl_estimate():
 
 
 def test_aggregations_by_hand():
-    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), float("inf")]])  # padding: NaN, inf
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert aggregate(per_token, mask, "token-mean", 4, 2).item() == pytest.approx(10 / 4)
-    assert aggregate(per_token, mask, "seq-mean-token-mean", 4, 2).item() == pytest.approx((2 + 4) / 2)
-    assert aggregate(per_token, mask, "seq-mean-token-sum", 4, 2).item() == pytest.approx((6 + 4) / 2)
+    counts = {"tokens": 4, "sequences": 2, "horizon": 5}
+    assert aggregate(per_token, mask, "token-mean", counts).item() == pytest.approx(10 / 4)
+    assert aggregate(per_token, mask, "seq-mean-token-mean", counts).item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(per_token, mask, "seq-mean-token-sum", counts).item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(per_token, mask, "seq-mean-token-sum-norm", counts).item() == pytest.approx(10 / (2 * 5))
     # split into two micro-batches, the shares add up to the whole
-    halves = [aggregate(per_token[i:i + 1], mask[i:i + 1], "seq-mean-token-mean", 4, 2) for i in (0, 1)]
+    halves = [aggregate(per_token[i:i + 1], mask[i:i + 1], "seq-mean-token-mean", counts) for i in (0, 1)]
     assert sum(halves).item() == pytest.approx(3.0)
+
+
+def rl_batch():
+    from rlsys.data.batching import collate_rollouts, per_token
+
+    batch = collate_rollouts([[1, 2], [3, 4, 5]], [[6, 7, 8], [9]], pad_id=0)
+    batch["advantages"] = per_token(torch.tensor([1.0, -2.0]), batch)
+    return batch
+
+
+@pytest.mark.parametrize("loss", ["vanilla", "gspo"])
+def test_nan_in_padding_never_reaches_the_loss(loss):
+    from rlsys.algorithms.rl_step import policy_loss
+
+    torch.manual_seed(0)
+    batch = rl_batch()
+    logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
+    old = torch.randn(batch["input_ids"].shape) * 0.1
+    algo = AlgorithmConfig(policy_loss=loss, kl_coef=0.1)
+    loss_fn = policy_loss({"tokens": 4, "sequences": 2}, algo)
+    clean = {**batch, "old_logprobs": old * batch["loss_mask"], "ref_logprobs": old * batch["loss_mask"]}
+    padding = batch["loss_mask"] == 0
+    dirty = {name: value.masked_fill(padding, float("nan")) if name in ("advantages", "old_logprobs", "ref_logprobs")
+             else value for name, value in clean.items()}
+    (grad_clean,) = torch.autograd.grad(loss_fn(logits, clean).loss, logits)
+    out = loss_fn(logits, dirty)
+    (grad_dirty,) = torch.autograd.grad(out.loss, logits)
+    assert torch.isfinite(out.loss) and torch.equal(grad_clean, grad_dirty)
+    assert all(torch.isfinite(value) for value in out.metrics.values())
 
 
 def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
@@ -70,15 +198,12 @@ def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
     gradient and log-prob rows equal those of a separate pass's old log-probs."""
     from rlsys.algorithms.lm_loss import logprobs_of_labels
     from rlsys.algorithms.rl_step import policy_loss
-    from rlsys.config.schema import AlgorithmConfig
-    from rlsys.data.batching import collate_rollouts, on_response_tokens, per_token
+    from rlsys.data.batching import on_last_response_token, on_response_tokens
 
     torch.manual_seed(0)
-    batch = collate_rollouts([[1, 2], [3, 4, 5]], [[6, 7, 8], [9]], pad_id=0)
-    batch["advantages"] = per_token(torch.tensor([1.0, -2.0]), batch)
+    batch = rl_batch()
     logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
-    counts = {"tokens": 4, "sequences": 2}
-    loss_fn = policy_loss(counts, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28))
+    loss_fn = policy_loss({"tokens": 4, "sequences": 2}, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28))
 
     on_policy = loss_fn(logits, batch)
     (grad_on_policy,) = torch.autograd.grad(on_policy.loss, logits)
@@ -93,3 +218,39 @@ def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
     placed = on_response_tokens(torch.tensor([0.1, 0.2, 0.3, 0.4]), batch)
     assert torch.allclose(placed * batch["loss_mask"], placed)
     assert torch.allclose(placed[0, 2:5], torch.tensor([0.1, 0.2, 0.3])) and placed[1, 3].item() == pytest.approx(0.4)
+    # an outcome reward sits on each response's last token
+    rewards = on_last_response_token(torch.tensor([1.0, 0.5]), batch)
+    assert rewards[0, 4].item() == 1.0 and rewards[1, 3].item() == 0.5 and rewards.sum().item() == 1.5
+
+
+def test_estimators_and_losses_registered_from_a_file(tmp_path):
+    from rlsys.algorithms.rl_step import policy_loss
+    from rlsys.config.checks import check_algorithm
+    from rlsys.config.loader import ConfigError
+    from rlsys.config.schema import ParallelConfig
+
+    extension = tmp_path / "my_algos.py"
+    extension.write_text(
+        "from rlsys.algorithms.advantages import register_advantage\n"
+        "from rlsys.algorithms.policy_loss import PolicyLossTerms, register_policy_loss\n\n"
+        "@register_advantage('sign')\n"
+        "def sign(inputs, algo):\n"
+        "    return inputs.token_rewards.sum(-1, keepdim=True).sign() * inputs.response_mask\n\n"
+        "@register_policy_loss('reinforce')\n"
+        "def reinforce(logprobs, old_logprobs, advantages, mask, algo):\n"
+        "    return PolicyLossTerms(-advantages * logprobs, logprobs.new_zeros(logprobs.shape))\n")
+    algo = AlgorithmConfig(adv_estimator="sign", policy_loss="reinforce", extensions=[str(extension)])
+    check_algorithm(algo, ParallelConfig())
+    result = compute_advantages(AdvantageInputs(torch.tensor([[0.0, -2.0], [0.0, 3.0]]), torch.tensor([[0.0, 1.0]] * 2),
+                                                 torch.tensor([0, 0])), algo)
+    assert result.tolist() == [[0.0, -1.0], [0.0, 1.0]]
+    logits = torch.zeros(1, 3, 4, requires_grad=True)
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "loss_mask": torch.tensor([[0, 1, 1]]),
+             "advantages": torch.tensor([[0.0, 1.0, 1.0]])}
+    assert policy_loss({"tokens": 2, "sequences": 1}, algo)(logits, batch).loss.item() == pytest.approx(math.log(4))
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator: unknown adv estimator 'nope'"):
+        check_algorithm(AlgorithmConfig(adv_estimator="nope"), ParallelConfig())
+    with pytest.raises(ConfigError, match="algorithm.extensions.0.: file not found"):
+        check_algorithm(AlgorithmConfig(extensions=[str(tmp_path / "missing.py")]), ParallelConfig())
+    with pytest.raises(ConfigError, match="algorithm.policy_loss: gspo's sequence ratio"):
+        check_algorithm(AlgorithmConfig(policy_loss="gspo"), ParallelConfig(cp=2))

@@ -58,7 +58,8 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         ("eval.reward=nope", "eval.reward: unknown reward 'nope'"),
         ("algorithm.ppo_mini_batch_size=3", "algorithm.ppo_mini_batch_size: 3 does not divide train.prompts_per_step"),
         ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size: 3 does not split the model's 2 attention"),
-        ("algorithm.kl_estimator=k4", "algorithm.kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
+        ("algorithm.kl_estimator=k4", "algorithm.kl_estimator: Input should be 'k1', 'k2', 'k3', 'kl', 'mse', "
+                                       "'low_var_kl' or 'abs'"),
         ("reward.terms=[{weight: 1.0}]", "reward.terms[0]: give a registered name or a path"),
     ],
 )

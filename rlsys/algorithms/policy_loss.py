@@ -1,55 +1,153 @@
-"""Per-token policy-gradient terms and their aggregation.
+"""Per-token policy-gradient losses, chosen by name (`algorithm.policy_loss`), KL
+estimators and the aggregation of per-token terms, with VeRL's semantics.
 
-Token tensors are [B, T] aligned with input_ids; `mask` is 1 on response
+Token tensors are [B, T] aligned with the targets; `mask` is 1 on response
 tokens. Aggregations divide by global counts (all ranks, all micro-batches of
 the mini-batch) so that summing the per-micro-batch losses gives the loss of
-the whole mini-batch, as in the SFT loss.
+the whole mini-batch, as in the SFT loss. Padding never reaches a loss: masked
+sums select (`torch.where`) instead of multiplying, so a NaN or inf outside the
+mask stays out.
+
+A user's own loss registers with `@register_policy_loss("name")` in a file listed
+under `algorithm.extensions`: `fn(logprobs, old_logprobs, advantages, mask, algo)
+-> PolicyLossTerms`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+from rlsys.config.schema import AlgorithmConfig
 
+LOG_RATIO_LIMIT = 20.0
+"""VeRL clamps log-ratios to +-20 before `exp`."""
+
+
+@dataclass(frozen=True)
+class PolicyLossTerms:
+    per_token: torch.Tensor
+    """[B, T] loss per token."""
+    clipped: torch.Tensor
+    """[B, T] 1 where the ratio clip is active."""
+    clipped_lower: torch.Tensor | None = None
+    """[B, T] 1 where the dual clip bounds a negative advantage's loss."""
+
+
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmConfig], PolicyLossTerms]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    fn: PolicyLossFn
+    loss_agg: str | None = None
+    """An aggregation the loss is defined with (GSPO's sequence mean), else `algorithm.loss_agg`."""
+
+
+_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, loss_agg: str | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    def add(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in _LOSSES and _LOSSES[name].fn is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        _LOSSES[name] = PolicyLoss(fn, loss_agg)
+        return fn
+
+    return add
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    try:
+        return _LOSSES[name]
+    except KeyError:
+        raise KeyError(f"unknown policy loss {name!r}; registered: {', '.join(registered_policy_losses())}") from None
+
+
+def registered_policy_losses() -> list[str]:
+    return sorted(_LOSSES)
+
+
+@register_policy_loss("vanilla")
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate max(-A r, -A clip(r, 1-low, 1+high)) and where the clip is active."""
-    ratio = torch.exp(logprobs - old_logprobs)
+                  mask: torch.Tensor, algo: AlgorithmConfig) -> PolicyLossTerms:
+    """PPO's clipped surrogate max(-A r, -A clip(r, 1 - low, 1 + high)), with VeRL's dual clip:
+    a negative advantage's loss is at most -A x clip_ratio_c."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    clipped = -advantages * torch.clamp(ratio, 1 - algo.clip_ratio_low, 1 + algo.clip_ratio_high)
+    surrogate = torch.maximum(unclipped, clipped)
+    bound = -advantages * algo.clip_ratio_c
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(surrogate, bound), surrogate)
+    return PolicyLossTerms(per_token, (clipped > unclipped).float(), ((surrogate > bound) & negative).float())
+
+
+@register_policy_loss("gspo", loss_agg="seq-mean-token-mean")
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, algo: AlgorithmConfig) -> PolicyLossTerms:
+    """GSPO: one importance ratio per sequence, exp of the mean token log-ratio, clipped as in
+    PPO; each token carries it with its own gradient (log p - sg(log p) + sg(mean log-ratio)),
+    the log clamped at 10, averaged per sequence, as in VeRL."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
+    sequence_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp((logprobs - logprobs.detach() + sequence_log_ratio.detach()).clamp(max=10.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - algo.clip_ratio_low, 1 + algo.clip_ratio_high)
+    return PolicyLossTerms(torch.maximum(unclipped, clipped), (clipped > unclipped).float())
+
+
+KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
+"""Accepted names (VeRL's included) -> the estimator."""
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy.
 
-    k1 = log(p/q); k2 = log(p/q)^2 / 2; k3 = q/p - 1 - log(q/p) (non-negative, unbiased).
+    k1 (VeRL: kl) = log(p/q); abs = |log(p/q)|; k2 (mse) = log(p/q)^2 / 2;
+    k3 (low_var_kl) = q/p - 1 - log(q/p), non-negative and unbiased, with VeRL's
+    clamps: log(q/p) to +-20, the estimate to [-10, 10].
     """
     log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
+    kind = KL_ESTIMATORS.get(estimator)
+    if kind == "k1":
         return log_ratio
-    if estimator == "k2":
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind == "k2":
         return 0.5 * log_ratio.square()
-    if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio
+    if kind == "k3":
+        reverse = (-log_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        return (torch.exp(reverse) - reverse - 1).clamp(-10, 10)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: int,
-              global_sequences: int) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss.
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` on the mask, 0 elsewhere, whatever (NaN, inf) lies outside it."""
+    return torch.where(mask.bool(), values, 0.0)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, counts: dict[str, int]) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss. `counts`: the mini-batch's global
+    response "tokens" and "sequences", and the "horizon" (generation budget per response).
 
     token-mean: every response token weighs the same.
     seq-mean-token-mean: each response's token mean, averaged over responses.
     seq-mean-token-sum: each response's token sum, averaged over responses.
+    seq-mean-token-sum-norm: each response's token sum over the horizon, averaged over
+    responses (Dr. GRPO's constant normaliser; VeRL divides by the padded response length).
     """
-    masked = per_token * mask
+    values = masked(per_token, mask)
     if mode == "token-mean":
-        return masked.sum() / global_tokens
+        return values.sum() / counts["tokens"]
     if mode == "seq-mean-token-mean":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / global_sequences
+        return (values.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / counts["sequences"]
     if mode == "seq-mean-token-sum":
-        return masked.sum(-1).sum() / global_sequences
+        return values.sum() / counts["sequences"]
+    if mode == "seq-mean-token-sum-norm":
+        return values.sum() / (counts["sequences"] * counts["horizon"])
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 

@@ -1,5 +1,6 @@
-"""The policy loss of one micro-batch: PPO-clip on GRPO advantages, plus an optional KL term,
-as a pure loss function for the model engine."""
+"""The policy loss of one micro-batch: the configured policy loss (`algorithm.policy_loss`)
+on the batch's advantages, plus an optional KL term, as a pure loss function for the model
+engine."""
 
 from __future__ import annotations
 
@@ -10,42 +11,55 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels
-from rlsys.algorithms.policy_loss import aggregate, entropy_from_logits, kl_penalty, ppo_clip_loss
+from rlsys.algorithms.policy_loss import aggregate, entropy_from_logits, get_policy_loss, kl_penalty, masked
 from rlsys.config.schema import AlgorithmConfig
 
 
 def policy_loss(counts: dict[str, int], algo: AlgorithmConfig) -> Callable[[torch.Tensor, Batch], LossOutput]:
-    """`counts`: the mini-batch's global response tokens and sequences. A micro-batch holds
-    [B, T] tensors aligned with input_ids: loss_mask (1 on response tokens), advantages,
-    old_logprobs (absent when the update is on-policy: the current log-probs, detached, are
-    the old ones) and, with a KL term, ref_logprobs. Its rows output the current log-probs."""
+    """`counts`: the mini-batch's global response "tokens" and "sequences", and the "horizon"
+    (generation budget per response). A micro-batch holds [B, T] tensors aligned with
+    input_ids: loss_mask (1 on response tokens), advantages, old_logprobs (absent when the
+    update is on-policy: the current log-probs, detached, are the old ones) and, with a KL
+    term, ref_logprobs. Its rows output the current log-probs. Values outside the mask
+    (padding) never reach the loss, NaN included."""
+    loss_kind = get_policy_loss(algo.policy_loss)
+    loss_agg = loss_kind.loss_agg or algo.loss_agg
 
     def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
         micro = {k: v.to(logits.device) for k, v in micro.items()}
         logprobs = logprobs_of_labels(logits, micro["input_ids"])
         mask = micro["loss_mask"][:, 1:]
-        old_logprobs = micro["old_logprobs"][:, 1:] if "old_logprobs" in micro else logprobs.detach()
-        pg, clipped = ppo_clip_loss(logprobs, old_logprobs, micro["advantages"][:, 1:],
-                                    algo.clip_ratio_low, algo.clip_ratio_high)
-        per_token, kl = pg, torch.zeros_like(pg)
+        current = logprobs.detach()
+        old_logprobs = _on_mask(micro["old_logprobs"][:, 1:], mask, current) if "old_logprobs" in micro else current
+        advantages = _on_mask(micro["advantages"][:, 1:], mask, torch.zeros_like(current))
+        terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
+        per_token, kl = terms.per_token, torch.zeros_like(current)
         if algo.kl_coef > 0:
-            kl = kl_penalty(logprobs, micro["ref_logprobs"][:, 1:], algo.kl_estimator)
-            per_token = pg + algo.kl_coef * kl
-        loss = aggregate(per_token, mask, algo.loss_agg, counts["tokens"], counts["sequences"])
+            kl = kl_penalty(logprobs, _on_mask(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
+            per_token = per_token + algo.kl_coef * kl
+        loss = aggregate(per_token, mask, loss_agg, counts)
         with torch.no_grad():
             entropy = entropy_from_logits(logits[:, :-1])
             if isinstance(entropy, DTensor):
                 entropy = entropy.full_tensor()
             metrics = {
-                "actor/pg_loss": aggregate(pg, mask, algo.loss_agg, counts["tokens"], counts["sequences"]),
-                "actor/clip_frac": _token_share(clipped, mask, counts["tokens"]),
-                "actor/entropy": _token_share(entropy, mask, counts["tokens"]),
-                "actor/kl": _token_share(kl, mask, counts["tokens"]),
+                "actor/pg_loss": aggregate(terms.per_token, mask, loss_agg, counts),
+                "actor/clip_frac": _token_share(terms.clipped, mask, counts),
+                "actor/entropy": _token_share(entropy, mask, counts),
+                "actor/kl": _token_share(kl, mask, counts),
             }
-        return LossOutput(loss, metrics, rows={"logprobs": F.pad(logprobs.detach(), (1, 0))})
+            if terms.clipped_lower is not None:
+                metrics["actor/clip_frac_lower"] = _token_share(terms.clipped_lower, mask, counts)
+        return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))})
 
     return loss_fn
 
 
-def _token_share(values: torch.Tensor, mask: torch.Tensor, global_tokens: int) -> torch.Tensor:
-    return (values * mask).sum() / global_tokens
+def _on_mask(values: torch.Tensor, mask: torch.Tensor, elsewhere: torch.Tensor) -> torch.Tensor:
+    """`values` on response tokens, `elsewhere` outside them: padding holding NaN or inf from
+    the engine or the data never enters a ratio or a KL."""
+    return torch.where(mask.bool(), values, elsewhere)
+
+
+def _token_share(values: torch.Tensor, mask: torch.Tensor, counts: dict[str, int]) -> torch.Tensor:
+    return masked(values, mask).sum() / counts["tokens"]

@@ -11,6 +11,7 @@ import os
 
 from rlsys.config.loader import ConfigError
 from rlsys.config.schema import (
+    AlgorithmConfig,
     EvalConfig,
     EvalJobConfig,
     ModelConfig,
@@ -53,6 +54,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
     if mini and prompts % mini:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
+    check_algorithm(cfg.algorithm, cfg.parallel)
     dp = dims.dp_size
     responses = (mini or prompts) * cfg.rollout.n
     if responses % dp:
@@ -77,6 +79,24 @@ def check_eval_job(cfg: EvalJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     check_model_dir(cfg.model, "model.path")
     _check_eval(cfg.eval)
+
+
+def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
+    """Imports `algorithm.extensions`, then checks the estimator and loss names against the registries."""
+    from rlsys.algorithms.advantages import registered_advantages
+    from rlsys.algorithms.policy_loss import registered_policy_losses
+    from rlsys.user_code import import_user_code
+
+    for i, path in enumerate(algo.extensions):
+        import_user_code(path, f"algorithm.extensions[{i}]")
+    for key, name, registered in (("adv_estimator", algo.adv_estimator, registered_advantages()),
+                                  ("policy_loss", algo.policy_loss, registered_policy_losses())):
+        if name not in registered:
+            raise ConfigError(f"algorithm.{key}: unknown {key.replace('_', ' ')} {name!r}; registered: "
+                              f"{', '.join(registered)} (or add one with algorithm.extensions)")
+    if algo.policy_loss == "gspo" and parallel.cp > 1:
+        raise ConfigError("algorithm.policy_loss: gspo's sequence ratio needs each sequence on one rank; "
+                          "not with parallel.cp > 1")
 
 
 def check_model_dir(model: ModelConfig, key: str):

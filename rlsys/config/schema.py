@@ -224,20 +224,35 @@ class RewardConfig:
 
 @dataclass(config=STRICT)
 class AlgorithmConfig:
-    adv_estimator: Literal["grpo"] = "grpo"
-    """Advantage estimator: group-normalised rewards."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator (VeRL's names): grpo (group-normalised; Dr. GRPO without
+    norm_adv_by_std), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or one
+    registered by a file in `extensions`."""
     norm_adv_by_std: bool = True
-    """Divide by the group's reward std (GRPO); false gives Dr. GRPO's mean-only centring."""
+    """grpo: divide by the group's reward std; false gives Dr. GRPO's mean-only centring."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """reinforce_plus_plus: discount of the token rewards' returns."""
+    policy_loss: str = "vanilla"
+    """Policy loss: vanilla (PPO clip with dual clip), gspo (sequence-level ratio, averaged
+    per sequence), or one registered by a file in `extensions`."""
     clip_ratio_low: float = Field(default=0.2, ge=0)
     """PPO clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = Field(default=0.28, ge=0)
     """PPO clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher when above the low bound)."""
+    clip_ratio_c: float = Field(default=3.0, gt=1)
+    """Dual clip: a negative advantage's token loss is at most -A x clip_ratio_c (VeRL's default)."""
     kl_coef: float = Field(default=0.0, ge=0)
     """KL-to-reference loss coefficient; 0 builds no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1, k2, k3)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses become the batch loss."""
+    kl_estimator: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs"] = "k3"
+    """KL estimator: Schulman's k1, k2, k3, or VeRL's names (kl = k1, mse = k2, low_var_kl = k3
+    with VeRL's clamps, which k3 also gets; abs = absolute k1)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] \
+        = "token-mean"
+    """How per-token losses become the batch loss (seq-mean-token-sum-norm: Dr. GRPO's, each
+    response's sum over rollout.max_new_tokens)."""
+    extensions: list[str] = Field(default_factory=list)
+    """Python files or packages whose `@register_advantage` / `@register_policy_loss`
+    decorators add estimators and losses to choose by name."""
     ppo_epochs: int = Field(default=1, gt=0)
     """Passes over each rollout batch."""
     ppo_mini_batch_size: int = Field(default=0, ge=0)

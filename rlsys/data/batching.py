@@ -85,6 +85,16 @@ def per_token(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     return values.float().unsqueeze(1) * batch["loss_mask"]
 
 
+def on_last_response_token(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """One value per row at that row's last response token ([B] -> [B, T], 0 elsewhere):
+    an outcome reward as per-token rewards."""
+    mask = batch["loss_mask"]
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+    placed = torch.zeros(mask.shape, dtype=torch.float32)
+    placed[torch.arange(mask.shape[0]), last] = values.float() * mask.any(1)
+    return placed
+
+
 def on_response_tokens(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Place one value per response token (all rows' responses, in row order, concatenated)
     at those tokens' positions ([N] -> [B, T], 0 elsewhere)."""

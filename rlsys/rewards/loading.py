@@ -1,33 +1,24 @@
 """Turn a reward term of the config into a callable, checked before Ray starts.
 
-A term names a registered reward, a Python file, or a package directory. A
-file's sibling modules (a user's `my_reward.py` doing `from gsm8k import
-compute_score`) and a package's submodules are importable while it loads and
-are registered with cloudpickle by value, so the reward actors receive them
-with the function instead of importing them by name.
+A term names a registered reward, a Python file, or a package directory
+(imported by `rlsys.user_code`, which sends its modules to the reward actors by
+value).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
-
-from ray import cloudpickle
 
 from rlsys.config.loader import ConfigError
 from rlsys.config.schema import RewardTerm
 from rlsys.rewards.registry import RewardFn, get_reward, registered_rewards
+from rlsys.user_code import import_user_code
 
 FIELDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCHED_FIELDS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
-
-_loaded: dict[str, Any] = {}
-"""Modules already imported from a path, so checking a term and running it import it once."""
 
 
 @dataclass(frozen=True)
@@ -82,50 +73,11 @@ def term_label(term: RewardTerm) -> str:
 
 def load_function(path: str, function: str, key: str) -> tuple[RewardFn, str]:
     """`function` from a .py file or a package directory, and the directory to search for its imports."""
-    path = os.path.abspath(path)
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "__init__.py")):
-            raise ConfigError(f"{key}.path: {path} is a directory without __init__.py (not a Python package)")
-        search_path = os.path.dirname(path)
-    elif os.path.isfile(path):
-        search_path = os.path.dirname(path)
-    else:
-        raise ConfigError(f"{key}.path: file not found: {path}")
-    module = _loaded.get(path) or _import(path, search_path, key)
+    module = import_user_code(path, f"{key}.path")
     fn = getattr(module, function, None)
     if not callable(fn):
-        raise ConfigError(f"{key}.function: {path} has no function {function!r}")
-    return fn, search_path
-
-
-def _import(path: str, search_path: str, key: str):
-    """Import the file (under a private name) or the package (under its own name, so its
-    relative imports work), with its directory on sys.path for its sibling imports."""
-    before = set(sys.modules)
-    sys.path.insert(0, search_path)
-    try:
-        if os.path.isdir(path):
-            module = importlib.import_module(os.path.basename(path))
-        else:
-            name = f"rlsys_user_reward_{abs(hash(path))}"
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-    except Exception as err:  # the user's code: report it, do not crash
-        raise ConfigError(f"{key}.path: importing {path} failed: {type(err).__name__}: {err}") from None
-    finally:
-        sys.path.remove(search_path)
-    for name in set(sys.modules) - before:
-        if _defined_under(sys.modules[name], search_path):
-            cloudpickle.register_pickle_by_value(sys.modules[name])
-    _loaded[path] = module
-    return module
-
-
-def _defined_under(module, directory: str) -> bool:
-    source = getattr(module, "__file__", None)
-    return bool(source) and os.path.abspath(source).startswith(directory + os.sep)
+        raise ConfigError(f"{key}.function: {os.path.abspath(path)} has no function {function!r}")
+    return fn, os.path.dirname(os.path.abspath(path))
 
 
 def _bind(fn: RewardFn, batched: bool, kwargs: dict, key: str) -> tuple[str, ...] | None:

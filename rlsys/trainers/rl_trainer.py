@@ -21,7 +21,7 @@ from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.rollout_worker import Sample
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
-from rlsys.algorithms.grpo import grpo_advantages
+from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.checks import check_rl_job, load_tokenizer
 from rlsys.config.schema import RLJobConfig
@@ -30,8 +30,8 @@ from rlsys.data.batching import (
     EpochSampler,
     collate_rollouts,
     num_targets,
+    on_last_response_token,
     on_response_tokens,
-    per_token,
     split_rows,
 )
 from rlsys.data.files import DataError
@@ -111,11 +111,12 @@ class RLVRTrainer:
         with timer("reward"):
             scored, reward_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
         rewards = torch.tensor([s.score for s in scored])
-        advantages = grpo_advantages(rewards, torch.tensor([s.prompt_index for s in samples]),
-                                     cfg.algorithm.norm_adv_by_std)
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  self.tokenizer.pad_token_id)
-        batch["advantages"] = per_token(advantages, batch)
+        # samples come back in prompt order, n per prompt draw: a draw is a group (VeRL's uid)
+        groups = torch.arange(len(samples)) // cfg.rollout.n
+        batch["advantages"] = compute_advantages(
+            AdvantageInputs(on_last_response_token(rewards, batch), batch["loss_mask"], groups), cfg.algorithm)
         engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
         if self.old_logprobs == "trainer":
             with timer("old_logprob"):
@@ -158,7 +159,8 @@ class RLVRTrainer:
         sampler_logprobs = None
         for _ in range(algo.ppo_epochs):
             for mini in split_rows(batch, num_minis):
-                counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0]}
+                counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0],
+                          "horizon": self.cfg.rollout.max_new_tokens}
                 outputs = self.train.run_data_parallel("train_step", mini, loss_fn=policy_loss(counts, algo))
                 if sampler_logprobs is None:
                     sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])

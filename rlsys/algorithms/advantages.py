@@ -1,0 +1,135 @@
+"""Advantage estimators, chosen by name (`algorithm.adv_estimator`), with VeRL's semantics.
+
+An estimator sees a step's responses as VeRL's do: per-token rewards [N, T] (a
+response's score on its last token), the response mask [N, T] and each response's
+group id (VeRL's `uid`: the responses sampled for one prompt draw, not row order),
+and returns per-token advantages [N, T], 0 outside responses. A user's own
+estimator registers with `@register_advantage("name")` in a file listed under
+`algorithm.extensions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlsys.config.schema import AlgorithmConfig
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    token_rewards: torch.Tensor
+    """[N, T] float, 0 outside responses."""
+    response_mask: torch.Tensor
+    """[N, T], 1 on response tokens."""
+    group_ids: torch.Tensor
+    """[N] int: responses to the same prompt draw share an id."""
+
+
+AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], torch.Tensor]
+_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    def add(fn: AdvantageFn) -> AdvantageFn:
+        if name in _ESTIMATORS and _ESTIMATORS[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    try:
+        return _ESTIMATORS[name]
+    except KeyError:
+        raise KeyError(f"unknown advantage estimator {name!r}; registered: {', '.join(registered_advantages())}") \
+            from None
+
+
+def registered_advantages() -> list[str]:
+    return sorted(_ESTIMATORS)
+
+
+def compute_advantages(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    return get_advantage(algo.adv_estimator)(inputs, algo)
+
+
+@register_advantage("grpo")
+def grpo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """(score - group mean) / (group std + 1e-6) on every response token; without
+    `norm_adv_by_std`, Dr. GRPO's score - group mean. The std is the unbiased one. A group
+    of one keeps its raw score (mean 0, std 1), as in VeRL."""
+    scores = _scores(inputs)
+    mean, std, size = _group_stats(scores, inputs.group_ids)
+    alone = size == 1
+    advantages = scores - torch.where(alone, 0.0, mean)
+    if algo.norm_adv_by_std:
+        advantages = advantages / (torch.where(alone, 1.0, std) + 1e-6)
+    return _on_responses(advantages, inputs)
+
+
+@register_advantage("rloo")
+def rloo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """REINFORCE leave-one-out: score minus the mean of the group's other responses. A group
+    of one keeps its raw score."""
+    scores = _scores(inputs)
+    mean, _, size = _group_stats(scores, inputs.group_ids)
+    others = size.clamp(min=2) - 1
+    advantages = torch.where(size == 1, scores, (scores * size - mean * size) / others)
+    return _on_responses(advantages, inputs)
+
+
+@register_advantage("reinforce_plus_plus")
+def reinforce_plus_plus(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """REINFORCE++: the discounted return of the token rewards (`algorithm.gamma`) at every
+    response token, whitened over all response tokens of the batch."""
+    mask = inputs.response_mask.float()
+    returns = torch.zeros_like(mask)
+    running = torch.zeros(mask.shape[0])
+    for t in reversed(range(mask.shape[1])):
+        running = inputs.token_rewards[:, t] + algo.gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return masked_whiten(returns, mask) * mask
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """REINFORCE++ with a group baseline: score minus its group's mean (0 for a group of one)
+    on every response token, whitened over all response tokens of the batch."""
+    scores = _scores(inputs)
+    mean, _, size = _group_stats(scores, inputs.group_ids)
+    centred = _on_responses(scores - torch.where(size == 1, 0.0, mean), inputs)
+    mask = inputs.response_mask.float()
+    return masked_whiten(centred, mask) * mask
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) over the masked elements (unbiased var), as VeRL's."""
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    var = ((values - mean).square() * mask).sum() / (count - 1).clamp(min=1)
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def _scores(inputs: AdvantageInputs) -> torch.Tensor:
+    return (inputs.token_rewards * inputs.response_mask).sum(-1).float()
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each response's group mean, unbiased std (0 for a group of one) and size, [N] each."""
+    _, group, size = group_ids.unique(return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(size)).index_add_(0, group, scores)
+    mean = sums / size
+    squares = torch.zeros(len(size)).index_add_(0, group, (scores - mean[group]).square())
+    std = (squares / (size - 1).clamp(min=1)).sqrt()
+    return mean[group], std[group], size[group]
+
+
+def _on_responses(per_response: torch.Tensor, inputs: AdvantageInputs) -> torch.Tensor:
+    return per_response.unsqueeze(1) * inputs.response_mask.float()

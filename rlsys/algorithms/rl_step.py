@@ -15,12 +15,14 @@ from rlsys.algorithms.policy_loss import aggregate, entropy_from_logits, get_pol
 from rlsys.config.schema import AlgorithmConfig
 
 
-def policy_loss(counts: dict[str, int], algo: AlgorithmConfig) -> Callable[[torch.Tensor, Batch], LossOutput]:
+def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bool = True
+                ) -> Callable[[torch.Tensor, Batch], LossOutput]:
     """`counts`: the mini-batch's global response "tokens" and "sequences", and the "horizon"
     (generation budget per response). A micro-batch holds [B, T] tensors aligned with
     input_ids: loss_mask (1 on response tokens), advantages, old_logprobs (absent when the
     update is on-policy: the current log-probs, detached, are the old ones) and, with a KL
-    term, ref_logprobs. Its rows output the current log-probs. Values outside the mask
+    term, ref_logprobs. Its rows output the current log-probs when `with_logprobs` (each row
+    costs a transfer, and a gather under context parallel). Values outside the mask
     (padding) never reach the loss, NaN included."""
     loss_kind = get_policy_loss(algo.policy_loss)
     loss_agg = loss_kind.loss_agg or algo.loss_agg
@@ -50,7 +52,7 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig) -> Callable[[torc
             }
             if terms.clipped_lower is not None:
                 metrics["actor/clip_frac_lower"] = _token_share(terms.clipped_lower, mask, counts)
-        return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))})
+        return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})
 
     return loss_fn
 

@@ -128,8 +128,6 @@ class RLVRTrainer:
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
         with timer("update"):
             update_metrics, sampler_logprobs = self._update(batch)
-        if self.old_logprobs == "trainer":
-            sampler_logprobs = batch["old_logprobs"]
         with timer("sync"):
             sync_metrics = self.sync.run()
         timer.times["time/step_s"] = time.perf_counter() - started
@@ -151,18 +149,21 @@ class RLVRTrainer:
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor]:
         """ppo_epochs passes over the batch in mini-batches of whole prompt groups. Returns the
-        mean metrics and the trainer's log-probs of the first mini-batch's rows, taken before
-        the first optimizer step: those of the policy that sampled them."""
+        mean metrics and the trainer's log-probs of the policy that sampled the rows: the old
+        log-probs of a trainer pass, else the first mini-batch's, taken by its update before
+        any optimizer step."""
         algo = self.cfg.algorithm
         num_minis = self._mini_batches_per_step()
         sums: dict[str, float] = {}
-        sampler_logprobs = None
+        sampler_logprobs = batch["old_logprobs"] if self.old_logprobs == "trainer" else None
         for _ in range(algo.ppo_epochs):
             for mini in split_rows(batch, num_minis):
                 counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0],
                           "horizon": self.cfg.rollout.max_new_tokens}
-                outputs = self.train.run_data_parallel("train_step", mini, loss_fn=policy_loss(counts, algo))
-                if sampler_logprobs is None:
+                wants_rows = sampler_logprobs is None  # only the first mini-batch's, and only once
+                loss_fn = policy_loss(counts, algo, with_logprobs=wants_rows)
+                outputs = self.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
+                if wants_rows:
                     sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
                 for name, value in outputs[0][0].items():
                     name = f"actor/{name}" if name in ("grad_norm", "lr") else name

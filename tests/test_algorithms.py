@@ -248,7 +248,7 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "loss_mask": torch.tensor([[0, 1, 1]]),
              "advantages": torch.tensor([[0.0, 1.0, 1.0]])}
     assert policy_loss({"tokens": 2, "sequences": 1}, algo)(logits, batch).loss.item() == pytest.approx(math.log(4))
-    with pytest.raises(ConfigError, match="algorithm.adv_estimator: unknown adv estimator 'nope'"):
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator: unknown advantage estimator 'nope'"):
         check_algorithm(AlgorithmConfig(adv_estimator="nope"), ParallelConfig())
     with pytest.raises(ConfigError, match="algorithm.extensions.0.: file not found"):
         check_algorithm(AlgorithmConfig(extensions=[str(tmp_path / "missing.py")]), ParallelConfig())

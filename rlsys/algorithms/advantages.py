@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.config.schema import AlgorithmConfig
+from rlsys.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -29,33 +30,15 @@ class AdvantageInputs:
 
 
 AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], torch.Tensor]
-_ESTIMATORS: dict[str, AdvantageFn] = {}
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    def add(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ESTIMATORS and _ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ESTIMATORS[name] = fn
-        return fn
-
-    return add
-
-
-def get_advantage(name: str) -> AdvantageFn:
-    try:
-        return _ESTIMATORS[name]
-    except KeyError:
-        raise KeyError(f"unknown advantage estimator {name!r}; registered: {', '.join(registered_advantages())}") \
-            from None
-
-
-def registered_advantages() -> list[str]:
-    return sorted(_ESTIMATORS)
+    return lambda fn: ADVANTAGES.register(name, fn)
 
 
 def compute_advantages(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
-    return get_advantage(algo.adv_estimator)(inputs, algo)
+    return ADVANTAGES[algo.adv_estimator](inputs, algo)
 
 
 @register_advantage("grpo")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.config.schema import AlgorithmConfig
+from rlsys.registry import Registry
 
 LOG_RATIO_LIMIT = 20.0
 """VeRL clamps log-ratios to +-20 before `exp`."""
@@ -46,28 +47,15 @@ class PolicyLoss:
     """An aggregation the loss is defined with (GSPO's sequence mean), else `algorithm.loss_agg`."""
 
 
-_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def register_policy_loss(name: str, loss_agg: str | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
     def add(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _LOSSES and _LOSSES[name].fn is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        _LOSSES[name] = PolicyLoss(fn, loss_agg)
+        POLICY_LOSSES.register(name, PolicyLoss(fn, loss_agg))
         return fn
 
     return add
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    try:
-        return _LOSSES[name]
-    except KeyError:
-        raise KeyError(f"unknown policy loss {name!r}; registered: {', '.join(registered_policy_losses())}") from None
-
-
-def registered_policy_losses() -> list[str]:
-    return sorted(_LOSSES)
 
 
 @register_policy_loss("vanilla")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels
-from rlsys.algorithms.policy_loss import aggregate, entropy_from_logits, get_policy_loss, kl_penalty, masked
+from rlsys.algorithms.policy_loss import POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty, masked
 from rlsys.config.schema import AlgorithmConfig
 
 
@@ -24,7 +24,7 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bo
     term, ref_logprobs. Its rows output the current log-probs when `with_logprobs` (each row
     costs a transfer, and a gather under context parallel). Values outside the mask
     (padding) never reach the loss, NaN included."""
-    loss_kind = get_policy_loss(algo.policy_loss)
+    loss_kind = POLICY_LOSSES[algo.policy_loss]
     loss_agg = loss_kind.loss_agg or algo.loss_agg
 
     def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:

@@ -83,17 +83,17 @@ def check_eval_job(cfg: EvalJobConfig) -> None:
 
 def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
     """Imports `algorithm.extensions`, then checks the estimator and loss names against the registries."""
-    from rlsys.algorithms.advantages import registered_advantages
-    from rlsys.algorithms.policy_loss import registered_policy_losses
+    from rlsys.algorithms.advantages import ADVANTAGES
+    from rlsys.algorithms.policy_loss import POLICY_LOSSES
     from rlsys.user_code import import_user_code
 
     for i, path in enumerate(algo.extensions):
         import_user_code(path, f"algorithm.extensions[{i}]")
-    for key, name, registered in (("adv_estimator", algo.adv_estimator, registered_advantages()),
-                                  ("policy_loss", algo.policy_loss, registered_policy_losses())):
-        if name not in registered:
-            raise ConfigError(f"algorithm.{key}: unknown {key.replace('_', ' ')} {name!r}; registered: "
-                              f"{', '.join(registered)} (or add one with algorithm.extensions)")
+    for key, name, registry in (("adv_estimator", algo.adv_estimator, ADVANTAGES),
+                                ("policy_loss", algo.policy_loss, POLICY_LOSSES)):
+        if name not in registry:
+            raise ConfigError(f"algorithm.{key}: unknown {registry.kind} {name!r}; registered: "
+                              f"{', '.join(registry.names())} (or add one with algorithm.extensions)")
     if algo.policy_loss == "gspo" and parallel.cp > 1:
         raise ConfigError("algorithm.policy_loss: gspo's sequence ratio needs each sequence on one rank; "
                           "not with parallel.cp > 1")

@@ -9,29 +9,22 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from rlsys.registry import Registry
+
 RewardFn = Callable[..., Any]
-_REWARDS: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def add(fn: RewardFn) -> RewardFn:
-        if name in _REWARDS and _REWARDS[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REWARDS[name] = fn
-        return fn
-
-    return add
+    return lambda fn: REWARDS.register(name, fn)
 
 
 def get_reward(name: str) -> RewardFn:
-    try:
-        return _REWARDS[name]
-    except KeyError:
-        raise KeyError(f"unknown reward {name!r}; registered: {', '.join(sorted(_REWARDS))}") from None
+    return REWARDS[name]
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REWARDS)
+    return REWARDS.names()
 
 
 def score_of(result: Any) -> float:

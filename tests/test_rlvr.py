@@ -75,10 +75,9 @@ def test_shards_of_uneven_and_whole_tensors_reassemble():
 @pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=1", "parallel.tp=2"],
                                     ["parallel.tp=2", "parallel.sequence_parallel=true"],
                                     ["parallel.dp_shard=1", "parallel.pp=2"],
-                                    ["parallel.dp_shard=1", "parallel.cp=2"],
                                     ["parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=2"],
                                     ["rollout.tensor_parallel_size=2"]],
-                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp", "pp2", "cp2", "pp2xfsdp2xtp2", "rollout-tp2"])
+                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp", "pp2", "pp2xfsdp2xtp2", "rollout-tp2"])
 def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     """Perturb the sharded policy, sync it bucket by bucket from its training layout into
     vLLM's (one engine, or one engine of 2 tensor-parallel worker processes on CPU): vLLM's

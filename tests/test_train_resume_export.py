@@ -114,7 +114,8 @@ def test_tensorboard_has_the_jsonl_metric_names(straight_run):
     assert names == set(events.Tags()["scalars"])
 
 
-def test_eval_stage_scores_every_prompt(straight_run, arith_files, tmp_path):
+def test_eval_stage_scores_every_prompt(ray_cluster, tiny_model_dir, arith_files, tmp_path):
+    """Once, not per layout: the exports' loading is checked above."""
     import yaml
 
     from rlsys.run import main
@@ -122,7 +123,7 @@ def test_eval_stage_scores_every_prompt(straight_run, arith_files, tmp_path):
     config = tmp_path / "eval.yaml"
     config.write_text(yaml.safe_dump({
         "output_dir": str(tmp_path / "eval"),
-        "model": {"path": os.path.join(straight_run[0].output_dir, "hf_model")},
+        "model": {"path": tiny_model_dir},
         "eval": {"files": [arith_files["test"]], "reward": "arith", "max_new_tokens": 4, "limit": 12},
     }))
     assert main(["eval", "--config", str(config)]) == 0

@@ -79,7 +79,7 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     """GSPO: one importance ratio per sequence, exp of the mean token log-ratio, clipped as in
     PPO; each token carries it with its own gradient (log p - sg(log p) + sg(mean log-ratio)),
     the log clamped at 10, averaged per sequence, as in VeRL."""
-    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
+    log_ratio = masked(logprobs - old_logprobs, mask)
     sequence_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     ratio = torch.exp((logprobs - logprobs.detach() + sequence_log_ratio.detach()).clamp(max=10.0))
     unclipped = -advantages * ratio
@@ -112,9 +112,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`values` on the mask, 0 elsewhere, whatever (NaN, inf) lies outside it."""
-    return torch.where(mask.bool(), values, 0.0)
+def masked(values: torch.Tensor, mask: torch.Tensor, elsewhere: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """`values` on the mask, `elsewhere` outside it, whatever (NaN, inf) `values` hold there."""
+    return torch.where(mask.bool(), values, elsewhere)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, counts: dict[str, int]) -> torch.Tensor:

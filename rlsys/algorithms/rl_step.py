@@ -32,12 +32,13 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bo
         logprobs = logprobs_of_labels(logits, micro["input_ids"])
         mask = micro["loss_mask"][:, 1:]
         current = logprobs.detach()
-        old_logprobs = _on_mask(micro["old_logprobs"][:, 1:], mask, current) if "old_logprobs" in micro else current
-        advantages = _on_mask(micro["advantages"][:, 1:], mask, torch.zeros_like(current))
+        # padding may hold NaN or inf from the engine or the data: it never enters a ratio or a KL
+        old_logprobs = masked(micro["old_logprobs"][:, 1:], mask, current) if "old_logprobs" in micro else current
+        advantages = masked(micro["advantages"][:, 1:], mask)
         terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
         per_token, kl = terms.per_token, torch.zeros_like(current)
         if algo.kl_coef > 0:
-            kl = kl_penalty(logprobs, _on_mask(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
+            kl = kl_penalty(logprobs, masked(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
             per_token = per_token + algo.kl_coef * kl
         loss = aggregate(per_token, mask, loss_agg, counts)
         with torch.no_grad():
@@ -55,12 +56,6 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bo
         return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})
 
     return loss_fn
-
-
-def _on_mask(values: torch.Tensor, mask: torch.Tensor, elsewhere: torch.Tensor) -> torch.Tensor:
-    """`values` on response tokens, `elsewhere` outside them: padding holding NaN or inf from
-    the engine or the data never enters a ratio or a KL."""
-    return torch.where(mask.bool(), values, elsewhere)
 
 
 def _token_share(values: torch.Tensor, mask: torch.Tensor, counts: dict[str, int]) -> torch.Tensor:

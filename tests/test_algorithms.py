@@ -165,10 +165,10 @@ def test_aggregations_by_hand():
 
 
 def rl_batch():
-    from rlsys.data.batching import collate_rollouts, per_token
+    from rlsys.data.batching import collate_rollouts
 
     batch = collate_rollouts([[1, 2], [3, 4, 5]], [[6, 7, 8], [9]], pad_id=0)
-    batch["advantages"] = per_token(torch.tensor([1.0, -2.0]), batch)
+    batch["advantages"] = torch.tensor([[1.0], [-2.0]]) * batch["loss_mask"]  # on the response tokens
     return batch
 
 

@@ -80,11 +80,6 @@ def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]],
     return collate(examples, pad_id)
 
 
-def per_token(values: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Broadcast one value per row over that row's response tokens ([B] -> [B, T])."""
-    return values.float().unsqueeze(1) * batch["loss_mask"]
-
-
 def on_last_response_token(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     """One value per row at that row's last response token ([B] -> [B, T], 0 elsewhere):
     an outcome reward as per-token rewards."""

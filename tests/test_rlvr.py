@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import ray
 import torch
 import yaml
 
@@ -79,9 +80,10 @@ def test_shards_of_uneven_and_whole_tensors_reassemble():
                                     ["rollout.tensor_parallel_size=2"]],
                          ids=["fsdp2", "tp2", "fsdp2xtp2-sp", "pp2", "pp2xfsdp2xtp2", "rollout-tp2"])
 def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
-    """Perturb the sharded policy, sync it bucket by bucket from its training layout into
-    vLLM's (one engine, or one engine of 2 tensor-parallel worker processes on CPU): vLLM's
-    per-token log-probs equal the trainer's within 1e-4 (and differ before)."""
+    """Perturb the sharded policy, free the engine's weights as a step does, sync the policy
+    bucket by bucket from its training layout into vLLM's (one engine, or one engine of 2
+    tensor-parallel worker processes on CPU): vLLM's per-token log-probs equal the trainer's
+    within 1e-4 (and differ before)."""
     cfg = rl_config(*layout)
     trainer = RLVRTrainer(cfg)
     try:
@@ -97,6 +99,9 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
                         - torch.tensor(s.logprobs)).abs().max().item() for row, s in enumerate(samples))
 
         assert gap() > 1e-2
+        # as in a step: the colocated engine frees its weights and KV cache for the update
+        freed = ray.get(trainer.rollout.engines[0].release_memory.remote())
+        assert freed > trainer.sync.total_bytes
         stats = trainer.sync.run()
         assert gap() < 1e-4
         assert stats["sync/buckets"] > 2  # streamed, not one whole-model transfer

@@ -32,14 +32,13 @@ class RolloutGroup:
             wait_placed(placement, f"rollout engines ({cfg.num_engines} x {bundle})")
             num_cpus, num_gpus, bundles = cfg.cpus_per_engine, gpus, cfg.num_engines
             threads = max(1, int(cfg.cpus_per_engine))
-        # a colocated engine on GPU frees its memory while the trainer runs (vLLM sleep mode)
-        self.sleep_mode = cfg.placement == "colocated" and num_gpus > 0
+        self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update
         actor_cls = ray.remote(RolloutWorker)
         self.names = [actor_name("rollout", i) for i in range(cfg.num_engines)]
         self.engines = []
         try:
             self.engines = [
-                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.sleep_mode,
+                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory,
                       num_cpus=num_cpus, num_gpus=num_gpus,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(
                           placement, placement_group_bundle_index=i % bundles))
@@ -59,14 +58,15 @@ class RolloutGroup:
                      self.cfg.top_p, max_new_tokens, seed) for i in busy]
         return [sample for samples in wait_all(refs, [self.names[i] for i in busy]) for sample in samples]
 
-    def sleep(self) -> None:
-        """Free the engines' KV cache for the colocated trainer (no-op without sleep mode)."""
-        if self.sleep_mode:
-            self.call_all("sleep")
+    def release_memory(self) -> None:
+        """The trainer's turn: colocated engines free their weights and KV cache."""
+        if self.releases_memory:
+            self.call_all("release_memory")
 
-    def wake_up(self) -> None:
-        if self.sleep_mode:
-            self.call_all("wake_up")
+    def resume_weights(self) -> None:
+        """Allocate released weights again, for the sync to write."""
+        if self.releases_memory:
+            self.call_all("resume_weights")
 
     def call_all(self, method: str, *args) -> list:
         return wait_all([call(getattr(engine, method), *args) for engine in self.engines], self.names)

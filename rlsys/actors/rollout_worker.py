@@ -12,6 +12,7 @@ from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
 from rlsys.parallel.weight_shards import Assembler, ShardBucket
+from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 
@@ -32,21 +33,24 @@ class Sample:
 def _load_weights(worker, weights: dict[str, torch.Tensor]) -> None:
     """Runs inside the vLLM worker: load full HF-named tensors; vLLM's weight
     loaders shard and fuse them (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
-    worker.model_runner.get_model().load_weights(weights=iter(weights.items()))
+    record_loaded(worker, worker.model_runner.get_model().load_weights(weights=iter(weights.items())))
 
 
 class RolloutWorker:
-    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int, sleep_mode: bool = False):
+    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int,
+                 releases_memory: bool = False):
         redirect_actor_output()
         torch.set_num_threads(num_threads)
-        if not torch.cuda.is_available():
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                                   cpu_thread_binding(num_threads, cfg.tensor_parallel_size))
             keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
         self.assemble = Assembler()
         self.llm = create_llm(model_path, cfg.engine_memory_gib, seed, cfg.tensor_parallel_size,
-                              sleep_mode=sleep_mode)
+                              sleep_mode=releases_memory and on_gpu)
+        self.memory = EngineMemory(self.llm, on_gpu)
 
     @releases_freed_memory
     def generate(self, prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
@@ -56,6 +60,7 @@ class RolloutWorker:
         step of a resumed run samples the same responses."""
         from vllm import SamplingParams, TokensPrompt
 
+        self.memory.ready_to_generate()
         requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
@@ -80,8 +85,10 @@ class RolloutWorker:
     def finish_sync(self) -> None:
         self.llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
-        self.llm.sleep(level=1)
+    @releases_freed_memory
+    def release_memory(self) -> int:
+        """Free the weights and the KV cache for the colocated trainer (see `engine_memory`)."""
+        return self.memory.release()
 
-    def wake_up(self) -> None:
-        self.llm.wake_up()
+    def resume_weights(self) -> None:
+        self.memory.resume(WEIGHTS)

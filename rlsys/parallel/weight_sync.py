@@ -56,6 +56,7 @@ class WeightSync:
         next bucket while the engines load this one."""
         started = time.perf_counter()
         train, rollout = self.train_group, self.rollout_group
+        rollout.resume_weights()
         loading: list = []
         for ranks, buckets in self.stages:
             for names in buckets:

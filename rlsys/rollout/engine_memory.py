@@ -1,0 +1,106 @@
+"""A colocated engine gives its memory to the trainer between rollouts.
+
+After generating, the engine's weights and KV cache are dead weight: the
+trainer's update is next, and the sync after it rewrites every weight. Like
+VeRL, a colocated engine frees both after generating, takes its weights back
+just before the sync and its KV cache just before generating again.
+
+On GPU this is vLLM's sleep mode at level 2. vLLM has no sleep mode on CPU:
+there the storages of the weights and of the KV cache shrink to nothing and
+grow back, which keeps every tensor valid (and every view vLLM made of the KV
+cache) and loses only the contents. On a 494 M-parameter model that is 1.9 GiB
+of weights. A weight the sync does not rewrite would generate with garbage,
+so the engine counts what each load wrote and refuses to generate until the
+sync has rewritten every weight it freed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlsys.actors.host_memory import release_freed_memory
+
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+
+
+class EngineMemory:
+    def __init__(self, llm, on_gpu: bool):
+        self.llm, self.on_gpu = llm, on_gpu
+        self.released: set[str] = set()
+
+    def release(self) -> int:
+        """Bytes freed (on CPU; vLLM logs them on GPU)."""
+        if self.released:
+            return 0
+        freed = 0
+        if self.on_gpu:
+            self.llm.sleep(level=2)
+        else:
+            freed = sum(self.llm.collective_rpc(_shrink_storages))
+        self.released = {WEIGHTS, KV_CACHE}
+        return freed
+
+    def resume(self, tag: str) -> None:
+        """Allocate the weights (contents undefined until the sync writes them) or the KV cache."""
+        if tag not in self.released:
+            return
+        if self.on_gpu:
+            self.llm.wake_up(tags=[tag])
+        else:
+            self.llm.collective_rpc(_regrow_storages, args=(tag,))
+        if tag == WEIGHTS:
+            self.llm.collective_rpc(_expect_rewrite)
+        else:
+            self.llm.reset_prefix_cache()
+        self.released.discard(tag)
+
+    def ready_to_generate(self) -> None:
+        if WEIGHTS in self.released:
+            raise RuntimeError("rollout engine: generate called while its weights are released (sync first)")
+        unwritten = sorted(set().union(*self.llm.collective_rpc(_unwritten_weights)))
+        if unwritten:
+            raise RuntimeError(f"rollout engine: the sync did not rewrite {len(unwritten)} freed weights, "
+                               f"e.g. {unwritten[:3]}")
+        self.resume(KV_CACHE)
+
+
+# -- run inside each vLLM worker (collective_rpc) -------------------------------
+
+
+def record_loaded(worker, names: set[str] | None) -> None:
+    """Called with the names each `load_weights` reports writing (None: a model that does not
+    report them, which cannot be checked)."""
+    pending = getattr(worker, "rlsys_unwritten", None)
+    if pending:
+        pending.difference_update(names if names is not None else pending.copy())
+
+
+def _storages(worker, tag: str) -> dict[int, torch.UntypedStorage]:
+    if tag == WEIGHTS:
+        tensors = [p for _, p in worker.model_runner.get_model().named_parameters()]
+    else:
+        tensors = list(worker.model_runner.kv_caches)
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+
+
+def _shrink_storages(worker) -> int:
+    worker.rlsys_released = {tag: [(s, s.nbytes()) for s in _storages(worker, tag).values()]
+                             for tag in (WEIGHTS, KV_CACHE)}
+    for sized in worker.rlsys_released.values():
+        for storage, _ in sized:
+            storage.resize_(0)
+    release_freed_memory()
+    return sum(nbytes for sized in worker.rlsys_released.values() for _, nbytes in sized)
+
+
+def _regrow_storages(worker, tag: str) -> None:
+    for storage, nbytes in worker.rlsys_released.pop(tag):
+        storage.resize_(nbytes)
+
+
+def _expect_rewrite(worker) -> None:
+    worker.rlsys_unwritten = {name for name, _ in worker.model_runner.get_model().named_parameters()}
+
+
+def _unwritten_weights(worker) -> set[str]:
+    return set(getattr(worker, "rlsys_unwritten", ()))

@@ -254,3 +254,97 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
         check_algorithm(AlgorithmConfig(extensions=[str(tmp_path / "missing.py")]), ParallelConfig())
     with pytest.raises(ConfigError, match="algorithm.policy_loss: gspo's sequence ratio"):
         check_algorithm(AlgorithmConfig(policy_loss="gspo"), ParallelConfig(cp=2))
+    with pytest.raises(ConfigError, match="algorithm.rollout_is: with old_logprobs: rollout"):
+        check_algorithm(AlgorithmConfig(rollout_is="token", old_logprobs="rollout"), ParallelConfig())
+
+
+def test_truncated_importance_weights_by_token_and_by_sequence():
+    from rlsys.algorithms.rollout_correction import truncated_is_weights
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    old = torch.tensor([[math.log(0.6), math.log(0.1), math.log(0.5), 0.0]])
+    rollout = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.5), float("nan")]])  # ratios 3, 0.5, 1
+    weights, truncated = truncated_is_weights(old, rollout, mask, "token", threshold=2.0)
+    assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 1.0, 1.0]]))
+    assert truncated.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    weights, truncated = truncated_is_weights(old, rollout, mask, "sequence", threshold=2.0)
+    assert torch.allclose(weights, torch.full((1, 4), 1.5))  # 3 x 0.5 x 1
+    assert truncated.sum() == 0
+    weights, _ = truncated_is_weights(old + 30, rollout, mask, "sequence", threshold=2.0)  # e^90: no overflow
+    assert torch.allclose(weights, torch.full((1, 4), 2.0))
+
+
+def test_rollout_is_weights_each_tokens_policy_gradient():
+    """With rollout log-probs the loss and its gradient are the per-token loss times the
+    truncated weights, and the weights are logged."""
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+    from rlsys.algorithms.rl_step import policy_loss
+
+    torch.manual_seed(0)
+    batch = rl_batch()
+    logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
+    current = torch.nn.functional.pad(logprobs_of_labels(logits, batch["input_ids"]).detach(), (1, 0))
+    # the engine made row 0's second token 3x less likely than the trainer, its third 2x likelier
+    rollout = current - torch.tensor([[0.0, 0.0, 0.0, math.log(3.0), math.log(0.5)], [0.0] * 5])
+    algo = AlgorithmConfig(rollout_is="token", rollout_is_threshold=2.0)
+    counts = {"tokens": 4, "sequences": 2}
+    out = policy_loss(counts, algo)(logits, {**batch, "rollout_logprobs": rollout})
+    plain = policy_loss(counts, AlgorithmConfig())(logits, batch)
+    # on-policy: the ratio is 1, so each token's loss is -A; row 0's three tokens weigh 1, 2 and 0.5
+    assert plain.loss.item() == pytest.approx((-1.0 * 3 + 2.0) / 4)
+    assert out.loss.item() == pytest.approx((-1.0 * (1 + 2 + 0.5) + 2.0) / 4)
+    assert out.metrics["rollout_corr/is_weight"].item() == pytest.approx((1 + 2 + 0.5 + 1) / 4)
+    assert out.metrics["rollout_corr/truncated_frac"].item() == pytest.approx(1 / 4)
+
+
+def test_log_probs_and_entropy_are_those_of_the_sampling_temperature():
+    from rlsys.algorithms.lm_loss import token_logprobs
+    from rlsys.algorithms.rl_step import policy_loss
+
+    torch.manual_seed(0)
+    batch = rl_batch()
+    logits = torch.randn(2, batch["input_ids"].shape[1], 16)
+    at_07 = token_logprobs(0.7)(logits, batch).rows["logprobs"]
+    assert torch.allclose(at_07, token_logprobs(1.0)(logits / 0.7, batch).rows["logprobs"])
+    assert not torch.allclose(at_07, token_logprobs(1.0)(logits, batch).rows["logprobs"])
+    assert torch.equal(token_logprobs(0.0)(logits, batch).rows["logprobs"],
+                       token_logprobs(1.0)(logits, batch).rows["logprobs"])  # greedy: the raw logits
+    counts = {"tokens": 4, "sequences": 2}
+    scaled = policy_loss(counts, AlgorithmConfig(), temperature=0.7)(logits, batch)
+    reference = policy_loss(counts, AlgorithmConfig())(logits / 0.7, batch)
+    assert scaled.metrics["actor/entropy"].item() == pytest.approx(reference.metrics["actor/entropy"].item())
+    assert torch.equal(scaled.rows["logprobs"], reference.rows["logprobs"])
+
+
+def test_dapo_mixed_groups_and_overlong_penalty():
+    from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0])
+    assert mixed_groups(scores, 2).tolist() == [False, True, False, False]
+    assert mixed_groups(scores, 4).tolist() == [True, True]
+    # budget 10, buffer 4: no penalty up to 6 tokens, then -factor x (length - 6) / 4
+    penalty = overlong_penalty(torch.tensor([3, 6, 7, 10]), max_new_tokens=10, buffer_len=4, factor=1.0)
+    assert penalty.tolist() == [0.0, 0.0, -0.25, -1.0]
+
+
+def test_kl_in_reward_with_fixed_and_adaptive_coefficients():
+    from rlsys.algorithms.kl_control import KLController, kl_in_reward
+    from rlsys.config.schema import KLControlConfig
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    logprobs = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, 0.0, 0.0]])
+    ref = torch.tensor([[0.0, -1.5, -1.0, float("nan")], [0.0, -1.0, 0.0, 0.0]])  # k1: 0.5, -1.0 | 0.5
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    fixed = KLController(KLControlConfig(kl_coef=0.1))
+    penalised, metrics = kl_in_reward(rewards, logprobs, ref, mask, "kl", fixed)
+    assert torch.allclose(penalised, torch.tensor([[0.0, -0.05, 1.1, 0.0], [0.0, -0.05, 0.0, 0.0]]))
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx((-0.25 + 0.5) / 2)
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.1 and fixed.value == 0.1
+    adaptive = KLController(KLControlConfig(type="adaptive", kl_coef=0.1, target_kl=0.1, horizon=10))
+    adaptive.update(current_kl=0.5, samples=5)  # error clipped to +0.2: x (1 + 0.2 x 5 / 10)
+    assert adaptive.value == pytest.approx(0.11)
+    adaptive.update(current_kl=0.09, samples=10)  # error -0.1: x 0.9
+    assert adaptive.value == pytest.approx(0.099)
+    restored = KLController(KLControlConfig(type="adaptive"))
+    restored.load_state_dict(adaptive.state_dict())
+    assert restored.value == adaptive.value

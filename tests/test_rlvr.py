@@ -23,6 +23,7 @@ from rlsys.parallel.weight_sync import plan_buckets
 from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
 
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
+COIN = os.path.join(os.path.dirname(__file__), "assets", "coin_reward.py")
 
 
 def rl_raw(model_dir: str, files: dict[str, str], output_dir: str) -> dict:
@@ -73,17 +74,18 @@ def test_shards_of_uneven_and_whole_tensors_reassemble():
         assert torch.equal(full["w"], weight) and torch.equal(full["head"], head) and torch.equal(full["norm"], norm)
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=1", "parallel.tp=2"],
+@pytest.mark.parametrize("layout", [["rollout.temperature=0.7"], ["parallel.dp_shard=1", "parallel.tp=2"],
                                     ["parallel.tp=2", "parallel.sequence_parallel=true"],
                                     ["parallel.dp_shard=1", "parallel.pp=2"],
                                     ["parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=2"],
                                     ["rollout.tensor_parallel_size=2"]],
-                         ids=["fsdp2", "tp2", "fsdp2xtp2-sp", "pp2", "pp2xfsdp2xtp2", "rollout-tp2"])
+                         ids=["fsdp2-temperature0.7", "tp2", "fsdp2xtp2-sp", "pp2", "pp2xfsdp2xtp2", "rollout-tp2"])
 def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     """Perturb the sharded policy, free the engine's weights as a step does, sync the policy
     bucket by bucket from its training layout into vLLM's (one engine, or one engine of 2
     tensor-parallel worker processes on CPU): vLLM's per-token log-probs equal the trainer's
-    within 1e-4 (and differ before)."""
+    within 1e-4 (and differ before), at temperature 0.7 too (the engine's processed log-probs
+    against the trainer's at the sampling temperature)."""
     cfg = rl_config(*layout)
     trainer = RLVRTrainer(cfg)
     try:
@@ -91,7 +93,8 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
         prompts = [(i, trainer.prompt_ids[i]) for i in range(8)]
 
         def gap() -> float:
-            samples = trainer.rollout.generate(prompts, seed=1, n=2, temperature=1.0, max_new_tokens=6)
+            samples = trainer.rollout.generate(prompts, seed=1, n=2, temperature=cfg.rollout.temperature,
+                                               max_new_tokens=6)
             batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                      trainer.tokenizer.pad_token_id)
             ours = trainer._logprobs(batch)
@@ -111,10 +114,12 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
 
 @pytest.fixture(scope="module")
 def straight_rl(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
-    """4 uninterrupted steps, checkpointing at steps 2 and 4."""
+    """4 uninterrupted steps, checkpointing at steps 2 and 4, with KL in the loss and in the reward."""
     out = str(tmp_path_factory.mktemp("rl_straight") / "run")
     raw = rl_raw(tiny_model_dir, arith_files, out)
     raw["tracking"]["backends"] = ["jsonl", "wandb", "tensorboard", "mlflow", "ray"]
+    # the KL penalty in the reward too, with an adaptive coefficient (driver state a resume restores)
+    raw["algorithm"].update(use_kl_in_reward=True, kl_ctrl={"type": "adaptive", "kl_coef": 0.05, "horizon": 32})
     cfg = build_config(RLJobConfig, raw)
     return cfg, run_rlvr(cfg)
 
@@ -136,6 +141,10 @@ def test_rlvr_logs_every_phase_and_exports(straight_rl):
                  "throughput/tokens_per_s", "sync/time_s"] + [f"time/{p}_s" for p in PHASES]:
         assert name in rows[1], name
     assert rows[1]["rollout/logprob_abs_diff"] < 1e-4  # the engines hold the trainer's weights
+    # step 1 samples the reference policy itself: KL 0, so the adaptive coefficient falls by the
+    # clipped 20% x 32 responses / horizon 32
+    assert rows[1]["actor/reward_kl_penalty"] == 0.0 and rows[1]["actor/reward_kl_penalty_coeff"] == 0.05
+    assert rows[2]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.04)
     assert os.path.isfile(os.path.join(summary["hf_model"], "model.safetensors"))
     assert summary["val_accuracy_before"] == rows[0]["val/accuracy"]
 
@@ -202,7 +211,7 @@ def test_rlvr_resume_reproduces_the_metrics(straight_rl, tmp_path):
     assert list(got) == [3, 4]
     for step in (3, 4):
         for name in ("reward/mean", "actor/pg_loss", "actor/kl", "actor/entropy", "response/length_mean",
-                     "val/accuracy"):
+                     "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "val/accuracy"):
             assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-5), (step, name)
 
 
@@ -228,6 +237,28 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
     assert up.mean() > 0 > down.mean(), (up, down)
     # responses shared across rows can pull some rows the other way, but not most
     assert (up > 0).float().mean() >= 0.75 and (down < 0).float().mean() >= 0.75, (up, down)
+
+
+def test_dynamic_sampling_trains_only_on_groups_of_mixed_rewards(ray_cluster, rl_config):
+    """With a coin-flip reward, each 2-response group is uniform half the time: DAPO's dynamic
+    sampling draws prompt batches until all 8 groups of the step have mixed rewards."""
+    from rlsys.tracking.phases import PhaseTimer
+
+    cfg = rl_config("algorithm.filter_groups=true", "rollout.n=2", f"reward.terms=[{{path: {COIN}}}]",
+                    "reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=0.5")
+    trainer = RLVRTrainer(cfg)
+    try:
+        samples, scored, rewards, metrics = trainer._rollout(1, PhaseTimer("rlvr", 1))
+    finally:
+        trainer.shutdown()
+    assert len(samples) == len(scored) == 16 and metrics["dapo/mixed_groups"] == 1.0
+    scores = torch.tensor([s.score for s in scored])
+    assert (scores.view(8, 2)[:, 0] != scores.view(8, 2)[:, 1]).all()
+    assert [s.prompt_index for s in samples[::2]] == [s.prompt_index for s in samples[1::2]]
+    # DAPO's overlong shaping: responses of 5 and 6 tokens (budget 6, buffer 2) lose 0.25 and 0.5
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    expected = scores - 0.5 * ((lengths - 4).clamp(min=0) / 2)
+    assert torch.allclose(rewards, expected) and metrics["reward/overlong_penalty"] < 0
 
 
 def test_restart_after_a_dead_rank_reproduces_the_metrics(straight_rl, tmp_path):

@@ -120,11 +120,11 @@ class TrainWorker:
         self.policy.zero_grad()
 
     @releases_freed_memory
-    def compute_logprobs(self, shard: Batch, reference: bool = False) -> torch.Tensor | None:
-        """Per-token log-probs [B, T] aligned with input_ids (column 0 is 0), without grad
-        (None on a pipeline stage before the last)."""
+    def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor | None:
+        """Per-token log-probs [B, T] at the sampling temperature, aligned with input_ids
+        (column 0 is 0), without grad (None on a pipeline stage before the last)."""
         engine = self.reference if reference else self.policy
-        _, rows = engine.forward_backward(shard, token_logprobs, forward_only=True)
+        _, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
         return rows.get("logprobs")
 
     def perturb_parameters(self, scale: float, seed: int) -> None:

@@ -39,6 +39,13 @@ def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return logits.gather(-1, labels[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits the engine sampled from: divided by the sampling temperature, as vLLM does
+    (and VeRL's trainer), so log-probs, ratios and entropy are those of the sampling policy.
+    Greedy decoding (temperature 0) leaves them as they are."""
+    return logits / temperature if temperature not in (0.0, 1.0) else logits
+
+
 def masked_nll_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of -log p over target tokens; loss_mask is [B, T] aligned with the inputs."""
     return -(logprobs * loss_mask[:, 1:]).sum()
@@ -55,7 +62,12 @@ def nll_loss(num_global_targets: int) -> Callable[[torch.Tensor, Batch], LossOut
     return loss_fn
 
 
-def token_logprobs(logits: torch.Tensor, micro: Batch) -> LossOutput:
-    """Forward only: per-token log-probs [B, T] aligned with input_ids (column 0 is 0)."""
-    logprobs = logprobs_of_labels(logits, micro["input_ids"].to(logits.device))
-    return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})
+def token_logprobs(temperature: float = 1.0) -> Callable[[torch.Tensor, Batch], LossOutput]:
+    """Forward only: per-token log-probs [B, T] aligned with input_ids (column 0 is 0), at the
+    sampling temperature."""
+
+    def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
+        logprobs = logprobs_of_labels(sampling_logits(logits, temperature), micro["input_ids"].to(logits.device))
+        return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})
+
+    return loss_fn

@@ -10,18 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels
+from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels, sampling_logits
 from rlsys.algorithms.policy_loss import POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty, masked
+from rlsys.algorithms.rollout_correction import truncated_is_weights
 from rlsys.config.schema import AlgorithmConfig
 
 
-def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bool = True
-                ) -> Callable[[torch.Tensor, Batch], LossOutput]:
+def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float = 1.0,
+                with_logprobs: bool = True) -> Callable[[torch.Tensor, Batch], LossOutput]:
     """`counts`: the mini-batch's global response "tokens" and "sequences", and the "horizon"
-    (generation budget per response). A micro-batch holds [B, T] tensors aligned with
+    (generation budget per response); `temperature`: the rollout's (`sampling_logits`). A micro-batch holds [B, T] tensors aligned with
     input_ids: loss_mask (1 on response tokens), advantages, old_logprobs (absent when the
     update is on-policy: the current log-probs, detached, are the old ones) and, with a KL
-    term, ref_logprobs. Its rows output the current log-probs when `with_logprobs` (each row
+    term, ref_logprobs, and with `algorithm.rollout_is`, rollout_logprobs (the engine's). Its rows output the current log-probs when `with_logprobs` (each row
     costs a transfer, and a gather under context parallel). Values outside the mask
     (padding) never reach the loss, NaN included."""
     loss_kind = POLICY_LOSSES[algo.policy_loss]
@@ -29,6 +30,7 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bo
 
     def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
         micro = {k: v.to(logits.device) for k, v in micro.items()}
+        logits = sampling_logits(logits, temperature)
         logprobs = logprobs_of_labels(logits, micro["input_ids"])
         mask = micro["loss_mask"][:, 1:]
         current = logprobs.detach()
@@ -36,7 +38,13 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bo
         old_logprobs = masked(micro["old_logprobs"][:, 1:], mask, current) if "old_logprobs" in micro else current
         advantages = masked(micro["advantages"][:, 1:], mask)
         terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
-        per_token, kl = terms.per_token, torch.zeros_like(current)
+        pg_per_token, is_metrics = terms.per_token, {}
+        if "rollout_logprobs" in micro:
+            weights, truncated = truncated_is_weights(old_logprobs, micro["rollout_logprobs"][:, 1:], mask,
+                                                      algo.rollout_is, algo.rollout_is_threshold)
+            pg_per_token = pg_per_token * weights
+            is_metrics = {"rollout_corr/is_weight": weights, "rollout_corr/truncated_frac": truncated}
+        per_token, kl = pg_per_token, torch.zeros_like(current)
         if algo.kl_coef > 0:
             kl = kl_penalty(logprobs, masked(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
             per_token = per_token + algo.kl_coef * kl
@@ -46,13 +54,14 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, with_logprobs: bo
             if isinstance(entropy, DTensor):
                 entropy = entropy.full_tensor()
             metrics = {
-                "actor/pg_loss": aggregate(terms.per_token, mask, loss_agg, counts),
+                "actor/pg_loss": aggregate(pg_per_token, mask, loss_agg, counts),
                 "actor/clip_frac": _token_share(terms.clipped, mask, counts),
                 "actor/entropy": _token_share(entropy, mask, counts),
                 "actor/kl": _token_share(kl, mask, counts),
             }
             if terms.clipped_lower is not None:
                 metrics["actor/clip_frac_lower"] = _token_share(terms.clipped_lower, mask, counts)
+            metrics.update({name: _token_share(values, mask, counts) for name, values in is_metrics.items()})
         return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})
 
     return loss_fn

@@ -60,6 +60,9 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     if responses % dp:
         raise ConfigError(f"train.prompts_per_step: {responses} responses per update cannot be split evenly "
                           f"across {dp} data-parallel ranks")
+    if cfg.reward.overlong_buffer_len >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below "
+                          f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens})")
     for i, term in enumerate(cfg.reward.terms):
         if not term.name and not term.path:
             raise ConfigError(f"reward.terms[{i}]: give a registered name or a path")
@@ -97,6 +100,12 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
     if algo.policy_loss == "gspo" and parallel.cp > 1:
         raise ConfigError("algorithm.policy_loss: gspo's sequence ratio needs each sequence on one rank; "
                           "not with parallel.cp > 1")
+    if algo.rollout_is == "sequence" and parallel.cp > 1:
+        raise ConfigError("algorithm.rollout_is: a sequence weight needs each sequence on one rank; "
+                          "not with parallel.cp > 1")
+    if algo.rollout_is != "none" and algo.old_logprobs == "rollout":
+        raise ConfigError("algorithm.rollout_is: with old_logprobs: rollout every weight is 1; "
+                          "use old_logprobs: auto or trainer")
 
 
 def check_model_dir(model: ModelConfig, key: str):

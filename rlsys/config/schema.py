@@ -223,6 +223,23 @@ class RewardConfig:
     """Per-call time limit; a call past it scores 0 and counts in reward/errors."""
     num_workers: int = Field(default=2, gt=0)
     """Reward actors scoring in parallel, off the driver."""
+    overlong_buffer_len: int = Field(default=0, ge=0)
+    """DAPO's overlong shaping: a response longer than rollout.max_new_tokens minus this many
+    tokens loses up to overlong_penalty_factor, linearly (0: off)."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0)
+    """The penalty of a response that fills the whole generation budget."""
+
+
+@dataclass(config=STRICT)
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: the coefficient stays kl_coef; adaptive: it moves toward target_kl."""
+    kl_coef: float = Field(default=0.001, ge=0)
+    """The (initial) coefficient of the KL penalty in the reward."""
+    target_kl: float = Field(default=0.1, gt=0)
+    """adaptive: the per-token KL the coefficient steers toward."""
+    horizon: int = Field(default=10000, gt=0)
+    """adaptive: responses over which a 20% error changes the coefficient by 20%."""
 
 
 @dataclass(config=STRICT)
@@ -245,14 +262,34 @@ class AlgorithmConfig:
     clip_ratio_c: float = Field(default=3.0, gt=1)
     """Dual clip: a negative advantage's token loss is at most -A x clip_ratio_c (VeRL's default)."""
     kl_coef: float = Field(default=0.0, ge=0)
-    """KL-to-reference loss coefficient; 0 builds no reference model."""
+    """KL-to-reference loss coefficient (VeRL's actor kl_loss_coef); with it and
+    use_kl_in_reward both off no reference model is built."""
     kl_estimator: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs"] = "k3"
     """KL estimator: Schulman's k1, k2, k3, or VeRL's names (kl = k1, mse = k2, low_var_kl = k3
     with VeRL's clamps, which k3 also gets; abs = absolute k1)."""
+    use_kl_in_reward: bool = False
+    """Penalise each response token's reward by kl_ctrl's coefficient x its KL to the reference
+    (estimated with kl_penalty), before the advantages."""
+    kl_penalty: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs"] = "kl"
+    """KL estimator of the in-reward penalty (names as kl_estimator)."""
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    """Coefficient of the in-reward KL penalty: fixed or adaptive."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] \
         = "token-mean"
     """How per-token losses become the batch loss (seq-mean-token-sum-norm: Dr. GRPO's, each
     response's sum over rollout.max_new_tokens)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: keep only prompt groups whose reward scores differ (before the
+    overlong penalty), drawing more prompts until train.prompts_per_step such groups are found."""
+    max_sampling_rounds: int = Field(default=10, gt=0)
+    """Dynamic sampling: prompt batches drawn per step at most; a batch still short of
+    mixed groups is filled with equal-reward ones (VeRL's max_num_gen_batches)."""
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance sampling against the engine's sampling log-probs: each token's
+    policy loss is weighted by min(pi_old / pi_rollout, rollout_is_threshold), per token or
+    one weight per response (VeRL's rollout_correction.rollout_is)."""
+    rollout_is_threshold: float = Field(default=2.0, gt=1)
+    """Upper bound of the rollout importance weights (VeRL's default)."""
     extensions: list[str] = Field(default_factory=list)
     """Python files or packages whose `@register_advantage` / `@register_policy_loss`
     decorators add estimators and losses to choose by name."""

@@ -90,7 +90,7 @@ class RewardRunner:
                 results = [_all_failed(self.terms, "reward worker timed out")] * len(chunks[index])
                 self._replace_worker(index)
             scored[index::len(workers)] = results
-        return scored, self._metrics(scored)
+        return scored, self.metrics(scored)
 
     def _pool(self) -> list:
         """Long-lived reward actors (no CPU reserved: they run between the trainer's phases)."""
@@ -110,7 +110,7 @@ class RewardRunner:
             kill_named(self._workers, self.names)
         self._workers = []
 
-    def _metrics(self, scored: list[ScoredSample]) -> dict[str, float]:
+    def metrics(self, scored: list[ScoredSample]) -> dict[str, float]:
         errors = [e for s in scored for e in s.errors]
         if errors and not self._logged_failure:
             log.warning("a reward call failed; it scores 0 and counts in reward/errors (logged once):\n%s", errors[0])

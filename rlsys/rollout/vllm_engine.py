@@ -25,6 +25,8 @@ def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_
         # a tensor-parallel engine on CPU runs its ranks as worker processes of this one
         distributed_executor_backend="mp" if tensor_parallel_size > 1 and not on_gpu else None,
         enable_sleep_mode=sleep_mode,
+        # log-probs of the distribution sampled from (after temperature), which the trainer reproduces
+        logprobs_mode="processed_logprobs",
         seed=seed,
     )
 

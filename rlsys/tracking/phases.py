@@ -39,4 +39,5 @@ class PhaseTimer:
         set_phase(f"{self.prefix}: {phase}")
         started = time.perf_counter()
         yield
-        self.times[f"time/{phase}_s"] = time.perf_counter() - started
+        key = f"time/{phase}_s"  # a phase run several times in a step adds up
+        self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - started

@@ -68,15 +68,17 @@ def save_due(step: int, total_steps: int, save_every: int) -> bool:
     return step == total_steps or bool(save_every and step % save_every == 0)
 
 
-def save_training_state(checkpoints: CheckpointDir, step: int, group, sampler) -> str:
-    """Every rank's model/optimizer/scheduler/RNG, and the driver's data position."""
+def save_training_state(checkpoints: CheckpointDir, step: int, group, sampler, driver: dict | None = None) -> str:
+    """Every rank's model/optimizer/scheduler/RNG, the driver's data position and the state of
+    any other `driver` object (state_dict / load_state_dict), by name."""
+    states = {name: obj.state_dict() for name, obj in (driver or {}).items()}
     return checkpoints.save(step, lambda path: group.run_all("save_checkpoint", path),
-                            {"sampler": sampler.state_dict()})
+                            {"sampler": sampler.state_dict(), **states})
 
 
-def restore_training_state(checkpoints: CheckpointDir, group, sampler) -> int:
-    """Load the newest complete checkpoint into `group` and `sampler`; its step, or 0 (and the
-    sampler back at its start) when there is none."""
+def restore_training_state(checkpoints: CheckpointDir, group, sampler, driver: dict | None = None) -> int:
+    """Load the newest complete checkpoint into `group`, `sampler` and the `driver` objects;
+    its step, or 0 (and the sampler back at its start) when there is none."""
     path = checkpoints.latest()
     if path is None:
         sampler.load_state_dict({"epoch": 0, "offset": 0})
@@ -84,5 +86,8 @@ def restore_training_state(checkpoints: CheckpointDir, group, sampler) -> int:
     state = CheckpointDir.driver_state(path)
     group.run_all("load_checkpoint", path)
     sampler.load_state_dict(state["sampler"])
+    for name, obj in (driver or {}).items():
+        if name in state:
+            obj.load_state_dict(state[name])
     log.info("resumed from %s (step %d)", path, state["step"])
     return int(state["step"])

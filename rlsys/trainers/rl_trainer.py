@@ -1,9 +1,10 @@
 """The RLVR loop, run by the driver (the single controller).
 
 One step, in data-flow order:
-  prompts -> RolloutGroup.generate -> rewards -> GRPO advantages
+  prompts -> RolloutGroup.generate -> rewards (DAPO: again, until the batch has enough
+     groups of mixed rewards; the engines then free their memory)
   -> TrainGroup.compute_logprobs (old, unless the update is on-policy or takes the
-     engine's; reference if KL is on)
+     engine's; reference if KL is on) -> KL in the reward (optional) -> advantages
   -> TrainGroup.train_step with the policy loss (mini-batches x epochs) -> weight sync to the engines
 """
 
@@ -22,6 +23,8 @@ from rlsys.actors.rollout_worker import Sample
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
+from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
+from rlsys.algorithms.kl_control import KLController, kl_in_reward
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.checks import check_rl_job, load_tokenizer
 from rlsys.config.schema import RLJobConfig
@@ -38,7 +41,7 @@ from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts
 from rlsys.eval import Evaluator
 from rlsys.parallel.weight_sync import WeightSync
-from rlsys.rewards.runner import RewardRunner, reward_inputs
+from rlsys.rewards.runner import RewardRunner, ScoredSample, reward_inputs
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
 from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
@@ -79,15 +82,17 @@ class RLVRTrainer:
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
         self.old_logprobs = cfg.algorithm.old_logprobs
-        if self.old_logprobs == "auto":
-            self.old_logprobs = "current" if self.updates_per_step == 1 else "trainer"
+        if self.old_logprobs == "auto":  # the in-reward KL needs the sampling policy's log-probs first
+            on_policy = self.updates_per_step == 1 and not cfg.algorithm.use_kl_in_reward
+            self.old_logprobs = "current" if on_policy else "trainer"
+        self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train = self.rollout = None
         ensure_ray(cfg.ray)
         self.rewards = RewardRunner(cfg.reward)
         try:
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
-                                     with_reference=cfg.algorithm.kl_coef > 0)
+                                     with_reference=cfg.algorithm.kl_coef > 0 or cfg.algorithm.use_kl_in_reward)
             self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
             self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
                                         cfg.ray.cpus_per_worker * self.train.dims.world_size,
@@ -102,29 +107,20 @@ class RLVRTrainer:
     def step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, PhaseTimer("rlvr", step)
         started = time.perf_counter()
-        indices = self.sampler.next_indices()
-        with timer("generate"):
-            samples = self.rollout.generate([(i, self.prompt_ids[i]) for i in indices], cfg.seed * 100_003 + step,
-                                            cfg.rollout.n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
-            self.rollout.release_memory()
-        with timer("reward"):
-            scored, reward_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
-        rewards = torch.tensor([s.score for s in scored])
+        samples, scored, rewards, reward_metrics = self._rollout(step, timer)
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  self.tokenizer.pad_token_id)
+        engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
+        self._add_logprobs(batch, engine_logprobs, timer)
+        token_rewards = on_last_response_token(rewards, batch)
+        if cfg.algorithm.use_kl_in_reward:
+            token_rewards, kl_metrics = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
+                                                     batch["loss_mask"], cfg.algorithm.kl_penalty, self.kl_ctrl)
+            reward_metrics.update(kl_metrics)
         # samples come back in prompt order, n per prompt draw: a draw is a group (VeRL's uid)
         groups = torch.arange(len(samples)) // cfg.rollout.n
-        batch["advantages"] = compute_advantages(
-            AdvantageInputs(on_last_response_token(rewards, batch), batch["loss_mask"], groups), cfg.algorithm)
-        engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
-        if self.old_logprobs == "trainer":
-            with timer("old_logprob"):
-                batch["old_logprobs"] = self._logprobs(batch)
-        elif self.old_logprobs == "rollout":
-            batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
-        if cfg.algorithm.kl_coef > 0:
-            with timer("reference"):
-                batch["ref_logprobs"] = self._logprobs(batch, reference=True)
+        batch["advantages"] = compute_advantages(AdvantageInputs(token_rewards, batch["loss_mask"], groups),
+                                                 cfg.algorithm)
         with timer("update"):
             update_metrics, sampler_logprobs = self._update(batch)
         with timer("sync"):
@@ -143,8 +139,73 @@ class RLVRTrainer:
             **timer.times,
         }
 
+    def _rollout(self, step: int, timer: PhaseTimer
+                 ) -> tuple[list[Sample], list[ScoredSample], torch.Tensor, dict[str, float]]:
+        """generate -> reward, with DAPO's dynamic sampling around both: the samples (n per
+        prompt draw, in order), their scores, rewards (shaped) and reward metrics. The engines
+        then free their memory for the trainer."""
+        cfg, algo, n = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
+        wanted = cfg.train.prompts_per_step
+        mixed, uniform, errors = [], [], 0.0
+        for draw in range(algo.max_sampling_rounds if algo.filter_groups else 1):
+            indices = self.sampler.next_indices()
+            with timer("generate"):
+                samples = self.rollout.generate([(i, self.prompt_ids[i]) for i in indices],
+                                                cfg.seed * 100_003 + step + draw * 1_000_000_007,
+                                                n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+            with timer("reward"):
+                scored, draw_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
+            errors += draw_metrics["reward/errors"]
+            rewards = self._shaped_rewards(samples, scored)
+            scores = torch.tensor([s.score for s in scored])  # mixed by score, not by length penalty
+            keep = mixed_groups(scores, n).tolist() if algo.filter_groups else [True] * len(indices)
+            for g, kept in enumerate(keep):
+                group = (samples[g * n:(g + 1) * n], scored[g * n:(g + 1) * n], rewards[g * n:(g + 1) * n])
+                (mixed if kept else uniform).append(group)
+            if len(mixed) >= wanted:
+                break
+        self.rollout.release_memory()
+        if len(mixed) < wanted:
+            log.warning("step %d: %d of %d prompt groups have mixed rewards after %d draws; filling with "
+                        "equal-reward groups", step, len(mixed), wanted, draw + 1)
+        groups = (mixed + uniform)[:wanted]
+        samples = [s for group in groups for s in group[0]]
+        scored = [s for group in groups for s in group[1]]
+        metrics = {**self.rewards.metrics(scored), "reward/errors": errors}
+        if algo.filter_groups:
+            metrics.update({"dapo/draws": draw + 1, "dapo/mixed_groups": min(len(mixed), wanted) / wanted})
+        if cfg.reward.overlong_buffer_len:
+            shaped = torch.cat([group[2] for group in groups])
+            metrics["reward/overlong_penalty"] = (shaped - torch.tensor([s.score for s in scored])).mean().item()
+        return samples, scored, torch.cat([group[2] for group in groups]), metrics
+
+    def _shaped_rewards(self, samples: list[Sample], scored: list[ScoredSample]) -> torch.Tensor:
+        rewards = torch.tensor([s.score for s in scored])
+        if self.cfg.reward.overlong_buffer_len:
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            rewards = rewards + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens,
+                                                 self.cfg.reward.overlong_buffer_len,
+                                                 self.cfg.reward.overlong_penalty_factor)
+        return rewards
+
+    def _add_logprobs(self, batch: Batch, engine_logprobs: torch.Tensor, timer: PhaseTimer) -> None:
+        """The log-prob fields the update reads: old (a trainer pass, or the engine's), the
+        engine's for rollout importance sampling, the reference's for a KL term."""
+        algo = self.cfg.algorithm
+        if self.old_logprobs == "trainer":
+            with timer("old_logprob"):
+                batch["old_logprobs"] = self._logprobs(batch)
+        elif self.old_logprobs == "rollout":
+            batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
+        if algo.rollout_is != "none":
+            batch["rollout_logprobs"] = on_response_tokens(engine_logprobs, batch)
+        if algo.kl_coef > 0 or algo.use_kl_in_reward:
+            with timer("reference"):
+                batch["ref_logprobs"] = self._logprobs(batch, reference=True)
+
     def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
-        return torch.cat(self.train.run_data_parallel("compute_logprobs", batch, reference=reference))
+        return torch.cat(self.train.run_data_parallel("compute_logprobs", batch,
+                                                      temperature=self.cfg.rollout.temperature, reference=reference))
 
     def _update(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor]:
         """ppo_epochs passes over the batch in mini-batches of whole prompt groups. Returns the
@@ -160,7 +221,7 @@ class RLVRTrainer:
                 counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0],
                           "horizon": self.cfg.rollout.max_new_tokens}
                 wants_rows = sampler_logprobs is None  # only the first mini-batch's, and only once
-                loss_fn = policy_loss(counts, algo, with_logprobs=wants_rows)
+                loss_fn = policy_loss(counts, algo, self.cfg.rollout.temperature, with_logprobs=wants_rows)
                 outputs = self.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
                 if wants_rows:
                     sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
@@ -178,12 +239,13 @@ class RLVRTrainer:
         return {"val/accuracy": summary["accuracy"], "val/reward_errors": summary["reward_errors"]}
 
     def save(self, step: int) -> None:
-        save_training_state(self.checkpoints, step, self.train, self.sampler)
+        save_training_state(self.checkpoints, step, self.train, self.sampler, {"kl_ctrl": self.kl_ctrl})
 
     def resume(self, force: bool = False) -> int:
         """Restore the newest checkpoint (when train.resume or `force`, as after a restart)."""
         resume = self.cfg.train.resume or force
-        step = restore_training_state(self.checkpoints, self.train, self.sampler) if resume else 0
+        step = restore_training_state(self.checkpoints, self.train, self.sampler, {"kl_ctrl": self.kl_ctrl}) \
+            if resume else 0
         if step:
             self.sync.run()  # the engines start from model.path; give them the resumed policy
         return step

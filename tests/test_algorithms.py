@@ -348,3 +348,48 @@ def test_kl_in_reward_with_fixed_and_adaptive_coefficients():
     restored = KLController(KLControlConfig(type="adaptive"))
     restored.load_state_dict(adaptive.state_dict())
     assert restored.value == adaptive.value
+
+
+def test_gae_matches_a_hand_rolled_loop_over_each_response():
+    """Rows of prompt, response and padding: GAE over the response tokens alone, rewards on
+    every token (as with a KL penalty in the reward), against the textbook recursion."""
+    from rlsys.algorithms.advantages import gae_advantages_and_returns, masked_whiten
+
+    torch.manual_seed(0)
+    inputs = rollouts()
+    inputs = AdvantageInputs(inputs.token_rewards + 0.1 * torch.randn(7, 5) * inputs.response_mask,
+                             inputs.response_mask, inputs.group_ids, torch.randn(7, 5))
+    gamma, lam = 0.9, 0.8
+    advantages, returns = gae_advantages_and_returns(inputs, gamma, lam)
+    for row in range(7):
+        positions = inputs.response_mask[row].nonzero().flatten().tolist()
+        rewards = inputs.token_rewards[row, positions].tolist()
+        values = inputs.values[row, positions].tolist()
+        expected, running = [0.0] * len(positions), 0.0
+        for i in reversed(range(len(positions))):
+            following = values[i + 1] if i + 1 < len(positions) else 0.0
+            running = rewards[i] + gamma * following - values[i] + gamma * lam * running
+            expected[i] = running
+        assert advantages[row, positions].tolist() == pytest.approx(expected, abs=1e-6)
+        assert returns[row, positions].tolist() == pytest.approx([a + v for a, v in zip(expected, values)], abs=1e-6)
+    outside = inputs.response_mask == 0
+    assert (advantages[outside] == 0).all() and (returns[outside] == 0).all()
+    whitened = compute_advantages(inputs, AlgorithmConfig(adv_estimator="gae", gamma=gamma, lam=lam))
+    assert torch.allclose(whitened, masked_whiten(advantages, inputs.response_mask) * inputs.response_mask)
+
+
+def test_value_loss_clips_each_prediction_around_the_old_value():
+    from rlsys.algorithms.value_loss import value_loss
+
+    # one response of 3 tokens after a 1-token prompt; predictions are read one position earlier
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "loss_mask": torch.tensor([[0.0, 1.0, 1.0, 1.0]]),
+             "values": torch.tensor([[0.0, 0.0, 0.0, 1.0]]), "returns": torch.tensor([[0.0, 1.0, 1.0, 1.0]])}
+    predicted = torch.tensor([[[0.4], [2.0], [1.0], [9.0]]])  # the last position predicts nothing
+    out = value_loss({"tokens": 3, "sequences": 1}, cliprange=0.5, loss_agg="token-mean")(predicted, batch)
+    # token 1: v 0.4 (within 0.5 of 0): 0.36; token 2: v 2.0, clipped 0.5: max(1, 0.25) = 1;
+    # token 3: v 1.0, old 1.0: 0
+    assert out.loss.item() == pytest.approx(0.5 * (0.36 + 1.0 + 0.0) / 3)
+    assert out.metrics["critic/vf_clipfrac"].item() == pytest.approx(0.0)
+    out = value_loss({"tokens": 3, "sequences": 1}, cliprange=0.5, loss_agg="token-mean")(
+        torch.tensor([[[3.0], [2.0], [1.0], [0.0]]]), batch)  # token 1: v 3.0, clipped 0.5: max(4, 0.25)
+    assert out.loss.item() == pytest.approx(0.5 * (4.0 + 1.0 + 0.0) / 3)

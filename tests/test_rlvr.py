@@ -239,6 +239,51 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
     assert (up > 0).float().mean() >= 0.75 and (down < 0).float().mean() >= 0.75, (up, down)
 
 
+# cp=2 passed too when measured once; it is left out for the suite's time
+@pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.dp_shard=1", "parallel.pp=2"]],
+                         ids=["fsdp2", "tp2-sp", "pp2"])
+def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, layout):
+    """PPO's critic (value head on the policy's backbone, zero at the start): its clipped value
+    loss falls over updates on one fixed batch, and a checkpoint restores its values."""
+    from rlsys.algorithms.advantages import AdvantageInputs, gae_advantages_and_returns
+    from rlsys.algorithms.value_loss import value_loss
+    from rlsys.data.batching import num_targets, on_last_response_token
+    from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_training_state
+
+    cfg = rl_config("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.cliprange_value=10", *layout)
+    trainer = RLVRTrainer(cfg)
+    try:
+        samples = trainer.rollout.generate([(i, trainer.prompt_ids[i]) for i in range(8)], seed=3, n=2,
+                                           temperature=1.0, max_new_tokens=6)
+        batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                 trainer.tokenizer.pad_token_id)
+
+        def values() -> torch.Tensor:
+            return torch.cat(trainer.train.run_data_parallel("compute_values", batch))
+
+        batch["values"] = values()
+        assert batch["values"].abs().max() == 0  # the value head starts at zero
+        scores = torch.tensor([1.0, 0.0] * 8)
+        inputs = AdvantageInputs(on_last_response_token(scores, batch), batch["loss_mask"],
+                                 torch.arange(16) // 2, batch["values"])
+        _, batch["returns"] = gae_advantages_and_returns(inputs, gamma=1.0, lam=0.95)
+        loss_fn = value_loss({"tokens": num_targets(batch), "sequences": 16}, 10.0, "token-mean")
+        losses = [trainer.train.run_data_parallel("critic_step", batch, loss_fn=loss_fn)[0]["critic/vf_loss"]
+                  for _ in range(6)]
+        checkpoints = CheckpointDir(str(tmp_path / "ckpt"), keep_last=1)
+        save_training_state(checkpoints, 1, trainer.train, trainer.sampler)
+        saved = values()
+        trainer.train.run_data_parallel("critic_step", batch, loss_fn=loss_fn)
+        assert not torch.allclose(values(), saved)
+        restore_training_state(checkpoints, trainer.train, trainer.sampler)
+        assert torch.allclose(values(), saved, atol=1e-6)
+    finally:
+        trainer.shutdown()
+    assert losses[0] == pytest.approx(0.5 * (batch["returns"] ** 2).sum().item() / num_targets(batch), rel=1e-4)
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.6 * losses[0], losses
+
+
 def test_dynamic_sampling_trains_only_on_groups_of_mixed_rewards(ray_cluster, rl_config):
     """With a coin-flip reward, each 2-response group is uniform half the time: DAPO's dynamic
     sampling draws prompt batches until all 8 groups of the step have mixed rewards."""

@@ -1,13 +1,14 @@
 """One rank of the training group, inside a Ray actor: a thin role on the model
 engine. The policy role is an engine with its optimizer, the reference role
-(for a KL penalty) an engine without one. The driver calls its methods on
+(for a KL penalty) an engine without one, the critic role (PPO) an engine with
+a value head and its own optimizer. The driver calls its methods on
 every rank at once (see `worker_group.TrainGroup`)."""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import ray
@@ -17,7 +18,8 @@ import transformers
 
 from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.algorithms.lm_loss import token_logprobs
-from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from rlsys.algorithms.value_loss import token_values
+from rlsys.config.schema import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
 from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
@@ -39,6 +41,8 @@ class TrainWorkerSpec:
     use_gpu: bool
     with_reference: bool = False
     """Also hold a frozen copy of the initial policy (for a KL penalty)."""
+    critic: CriticConfig | None = None
+    """Also hold a critic (PPO with GAE)."""
     collective_timeout_s: float = 600.0
 
     @property
@@ -51,8 +55,15 @@ class TrainWorkerSpec:
         return EngineSpec(self.model, self.optim, self.dims, self.parallel, self.micro_batch_size,
                           self.total_steps, torch.bfloat16 if use_bf16 else None)
 
+    def critic_engine_spec(self) -> EngineSpec:
+        """The policy's layout with the critic's optimizer; no loss parallel (a value is one number)."""
+        policy = self.engine_spec()
+        parallel = replace(self.parallel, loss_parallel=False)
+        return replace(policy, optim=self.critic.optim, parallel=parallel, value_head=True)
 
-def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_reference: bool = False) -> TrainWorkerSpec:
+
+def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_reference: bool = False,
+                      critic: CriticConfig | None = None) -> TrainWorkerSpec:
     """The spec of a job config with model, optim, parallel, ray and seed sections (pretrain/SFT/RLVR)."""
     return TrainWorkerSpec(
         model=cfg.model,
@@ -64,6 +75,7 @@ def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_referen
         num_threads=cfg.ray.cpus_per_worker,
         use_gpu=cfg.ray.gpus_per_worker > 0,
         with_reference=with_reference,
+        critic=critic,
         collective_timeout_s=cfg.train.collective_timeout_s,
     )
 
@@ -97,6 +109,7 @@ class TrainWorker:
         self.policy = ModelEngine(spec.engine_spec(), mesh, self.device)
         self.reference = ModelEngine(spec.engine_spec(), mesh, self.device, trainable=False) \
             if spec.with_reference else None
+        self.critic = ModelEngine(spec.critic_engine_spec(), mesh, self.device) if spec.critic else None
         self.where = spec.dims.coordinates(self.rank)
         return self.where.dp_rank, self.where.collected
 
@@ -126,6 +139,18 @@ class TrainWorker:
         engine = self.reference if reference else self.policy
         _, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
         return rows.get("logprobs")
+
+    @releases_freed_memory
+    def compute_values(self, shard: Batch) -> torch.Tensor | None:
+        """The critic's values [B, T] aligned with input_ids (column 0 is 0), without grad."""
+        _, rows = self.critic.forward_backward(shard, token_values, forward_only=True)
+        return rows.get("values")
+
+    @releases_freed_memory
+    def critic_step(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """forward_backward of the value loss, then one critic optimizer step."""
+        metrics, _ = self.critic.forward_backward(shard, loss_fn)
+        return {**metrics, **{f"critic/{k}": v for k, v in self.critic.optimizer_step().items()}}
 
     def perturb_parameters(self, scale: float, seed: int) -> None:
         """Tests use it to make the policy differ from the engines'."""
@@ -157,10 +182,15 @@ class TrainWorker:
     @releases_freed_memory
     def save_checkpoint(self, path: str) -> None:
         self.policy.save(path, self.rank)
+        if self.critic is not None:
+            os.makedirs(os.path.join(path, "critic"), exist_ok=True)
+            self.critic.save(os.path.join(path, "critic"), self.rank)
 
     @releases_freed_memory
     def load_checkpoint(self, path: str) -> None:
         self.policy.load(path, self.rank)
+        if self.critic is not None:
+            self.critic.load(os.path.join(path, "critic"), self.rank)
 
     @releases_freed_memory
     def export_hf(self, out_dir: str) -> None:

@@ -27,6 +27,8 @@ class AdvantageInputs:
     """[N, T], 1 on response tokens."""
     group_ids: torch.Tensor
     """[N] int: responses to the same prompt draw share an id."""
+    values: torch.Tensor | None = None
+    """[N, T] the critic's value of the state before each token (gae only)."""
 
 
 AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], torch.Tensor]
@@ -89,6 +91,34 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, algo: AlgorithmConfig)
     centred = _on_responses(scores - torch.where(size == 1, 0.0, mean), inputs)
     mask = inputs.response_mask.float()
     return masked_whiten(centred, mask) * mask
+
+
+@register_advantage("gae")
+def gae(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """PPO's generalised advantage estimate from the critic's values, whitened over the
+    batch's response tokens."""
+    advantages, _ = gae_advantages_and_returns(inputs, algo.gamma, algo.lam)
+    return masked_whiten(advantages, inputs.response_mask) * inputs.response_mask
+
+
+def gae_advantages_and_returns(inputs: AdvantageInputs, gamma: float, lam: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lam) over each row's response tokens, and the returns the critic regresses
+    on (advantages + values). Tokens outside the mask (the prompt, padding) are skipped:
+    they neither add a TD error nor cut the recursion (VeRL's compute_gae_advantage_return)."""
+    if inputs.values is None:
+        raise ValueError("gae needs the critic's values")
+    rewards, values, mask = inputs.token_rewards, inputs.values, inputs.response_mask.float()
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * running
+        next_value = torch.where(mask[:, t] > 0, values[:, t], next_value)
+        running = torch.where(mask[:, t] > 0, step, running)
+        advantages[:, t] = running
+    return advantages * mask, (advantages + values) * mask
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -246,12 +246,14 @@ class KLControlConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (VeRL's names): grpo (group-normalised; Dr. GRPO without
-    norm_adv_by_std), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or one
-    registered by a file in `extensions`."""
+    norm_adv_by_std), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO with
+    a critic, see `critic`), or one registered by a file in `extensions`."""
     norm_adv_by_std: bool = True
     """grpo: divide by the group's reward std; false gives Dr. GRPO's mean-only centring."""
     gamma: float = Field(default=1.0, ge=0, le=1)
-    """reinforce_plus_plus: discount of the token rewards' returns."""
+    """reinforce_plus_plus and gae: discount of the token rewards' returns."""
+    lam: float = Field(default=1.0, ge=0, le=1)
+    """gae: the GAE lambda (1: Monte-Carlo returns minus the values)."""
     policy_loss: str = "vanilla"
     """Policy loss: vanilla (PPO clip with dual clip), gspo (sequence-level ratio, averaged
     per sequence), or one registered by a file in `extensions`."""
@@ -305,6 +307,19 @@ class AlgorithmConfig:
 
 
 @dataclass(config=STRICT)
+class CriticConfig:
+    """PPO's value model (`algorithm.adv_estimator: gae`): the policy's starting model with a
+    one-output value head in place of the LM head, in the same parallel layout."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The critic's own AdamW and schedule."""
+    cliprange_value: float = Field(default=0.5, gt=0)
+    """Value clipping: a prediction moves at most this far from the critic's value before the update."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps that train only the critic before the policy is updated (VeRL's critic_warmup)."""
+
+
+@dataclass(config=STRICT)
 class RLTrainConfig(LoopConfig):
     steps: int = Field(default=50, gt=0)
     """RL steps (one rollout batch each)."""
@@ -350,6 +365,8 @@ class RLJobConfig(JobConfig):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5, max_grad_norm=1.0))
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """The value model, built only for adv_estimator gae."""
     train: RLTrainConfig = Field(default_factory=RLTrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     ray: RayConfig = Field(default_factory=RayConfig)

@@ -26,28 +26,42 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, parallel: ParallelConfig,
-                        device: torch.device, param_dtype: torch.dtype | None) -> list[nn.Module]:
-    """This rank's model parts: its pipeline stages, or the whole model without pipelining."""
+                        device: torch.device, param_dtype: torch.dtype | None, value_head: bool = False
+                        ) -> list[nn.Module]:
+    """This rank's model parts: its pipeline stages, or the whole model without pipelining.
+    With `value_head` (a critic) the LM head is replaced by a zero-initialised hidden -> 1
+    projection, untied from the embedding, so the model's "logits" are values."""
     config = AutoConfig.from_pretrained(model_cfg.path)
 
     def build() -> nn.Module:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
+            if value_head:
+                model.lm_head = nn.Linear(config.hidden_size, 1, bias=False, dtype=DTYPES[model_cfg.dtype])
+            return model
 
     if dims.pp > 1:
         parts = split_into_stages(build, dims.pp, mesh["pp"].get_local_rank(), stages_per_rank(parallel))
     else:
         parts = [build()]
     for part in parts:
-        parallelize(part, dims, mesh, parallel, param_dtype)
+        parallelize(part, dims, mesh, parallel, param_dtype, value_head)
         part.to_empty(device=device)
-        _load_weights(part, model_cfg.path)
+        _load_weights(part, model_cfg.path, new={"lm_head.weight"} if value_head else set())
+        if value_head and _has_lm_head(part):
+            with torch.no_grad():
+                part.lm_head.weight.zero_()
         _init_rotary_buffers(part, device)
     return parts
 
 
-def _load_weights(model: nn.Module, path: str) -> None:
-    state = get_model_state_dict(model)
+def _has_lm_head(part: nn.Module) -> bool:
+    return getattr(part, "lm_head", None) is not None
+
+
+def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
+    """Every weight of `model` but those in `new` from the safetensors files in `path`."""
+    state = {name: tensor for name, tensor in get_model_state_dict(model).items() if name not in new}
     stored = _stored_names(path)
     missing = [name for name in state if name not in stored and not _tied(model, name)]
     if missing:

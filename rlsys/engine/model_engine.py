@@ -64,6 +64,8 @@ class EngineSpec:
     total_steps: int
     param_dtype: torch.dtype | None
     """Compute dtype under FSDP2 mixed precision (None: the model's own)."""
+    value_head: bool = False
+    """A critic: a one-output value head in place of the LM head (`engine.loading`)."""
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -77,7 +79,8 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 class ModelEngine:
     def __init__(self, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, trainable: bool = True):
         self.spec, self.mesh, self.device = spec, mesh, device
-        self.parts = load_parallel_model(spec.model, spec.dims, mesh, spec.parallel, device, spec.param_dtype)
+        self.parts = load_parallel_model(spec.model, spec.dims, mesh, spec.parallel, device, spec.param_dtype,
+                                         spec.value_head)
         self.metric_group = mesh["dp_cp"].get_group()
         self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
         self.pp_group = mesh["pp"].get_group()

@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel: ParallelConfig,
-                param_dtype: torch.dtype | None) -> nn.Module:
+                param_dtype: torch.dtype | None, value_head: bool = False) -> nn.Module:
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
+        apply_tp(model, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel, value_head)
     if dims.cp > 1:
         apply_cp(model, mesh["cp"])
     if parallel.activation_checkpointing:

@@ -43,8 +43,10 @@ def check_tp_family(model_config) -> None:
                           f"(plans: {', '.join(TP_FAMILIES)})")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Turn `model`'s weights into DTensors over `tp_mesh`, in place; parameter names stay HF's."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool,
+             value_head: bool = False) -> None:
+    """Turn `model`'s weights into DTensors over `tp_mesh`, in place; parameter names stay HF's.
+    A critic's one-output value head is not split: it takes the whole sequence."""
     residual = Shard(1) if sequence_parallel else Replicate()
     top = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
@@ -52,6 +54,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
                                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=not loss_parallel),
     }
+    if value_head:
+        top["lm_head"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
+                                            use_local_output=True)
     if sequence_parallel:
         top["model.norm"] = SequenceParallel()
     # a pipeline stage lacks the embedding, the final norm or the LM head, and most blocks

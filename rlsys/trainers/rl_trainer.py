@@ -4,8 +4,9 @@ One step, in data-flow order:
   prompts -> RolloutGroup.generate -> rewards (DAPO: again, until the batch has enough
      groups of mixed rewards; the engines then free their memory)
   -> TrainGroup.compute_logprobs (old, unless the update is on-policy or takes the
-     engine's; reference if KL is on) -> KL in the reward (optional) -> advantages
-  -> TrainGroup.train_step with the policy loss (mini-batches x epochs) -> weight sync to the engines
+     engine's; reference if KL is on) -> KL in the reward (optional) -> the critic's values (PPO)
+  -> advantages -> per mini-batch: critic_step with the value loss (PPO), then train_step with the
+     policy loss (mini-batches x epochs) -> weight sync to the engines
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.rollout_worker import Sample
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.actors.worker_group import TrainGroup
-from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
+from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae_advantages_and_returns
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
 from rlsys.algorithms.kl_control import KLController, kl_in_reward
 from rlsys.algorithms.rl_step import policy_loss
+from rlsys.algorithms.value_loss import value_loss
 from rlsys.config.checks import check_rl_job, load_tokenizer
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import (
@@ -86,13 +88,15 @@ class RLVRTrainer:
             on_policy = self.updates_per_step == 1 and not cfg.algorithm.use_kl_in_reward
             self.old_logprobs = "current" if on_policy else "trainer"
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
+        self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train = self.rollout = None
         ensure_ray(cfg.ray)
         self.rewards = RewardRunner(cfg.reward)
         try:
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
-                                     with_reference=cfg.algorithm.kl_coef > 0 or cfg.algorithm.use_kl_in_reward)
+                                     with_reference=cfg.algorithm.kl_coef > 0 or cfg.algorithm.use_kl_in_reward,
+                                     critic=cfg.critic if self.with_critic else None)
             self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
             self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
                                         cfg.ray.cpus_per_worker * self.train.dims.world_size,
@@ -117,12 +121,17 @@ class RLVRTrainer:
             token_rewards, kl_metrics = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                                      batch["loss_mask"], cfg.algorithm.kl_penalty, self.kl_ctrl)
             reward_metrics.update(kl_metrics)
+        if self.with_critic:
+            with timer("values"):
+                batch["values"] = torch.cat(self.train.run_data_parallel("compute_values", batch))
         # samples come back in prompt order, n per prompt draw: a draw is a group (VeRL's uid)
         groups = torch.arange(len(samples)) // cfg.rollout.n
-        batch["advantages"] = compute_advantages(AdvantageInputs(token_rewards, batch["loss_mask"], groups),
-                                                 cfg.algorithm)
+        inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups, batch.get("values"))
+        batch["advantages"] = compute_advantages(inputs, cfg.algorithm)
+        if self.with_critic:
+            _, batch["returns"] = gae_advantages_and_returns(inputs, cfg.algorithm.gamma, cfg.algorithm.lam)
         with timer("update"):
-            update_metrics, sampler_logprobs = self._update(batch)
+            update_metrics, sampler_logprobs = self._update(batch, train_actor=step > cfg.critic.warmup_steps)
         with timer("sync"):
             sync_metrics = self.sync.run()
         timer.times["time/step_s"] = time.perf_counter() - started
@@ -133,7 +142,7 @@ class RLVRTrainer:
             "reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored),
             **reward_metrics,
             **_sample_metrics(samples, batch, timer.times),
-            "rollout/logprob_abs_diff": _logprob_gap(sampler_logprobs, engine_logprobs, batch),
+            **_logprob_gap(sampler_logprobs, engine_logprobs, batch),
             **update_metrics,
             **sync_metrics,
             **timer.times,
@@ -207,11 +216,12 @@ class RLVRTrainer:
         return torch.cat(self.train.run_data_parallel("compute_logprobs", batch,
                                                       temperature=self.cfg.rollout.temperature, reference=reference))
 
-    def _update(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor]:
-        """ppo_epochs passes over the batch in mini-batches of whole prompt groups. Returns the
-        mean metrics and the trainer's log-probs of the policy that sampled the rows: the old
+    def _update(self, batch: Batch, train_actor: bool) -> tuple[dict[str, float], torch.Tensor | None]:
+        """ppo_epochs passes over the batch in mini-batches of whole prompt groups, each updating
+        the critic (PPO) and then, unless the critic is warming up, the policy. Returns the mean
+        metrics and the trainer's log-probs of the policy that sampled the rows: the old
         log-probs of a trainer pass, else the first mini-batch's, taken by its update before
-        any optimizer step."""
+        any optimizer step (None when neither exists)."""
         algo = self.cfg.algorithm
         num_minis = self._mini_batches_per_step()
         sums: dict[str, float] = {}
@@ -220,13 +230,19 @@ class RLVRTrainer:
             for mini in split_rows(batch, num_minis):
                 counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0],
                           "horizon": self.cfg.rollout.max_new_tokens}
-                wants_rows = sampler_logprobs is None  # only the first mini-batch's, and only once
-                loss_fn = policy_loss(counts, algo, self.cfg.rollout.temperature, with_logprobs=wants_rows)
-                outputs = self.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
-                if wants_rows:
-                    sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
-                for name, value in outputs[0][0].items():
-                    name = f"actor/{name}" if name in ("grad_norm", "lr") else name
+                metrics = {}
+                if self.with_critic:
+                    loss_fn = value_loss(counts, self.cfg.critic.cliprange_value, algo.loss_agg)
+                    metrics.update(self.train.run_data_parallel("critic_step", mini, loss_fn=loss_fn)[0])
+                if train_actor:
+                    wants_rows = sampler_logprobs is None  # only the first mini-batch's, and only once
+                    loss_fn = policy_loss(counts, algo, self.cfg.rollout.temperature, with_logprobs=wants_rows)
+                    outputs = self.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
+                    if wants_rows:
+                        sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
+                    metrics.update({f"actor/{k}" if k in ("grad_norm", "lr") else k: v
+                                    for k, v in outputs[0][0].items()})
+                for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value / self.updates_per_step
         return sums, sampler_logprobs
 
@@ -328,8 +344,12 @@ def _sample_metrics(samples: list[Sample], batch: Batch, times: dict[str, float]
     }
 
 
-def _logprob_gap(trainer: torch.Tensor, engine: torch.Tensor, batch: Batch) -> float:
-    """Mean |trainer log-prob - engine log-prob| over the response tokens of the rows the
-    trainer's log-probs cover (the first rows of the batch), both of the sampling policy."""
+def _logprob_gap(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:
+    """rollout/logprob_abs_diff: mean |trainer log-prob - engine log-prob| over the response
+    tokens of the rows the trainer's log-probs cover (the first rows of the batch), both of the
+    sampling policy (none while a critic warms up without a trainer pass)."""
+    if trainer is None:
+        return {}
     mask = batch["loss_mask"][:len(trainer)].bool()
-    return (trainer[mask] - engine[:int(mask.sum())]).abs().mean().item() if mask.any() else 0.0
+    gap = (trainer[mask] - engine[:int(mask.sum())]).abs().mean().item() if mask.any() else 0.0
+    return {"rollout/logprob_abs_diff": gap}

@@ -1,0 +1,47 @@
+"""The critic's loss functions for the model engine (PPO with `adv_estimator: gae`).
+
+The critic is the policy's backbone with a one-output head where the LM head was
+(`rlsys.engine.loading`), so its "logits" are [B, T, 1] values. As with log-probs,
+the value of response token t is read at position t - 1: the state before the
+token was generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rlsys.algorithms.lm_loss import Batch, LossOutput
+from rlsys.algorithms.policy_loss import aggregate, masked
+
+
+def token_values(logits: torch.Tensor, micro: Batch) -> LossOutput:
+    """Forward only: values [B, T] aligned with input_ids (column 0 is 0)."""
+    return LossOutput(None, rows={"values": F.pad(logits[:, :-1, 0].float(), (1, 0))})
+
+
+def value_loss(counts: dict[str, int], cliprange: float, loss_agg: str) -> Callable[[torch.Tensor, Batch], LossOutput]:
+    """PPO's clipped value loss: 0.5 x max((v - R)^2, (clip(v, v_old +- cliprange) - R)^2),
+    aggregated like the policy loss. A micro-batch holds loss_mask, values (the critic's
+    before this update) and returns, [B, T] aligned with input_ids."""
+
+    def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
+        micro = {k: v.to(logits.device) for k, v in micro.items()}
+        mask = micro["loss_mask"][:, 1:]
+        predicted = logits[:, :-1, 0].float()
+        old = masked(micro["values"][:, 1:], mask, predicted.detach())
+        returns = masked(micro["returns"][:, 1:], mask)
+        clipped = old + (predicted - old).clamp(-cliprange, cliprange)
+        unclipped_loss, clipped_loss = (predicted - returns).square(), (clipped - returns).square()
+        loss = 0.5 * aggregate(torch.maximum(unclipped_loss, clipped_loss), mask, loss_agg, counts)
+        with torch.no_grad():
+            metrics = {
+                "critic/vf_loss": loss.detach(),
+                "critic/vf_clipfrac": masked((clipped_loss > unclipped_loss).float(), mask).sum() / counts["tokens"],
+                "critic/vpred_mean": masked(predicted, mask).sum() / counts["tokens"],
+            }
+        return LossOutput(loss, metrics)
+
+    return loss_fn

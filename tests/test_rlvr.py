@@ -215,6 +215,14 @@ def test_rlvr_resume_reproduces_the_metrics(straight_rl, tmp_path):
             assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-5), (step, name)
 
 
+def sampled_batch(trainer: RLVRTrainer) -> dict[str, torch.Tensor]:
+    """2 responses to each of the first 8 prompts, from the trainer's engines, collated."""
+    samples = trainer.rollout.generate([(i, trainer.prompt_ids[i]) for i in range(8)], seed=3, n=2,
+                                       temperature=1.0, max_new_tokens=6)
+    return collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                            trainer.tokenizer.pad_token_id)
+
+
 def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
     """One policy update raises the log-prob of positive-advantage responses
     and lowers it for negative ones: the reward signal reaches the policy."""
@@ -222,14 +230,11 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
                     "optim.lr=1e-3", "optim.max_grad_norm=0")
     trainer = RLVRTrainer(cfg)
     try:
-        samples = trainer.rollout.generate([(i, trainer.prompt_ids[i]) for i in range(8)], seed=3, n=2,
-                                           temperature=1.0, max_new_tokens=6)
-        batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                 trainer.tokenizer.pad_token_id)
+        batch = sampled_batch(trainer)
         advantages = torch.tensor([1.0, -1.0] * 8)
         batch["advantages"] = advantages.unsqueeze(1) * batch["loss_mask"]
         batch["old_logprobs"] = trainer._logprobs(batch)
-        trainer._update(batch)
+        trainer._update(batch, train_actor=True)
         change = ((trainer._logprobs(batch) - batch["old_logprobs"]) * batch["loss_mask"]).sum(1)
     finally:
         trainer.shutdown()
@@ -254,10 +259,7 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
     cfg = rl_config("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.cliprange_value=10", *layout)
     trainer = RLVRTrainer(cfg)
     try:
-        samples = trainer.rollout.generate([(i, trainer.prompt_ids[i]) for i in range(8)], seed=3, n=2,
-                                           temperature=1.0, max_new_tokens=6)
-        batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                 trainer.tokenizer.pad_token_id)
+        batch = sampled_batch(trainer)
 
         def values() -> torch.Tensor:
             return torch.cat(trainer.train.run_data_parallel("compute_values", batch))

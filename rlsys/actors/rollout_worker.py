@@ -87,7 +87,9 @@ class RolloutWorker:
 
     @releases_freed_memory
     def release_memory(self) -> int:
-        """Free the weights and the KV cache for the colocated trainer (see `engine_memory`)."""
+        """Free the weights, the KV cache and the sync's staging buffer for the colocated
+        trainer (see `engine_memory`); returns the bytes of weights and KV cache freed."""
+        self.assemble.release()
         return self.memory.release()
 
     def resume_weights(self) -> None:

@@ -52,6 +52,10 @@ class Assembler:
     def __init__(self):
         self.staging = torch.empty(0, dtype=torch.uint8)
 
+    def release(self) -> None:
+        """Free the staging buffer (a colocated engine gives its memory to the trainer)."""
+        self.staging = torch.empty(0, dtype=torch.uint8)
+
     def __call__(self, buckets: list[ShardBucket | None]) -> dict[str, torch.Tensor]:
         """Full tensors by name, in the order the first rank listed them. A tensor held whole
         by one rank is a view of its object-store buffer. Valid until the next call."""

@@ -180,13 +180,13 @@ class RLVRTrainer:
         groups = (mixed + uniform)[:wanted]
         samples = [s for group in groups for s in group[0]]
         scored = [s for group in groups for s in group[1]]
+        rewards = torch.cat([group[2] for group in groups])
         metrics = {**self.rewards.metrics(scored), "reward/errors": errors}
         if algo.filter_groups:
             metrics.update({"dapo/draws": draw + 1, "dapo/mixed_groups": min(len(mixed), wanted) / wanted})
         if cfg.reward.overlong_buffer_len:
-            shaped = torch.cat([group[2] for group in groups])
-            metrics["reward/overlong_penalty"] = (shaped - torch.tensor([s.score for s in scored])).mean().item()
-        return samples, scored, torch.cat([group[2] for group in groups]), metrics
+            metrics["reward/overlong_penalty"] = (rewards - torch.tensor([s.score for s in scored])).mean().item()
+        return samples, scored, rewards, metrics
 
     def _shaped_rewards(self, samples: list[Sample], scored: list[ScoredSample]) -> torch.Tensor:
         rewards = torch.tensor([s.score for s in scored])

@@ -52,10 +52,11 @@ class RolloutGroup:
     def generate(self, prompts: list[tuple[int, list[int]]], seed: int, n: int, temperature: float,
                  max_new_tokens: int) -> list[Sample]:
         """Split the prompts across engines (contiguous shares) and return samples in prompt order."""
-        share = -(-len(prompts) // len(self.engines))
-        busy = [i for i in range(len(self.engines)) if prompts[i * share:(i + 1) * share]]
-        refs = [call(self.engines[i].generate, prompts[i * share:(i + 1) * share], n, temperature,
-                     self.cfg.top_p, max_new_tokens, seed) for i in busy]
+        engines = len(self.engines)
+        shares = [prompts[i * len(prompts) // engines:(i + 1) * len(prompts) // engines] for i in range(engines)]
+        busy = [i for i in range(engines) if shares[i]]
+        refs = [call(self.engines[i].generate, shares[i], n, temperature, self.cfg.top_p, max_new_tokens, seed)
+                for i in busy]
         return [sample for samples in wait_all(refs, [self.names[i] for i in busy]) for sample in samples]
 
     def release_memory(self) -> None:

@@ -55,6 +55,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     if mini and prompts % mini:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
     check_algorithm(cfg.algorithm, cfg.parallel)
+    _check_sampling_for_algorithm(cfg)
     dp = dims.dp_size
     responses = (mini or prompts) * cfg.rollout.n
     if responses % dp:
@@ -106,6 +107,20 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
     if algo.rollout_is != "none" and algo.old_logprobs == "rollout":
         raise ConfigError("algorithm.rollout_is: with old_logprobs: rollout every weight is 1; "
                           "use old_logprobs: auto or trainer")
+
+
+def _check_sampling_for_algorithm(cfg: RLJobConfig) -> None:
+    """Options that read the engine's log-probs need them over the full vocabulary (the trainer
+    does not apply top-p), DAPO's filter needs groups, a critic warm-up needs a critic."""
+    algo = cfg.algorithm
+    reads_engine_logprobs = algo.rollout_is != "none" or algo.old_logprobs == "rollout"
+    if cfg.rollout.top_p < 1 and reads_engine_logprobs:
+        raise ConfigError("rollout.top_p: below 1 the engine's log-probs are renormalised over the nucleus, "
+                          "which algorithm.rollout_is and old_logprobs: rollout cannot use")
+    if algo.filter_groups and cfg.rollout.n < 2:
+        raise ConfigError("algorithm.filter_groups: needs groups of rollout.n >= 2 responses")
+    if cfg.critic.warmup_steps and algo.adv_estimator != "gae":
+        raise ConfigError("critic.warmup_steps: there is no critic unless algorithm.adv_estimator is gae")
 
 
 def check_model_dir(model: ModelConfig, key: str):

@@ -285,7 +285,8 @@ class AlgorithmConfig:
     overlong penalty), drawing more prompts until train.prompts_per_step such groups are found."""
     max_sampling_rounds: int = Field(default=10, gt=0)
     """Dynamic sampling: prompt batches drawn per step at most; a batch still short of
-    mixed groups is filled with equal-reward ones (VeRL's max_num_gen_batches)."""
+    mixed groups is filled with equal-score ones and a warning (VeRL's max_num_gen_batches
+    stops the run with an error instead)."""
     rollout_is: Literal["none", "token", "sequence"] = "none"
     """Truncated importance sampling against the engine's sampling log-probs: each token's
     policy loss is weighted by min(pi_old / pi_rollout, rollout_is_threshold), per token or
@@ -316,7 +317,8 @@ class CriticConfig:
     cliprange_value: float = Field(default=0.5, gt=0)
     """Value clipping: a prediction moves at most this far from the critic's value before the update."""
     warmup_steps: int = Field(default=0, ge=0)
-    """Steps that train only the critic before the policy is updated (VeRL's critic_warmup)."""
+    """Steps that train only the critic before the policy is updated (VeRL's critic_warmup
+    N gives N - 1 such steps)."""
 
 
 @dataclass(config=STRICT)

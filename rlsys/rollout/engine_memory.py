@@ -11,7 +11,8 @@ grow back, which keeps every tensor valid (and every view vLLM made of the KV
 cache) and loses only the contents. On a 494 M-parameter model that is 1.9 GiB
 of weights. A weight the sync does not rewrite would generate with garbage,
 so the engine counts what each load wrote and refuses to generate until the
-sync has rewritten every weight it freed.
+sync has rewritten every weight it freed. The count is by vLLM parameter: a
+fused one (qkv_proj) counts as written once any of its parts is.
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ class EngineMemory:
         self.released: set[str] = set()
 
     def release(self) -> int:
-        """Bytes freed (on CPU; vLLM logs them on GPU)."""
-        if self.released:
+        """Free whatever of the two is still held (an engine that got no prompts this step
+        still holds its weights, not its KV cache). Bytes freed on CPU; vLLM logs them on GPU."""
+        held = [tag for tag in (WEIGHTS, KV_CACHE) if tag not in self.released]
+        if not held:
             return 0
         freed = 0
         if self.on_gpu:
+            if self.released:  # vLLM puts only a fully awake engine to sleep
+                self.llm.wake_up(tags=sorted(self.released))
             self.llm.sleep(level=2)
         else:
-            freed = sum(self.llm.collective_rpc(_shrink_storages))
+            freed = sum(self.llm.collective_rpc(_shrink_storages, args=(held,)))
         self.released = {WEIGHTS, KV_CACHE}
         return freed
 
@@ -83,14 +88,17 @@ def _storages(worker, tag: str) -> dict[int, torch.UntypedStorage]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
 
 
-def _shrink_storages(worker) -> int:
-    worker.rlsys_released = {tag: [(s, s.nbytes()) for s in _storages(worker, tag).values()]
-                             for tag in (WEIGHTS, KV_CACHE)}
-    for sized in worker.rlsys_released.values():
-        for storage, _ in sized:
+def _shrink_storages(worker, tags: list[str]) -> int:
+    released = getattr(worker, "rlsys_released", {})
+    freed = 0
+    for tag in tags:
+        released[tag] = [(storage, storage.nbytes()) for storage in _storages(worker, tag).values()]
+        for storage, nbytes in released[tag]:
             storage.resize_(0)
+            freed += nbytes
+    worker.rlsys_released = released
     release_freed_memory()
-    return sum(nbytes for sized in worker.rlsys_released.values() for _, nbytes in sized)
+    return freed
 
 
 def _regrow_storages(worker, tag: str) -> None:

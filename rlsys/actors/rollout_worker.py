@@ -83,6 +83,7 @@ class RolloutWorker:
         return len(weights)
 
     def finish_sync(self) -> None:
+        self.memory.confirm_rewritten()
         self.llm.reset_prefix_cache()
 
     @releases_freed_memory

@@ -117,6 +117,12 @@ def masked(values: torch.Tensor, mask: torch.Tensor, elsewhere: torch.Tensor | f
     return torch.where(mask.bool(), values, elsewhere)
 
 
+def token_share(values: torch.Tensor, mask: torch.Tensor, counts: dict[str, int]) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch's mean of `values` over response tokens
+    (a metric: the shares of every micro-batch and rank add up to the mean)."""
+    return masked(values, mask).sum() / counts["tokens"]
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, counts: dict[str, int]) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss. `counts`: the mini-batch's global
     response "tokens" and "sequences", and the "horizon" (generation budget per response).
@@ -139,10 +145,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, counts: di
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def entropy_from_logits(logits: torch.Tensor, rows_per_chunk: int = 2) -> torch.Tensor:
-    """Per-token entropy [B, T], a few rows at a time: the softmax temporaries are
-    [rows, T, vocab] each, which for a 150k vocabulary outweigh the model's activations."""
-    return torch.cat([_entropy(chunk) for chunk in logits.split(rows_per_chunk)])
+def entropy_from_logits(logits: torch.Tensor, chunk_elements: int = 1 << 24) -> torch.Tensor:
+    """Per-token entropy [B, T], over rows of at most `chunk_elements` logits at a time (at
+    least one row): the softmax temporaries of a whole micro-batch over a 150k vocabulary
+    outweigh the model's activations, while a small vocabulary is best done in one piece."""
+    rows = max(1, chunk_elements // max(1, logits[0].numel()))
+    return torch.cat([_entropy(chunk) for chunk in logits.split(rows)])
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -306,6 +306,11 @@ class AlgorithmConfig:
     needed when the update is one epoch of one mini-batch (the policy being updated is the
     one that sampled, so the loss uses its current log-probs, detached), else trainer."""
 
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term, in the loss or in the reward, reads a frozen reference policy."""
+        return self.kl_coef > 0 or self.use_kl_in_reward
+
 
 @dataclass(config=STRICT)
 class CriticConfig:

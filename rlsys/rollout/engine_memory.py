@@ -28,6 +28,7 @@ class EngineMemory:
     def __init__(self, llm, on_gpu: bool):
         self.llm, self.on_gpu = llm, on_gpu
         self.released: set[str] = set()
+        self.awaiting_rewrite = False
 
     def release(self) -> int:
         """Free whatever of the two is still held (an engine that got no prompts this step
@@ -55,17 +56,24 @@ class EngineMemory:
             self.llm.collective_rpc(_regrow_storages, args=(tag,))
         if tag == WEIGHTS:
             self.llm.collective_rpc(_expect_rewrite)
+            self.awaiting_rewrite = True
         else:
             self.llm.reset_prefix_cache()
         self.released.discard(tag)
 
-    def ready_to_generate(self) -> None:
-        if WEIGHTS in self.released:
-            raise RuntimeError("rollout engine: generate called while its weights are released (sync first)")
+    def confirm_rewritten(self) -> None:
+        """After a sync: every weight resumed for it must have been written."""
+        if not self.awaiting_rewrite:
+            return
         unwritten = sorted(set().union(*self.llm.collective_rpc(_unwritten_weights)))
         if unwritten:
             raise RuntimeError(f"rollout engine: the sync did not rewrite {len(unwritten)} freed weights, "
                                f"e.g. {unwritten[:3]}")
+        self.awaiting_rewrite = False
+
+    def ready_to_generate(self) -> None:
+        if WEIGHTS in self.released or self.awaiting_rewrite:
+            raise RuntimeError("rollout engine: generate called before a sync rewrote its released weights")
         self.resume(KV_CACHE)
 
 

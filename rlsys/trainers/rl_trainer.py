@@ -95,7 +95,7 @@ class RLVRTrainer:
         self.rewards = RewardRunner(cfg.reward)
         try:
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
-                                     with_reference=cfg.algorithm.kl_coef > 0 or cfg.algorithm.use_kl_in_reward,
+                                     with_reference=cfg.algorithm.needs_reference,
                                      critic=cfg.critic if self.with_critic else None)
             self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
             self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
@@ -208,7 +208,7 @@ class RLVRTrainer:
             batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
         if algo.rollout_is != "none":
             batch["rollout_logprobs"] = on_response_tokens(engine_logprobs, batch)
-        if algo.kl_coef > 0 or algo.use_kl_in_reward:
+        if algo.needs_reference:
             with timer("reference"):
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
 

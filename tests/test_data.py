@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.algorithms.lm_loss import logprobs_of_labels, masked_nll_sum
 from rlsys.config.schema import DataConfig
-from rlsys.data.batching import EpochSampler, collate, micro_batches, split_rows
+from rlsys.data.batching import EpochSampler, collate, collate_rollouts, micro_batches, split_rows
 from rlsys.data.examples import load_pretrain_examples, load_sft_examples, sft_example
 from rlsys.data.files import DataError
 from rlsys.data.rl import load_prompts
@@ -140,3 +140,31 @@ def test_split_and_micro_batches_trim_padding(tokenizer):
     assert [s["input_ids"].shape[0] for s in shards] == [2, 2]
     micro = micro_batches(shards[0], 1)
     assert [m["input_ids"].shape[1] for m in micro] == [len(rows[0].input_ids), len(rows[1].input_ids)]
+
+
+def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
+    """Rows of 2 to 12 tokens packed end to end: fewer rows, every token's position and log-prob
+    as in its own padded row, and no label across two sequences is a target."""
+    from rlsys.data.packing import block_causal_mask, pack_rows
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [12, 3, 7, 2, 9, 5, 4, 11]
+    ids = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in lengths]
+    batch = collate_rollouts([seq[:2] for seq in ids], [seq[2:] for seq in ids], pad_id=0)
+    packing = pack_rows(batch)
+    packed = packing.batch
+    assert packed["input_ids"].shape == (5, 12)  # 53 tokens fit no fewer rows of 12 than 5
+    assert int(packed["attention_mask"].sum()) == sum(lengths)
+    assert int(packed["loss_mask"][:, 1:].sum()) == int(batch["loss_mask"][:, 1:].sum())
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        whole = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        expected = torch.nn.functional.pad(logprobs_of_labels(whole, batch["input_ids"]), (1, 0))
+        logits = model(input_ids=packed["input_ids"], attention_mask=block_causal_mask(packed["segment_ids"]),
+                       position_ids=packed["position_ids"]).logits
+        got = packing.unpack(torch.nn.functional.pad(logprobs_of_labels(logits, packed["input_ids"]), (1, 0)))
+    real = batch["attention_mask"].bool()
+    real[:, 0] = False
+    assert torch.allclose(got[real], expected[real], atol=1e-5)
+    assert (got[~real] == 0).all()

@@ -1,8 +1,10 @@
 """Every training layout gives the single-process loss, gradients and log-probs of the same
-global batch: FSDP2, HSDP, tensor parallel (with sequence and loss parallel), FSDP2 x TP and
-pipeline parallel (three schedules, and composed with FSDP2, TP with sequence and loss
-parallel, and context parallel) and context parallel (alone, with FSDP2 and with TP with
-sequence and loss parallel), for the SFT loss and the RL policy loss with a KL term."""
+global batch: FSDP2, HSDP, tensor parallel with sequence and loss parallel, FSDP2 x TP (with
+and without them), pipeline parallel (three schedules, and composed with FSDP2, with FSDP2 x
+TP, and with context parallel and TP with sequence and loss parallel) and context parallel
+with FSDP2, for the SFT loss and the RL policy loss with a KL term. Plain tp2, pp2 x tp2 and
+cp2 passed too when measured; each is a part of a composition here, left out for the
+suite's time."""
 
 from __future__ import annotations
 
@@ -15,15 +17,17 @@ from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.schema import AlgorithmConfig, DataConfig
-from rlsys.data.batching import collate, num_targets
+from rlsys.data.batching import collate, micro_batches, num_targets
+from rlsys.data.packing import pack_rows
 from rlsys.data.examples import load_sft_examples
 
+MICRO_BATCH = 3
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
 LAYOUTS = {  # name: overrides
     "fsdp2": ["parallel.dp_shard=2"],
     "hsdp": ["parallel.dp_replicate=2"],
-    "tp2": ["parallel.tp=2"],
-    "tp2-sp-lp": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
+    "tp2-sp-lp": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                  "parallel.loss_parallel=true"],
     "fsdp2xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
     "fsdp2xtp2-sp-lp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                         "parallel.loss_parallel=true"],
@@ -31,9 +35,7 @@ LAYOUTS = {  # name: overrides
     "pp2-1f1b": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp2-interleaved": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
     "pp2xfsdp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2"],
-    "pp2xtp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2"],
     "pp2xfsdp2xtp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp_microbatches=2"],
-    "cp2": ["parallel.dp_shard=1", "parallel.cp=2"],
     "cp2xfsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
     # every composition with context parallel, and pipelining with sequence and loss parallel, in one layout
     "pp2xcp2xtp2-sp-lp": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.cp=2", "parallel.tp=2",
@@ -55,11 +57,17 @@ def four_layer_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def batches(tiny_model_dir, arith_files):
-    """12 SFT rows (3 micro-batches of varying length per rank), and the same rows as an RL
-    mini-batch: per-row advantages on the answer tokens, old and reference log-probs nearby."""
+    """12 SFT rows, and the same rows as an RL mini-batch: per-row advantages on the target
+    tokens, old and reference log-probs nearby. Of every 3 rows (a micro-batch), two are cut
+    to 5 tokens, every one a target (as in pretraining), so that packing lays them into one row."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     examples, _ = load_sft_examples(DataConfig(train_files=[arith_files["sft"]], max_seq_len=32), tokenizer)
     sft = collate(examples[:12], tokenizer.pad_token_id)
+    short = torch.arange(12) % 3 != 0
+    sft["input_ids"][short, 5:] = tokenizer.pad_token_id
+    sft["attention_mask"][short, 5:] = 0
+    sft["loss_mask"][short] = sft["attention_mask"][short].float()
+    assert all(len(pack_rows(micro).batch["input_ids"]) == 2 for micro in micro_batches(sft, MICRO_BATCH))
     generator = torch.Generator().manual_seed(0)
     logprobs = reference_logprobs(tiny_model_dir, sft)
     noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
@@ -111,7 +119,7 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
                                        layout):
     sft, rl, counts = batches
     model_dir = four_layer_model_dir if layout.startswith("pp") else tiny_model_dir
-    cfg = sft_config(*LAYOUTS[layout], "train.micro_batch_size=2", f"model.path={model_dir}")
+    cfg = sft_config(*LAYOUTS[layout], f"train.micro_batch_size={MICRO_BATCH}", f"model.path={model_dir}")
     sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
     _, rl_grads = reference_gradients(model_dir, rl, policy_loss(counts, ALGO))
 

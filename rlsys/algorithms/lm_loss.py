@@ -25,6 +25,21 @@ class LossOutput:
     """Per-row outputs, [rows, T] aligned with input_ids."""
 
 
+LossFn = Callable[[torch.Tensor, Batch], LossOutput]
+
+
+def token_level(loss_fn: LossFn) -> LossFn:
+    """Mark a loss function whose loss, metrics and rows are all sums or values over tokens:
+    the engine may then pack several sequences into one row (`rlsys.data.packing`). A term
+    taken per row (a sequence's mean) would mix the sequences packed into it."""
+    loss_fn.token_level = True
+    return loss_fn
+
+
+def is_token_level(loss_fn: LossFn) -> bool:
+    return getattr(loss_fn, "token_level", False)
+
+
 def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-prob of labels[:, t] under logits[:, t-1], shape [B, T-1], fp32.
 
@@ -51,7 +66,7 @@ def masked_nll_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Ten
     return -(logprobs * loss_mask[:, 1:]).sum()
 
 
-def nll_loss(num_global_targets: int) -> Callable[[torch.Tensor, Batch], LossOutput]:
+def nll_loss(num_global_targets: int) -> LossFn:
     """Pretrain/SFT: mean negative log-likelihood over the global batch's target tokens."""
 
     def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
@@ -59,10 +74,10 @@ def nll_loss(num_global_targets: int) -> Callable[[torch.Tensor, Batch], LossOut
         loss = masked_nll_sum(logprobs, micro["loss_mask"].to(logprobs.device)) / num_global_targets
         return LossOutput(loss, {"loss": loss})
 
-    return loss_fn
+    return token_level(loss_fn)
 
 
-def token_logprobs(temperature: float = 1.0) -> Callable[[torch.Tensor, Batch], LossOutput]:
+def token_logprobs(temperature: float = 1.0) -> LossFn:
     """Forward only: per-token log-probs [B, T] aligned with input_ids (column 0 is 0), at the
     sampling temperature."""
 
@@ -70,4 +85,4 @@ def token_logprobs(temperature: float = 1.0) -> Callable[[torch.Tensor, Batch], 
         logprobs = logprobs_of_labels(sampling_logits(logits, temperature), micro["input_ids"].to(logits.device))
         return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})
 
-    return loss_fn
+    return token_level(loss_fn)

@@ -10,7 +10,8 @@ mask stays out.
 
 A user's own loss registers with `@register_policy_loss("name")` in a file listed
 under `algorithm.extensions`: `fn(logprobs, old_logprobs, advantages, mask, algo)
--> PolicyLossTerms`.
+-> PolicyLossTerms`; `token_level=True` declares that each token's loss reads only that
+token's values, which lets the engine pack sequences.
 """
 
 from __future__ import annotations
@@ -45,20 +46,24 @@ class PolicyLoss:
     fn: PolicyLossFn
     loss_agg: str | None = None
     """An aggregation the loss is defined with (GSPO's sequence mean), else `algorithm.loss_agg`."""
+    token_level: bool = False
+    """Each token's loss depends on that token alone (not on its row: a sequence's mean), so the
+    engine may pack several sequences into a row (`rlsys.data.packing`)."""
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def register_policy_loss(name: str, loss_agg: str | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(name: str, loss_agg: str | None = None, token_level: bool = False
+                         ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     def add(fn: PolicyLossFn) -> PolicyLossFn:
-        POLICY_LOSSES.register(name, PolicyLoss(fn, loss_agg))
+        POLICY_LOSSES.register(name, PolicyLoss(fn, loss_agg, token_level))
         return fn
 
     return add
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", token_level=True)
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, algo: AlgorithmConfig) -> PolicyLossTerms:
     """PPO's clipped surrogate max(-A r, -A clip(r, 1 - low, 1 + high)), with VeRL's dual clip:

@@ -10,8 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels, sampling_logits
-from rlsys.algorithms.policy_loss import POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty, masked
+from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels, sampling_logits, token_level
+from rlsys.algorithms.policy_loss import (
+    POLICY_LOSSES,
+    aggregate,
+    entropy_from_logits,
+    kl_penalty,
+    masked,
+    token_share,
+)
 from rlsys.algorithms.rollout_correction import truncated_is_weights
 from rlsys.config.schema import AlgorithmConfig
 
@@ -55,17 +62,14 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: floa
                 entropy = entropy.full_tensor()
             metrics = {
                 "actor/pg_loss": aggregate(pg_per_token, mask, loss_agg, counts),
-                "actor/clip_frac": _token_share(terms.clipped, mask, counts),
-                "actor/entropy": _token_share(entropy, mask, counts),
-                "actor/kl": _token_share(kl, mask, counts),
+                "actor/clip_frac": token_share(terms.clipped, mask, counts),
+                "actor/entropy": token_share(entropy, mask, counts),
+                "actor/kl": token_share(kl, mask, counts),
             }
             if terms.clipped_lower is not None:
-                metrics["actor/clip_frac_lower"] = _token_share(terms.clipped_lower, mask, counts)
-            metrics.update({name: _token_share(values, mask, counts) for name, values in is_metrics.items()})
+                metrics["actor/clip_frac_lower"] = token_share(terms.clipped_lower, mask, counts)
+            metrics.update({name: token_share(values, mask, counts) for name, values in is_metrics.items()})
         return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})
 
-    return loss_fn
-
-
-def _token_share(values: torch.Tensor, mask: torch.Tensor, counts: dict[str, int]) -> torch.Tensor:
-    return masked(values, mask).sum() / counts["tokens"]
+    per_row = loss_agg == "seq-mean-token-mean" or algo.rollout_is == "sequence"
+    return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn

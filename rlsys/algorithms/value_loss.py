@@ -13,10 +13,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rlsys.algorithms.lm_loss import Batch, LossOutput
-from rlsys.algorithms.policy_loss import aggregate, masked
+from rlsys.algorithms.lm_loss import Batch, LossOutput, token_level
+from rlsys.algorithms.policy_loss import aggregate, masked, token_share
 
 
+@token_level
 def token_values(logits: torch.Tensor, micro: Batch) -> LossOutput:
     """Forward only: values [B, T] aligned with input_ids (column 0 is 0)."""
     return LossOutput(None, rows={"values": F.pad(logits[:, :-1, 0].float(), (1, 0))})
@@ -39,9 +40,9 @@ def value_loss(counts: dict[str, int], cliprange: float, loss_agg: str) -> Calla
         with torch.no_grad():
             metrics = {
                 "critic/vf_loss": loss.detach(),
-                "critic/vf_clipfrac": masked((clipped_loss > unclipped_loss).float(), mask).sum() / counts["tokens"],
-                "critic/vpred_mean": masked(predicted, mask).sum() / counts["tokens"],
+                "critic/vf_clipfrac": token_share((clipped_loss > unclipped_loss).float(), mask, counts),
+                "critic/vpred_mean": token_share(predicted, mask, counts),
             }
         return LossOutput(loss, metrics)
 
-    return loss_fn
+    return loss_fn if loss_agg == "seq-mean-token-mean" else token_level(loss_fn)

@@ -114,6 +114,11 @@ class ParallelConfig:
     """With tp > 1: log-probs from the vocabulary-sharded LM head without gathering the logits."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them."""
+    pack_sequences: bool = True
+    """Lay the sequences of each micro-batch end to end in as few rows as they fit, with a
+    block-causal mask, so no compute goes to padding (VeRL's use_remove_padding). Used with
+    token-level losses (not GSPO, seq-mean-token-mean or sequence-level rollout_is), without
+    pp or cp."""
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
 

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,15 +43,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from rlsys.algorithms.lm_loss import LossOutput
+from rlsys.algorithms.lm_loss import LossFn, is_token_level
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.data.batching import Batch, micro_batches
+from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.loading import load_parallel_model
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.pipeline_schedule import run_schedule
 from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
-
-LossFn = Callable[[torch.Tensor, Batch], LossOutput]
 
 
 @dataclass(frozen=True)
@@ -134,9 +133,11 @@ class ModelEngine:
         sums: dict[str, torch.Tensor] = {}
         rows: dict[str, list[torch.Tensor]] = {}
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
+        packs = self._packs(loss_fn)
         with grad, self._loss_context():
             for micro in micro_batches(shard, self.spec.micro_batch_size):
-                seq = self._rank_sequence(micro)
+                packing = pack_rows(micro) if packs else None
+                seq = self._rank_sequence(packing.batch if packing else micro)
                 out = loss_fn(loss_logits(self._forward(seq), seq), seq.fields)
                 if not forward_only:
                     out.loss.backward()
@@ -144,6 +145,8 @@ class ModelEngine:
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
                 for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
                     value = whole_rows(value.detach(), seq, self.cp_group)
+                    if packing:
+                        value = packing.unpack(value)
                     width = shard["input_ids"].shape[1] - value.shape[1]
                     rows.setdefault(name, []).append(F.pad(value.cpu(), (0, width)))
         return sums, {name: torch.cat(parts) for name, parts in rows.items()}
@@ -162,6 +165,12 @@ class ModelEngine:
                 self.sequence_multiple)
         return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
 
+    def _packs(self, loss_fn: LossFn) -> bool:
+        """Pack sequences (`rlsys.data.packing`) for a token-level loss, outside pipeline and
+        context parallel (whose schedules and attention split rows and sequences themselves)."""
+        dims = self.spec.dims
+        return self.spec.parallel.pack_sequences and is_token_level(loss_fn) and dims.pp == 1 and dims.cp == 1
+
     def _rank_sequence(self, batch: Batch) -> RankSequence:
         return rank_sequence(batch, self.spec.dims.cp, self.cp_rank, self.sequence_multiple)
 
@@ -170,17 +179,20 @@ class ModelEngine:
         DTensor under loss parallel). Positions are passed whole: under sequence parallel HF
         would otherwise count them at the split length."""
         ids = seq.input_ids.to(self.device)
+        positions = seq.fields["position_ids"] if "position_ids" in seq.fields else seq.positions.expand_as(ids)
         return self.parts[0](input_ids=ids, attention_mask=self._attention_mask(seq),
-                             position_ids=seq.positions.to(self.device).expand_as(ids), use_cache=False).logits
+                             position_ids=positions.to(self.device), use_cache=False).logits
 
     def _attention_mask(self, seq: RankSequence) -> torch.Tensor | None:
-        """The padding mask; none under context parallel, whose attention is causal over the
-        gathered right-padded sequence; prepared at full length under sequence parallel, where
-        HF would build it at the split length."""
+        """The padding mask; block-causal over packed sequences; none under context parallel,
+        whose attention is causal over the gathered right-padded sequence; prepared at full
+        length under sequence parallel, where HF would build it at the split length."""
         if seq.chunked:
             return None
+        if "segment_ids" in seq.fields:
+            return block_causal_mask(seq.fields["segment_ids"].to(self.device))
         mask = seq.fields["attention_mask"].to(self.device)
-        return _causal_mask(mask) if self.sequence_multiple > 1 else mask
+        return block_causal_mask(mask) if self.sequence_multiple > 1 else mask
 
     def _loss_context(self):
         return loss_parallel() if self.spec.parallel.loss_parallel else contextlib.nullcontext()
@@ -335,12 +347,3 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group) 
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device), foreach=True)
     return float(total)
-
-
-def _causal_mask(padding: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] boolean: causal, no attention to padding; every position sees itself,
-    so padded rows stay finite."""
-    length = padding.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=padding.device).tril()
-    mask = causal & padding.bool()[:, None, None, :]
-    return mask | torch.eye(length, dtype=torch.bool, device=padding.device)

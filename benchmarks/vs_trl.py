@@ -6,7 +6,8 @@
 
 One invocation runs, one after the other on the same machine:
   floor  a bare in-process vLLM `generate` of the step's prompts plus one
-         single-process forward/backward over the generated batch;
+         single-process forward/backward over the generated batch, padded (as TRL
+         runs it), and again with the rows packed (as rlsys runs them);
   TRL    GRPOTrainer, one process, HF generate (what a TRL user on CPU gets);
   rlsys  the rlvr step (Ray actors: FSDP2 ranks + a colocated vLLM engine).
 Both trainers get the same model directory, the same VeRL-parquet prompts through
@@ -44,28 +45,38 @@ class Result:
     """Mean generated tokens per step."""
 
 
-def floor_step(cfg, prompts) -> tuple[float, float]:
+def floor_step(cfg, prompts) -> tuple[float, float, float]:
     """Bare vLLM generate of the prompts, plus one forward/backward over what it generated
-    in this process with all threads: (generate s, forward/backward s)."""
+    in this process with all threads, on padded rows (as TRL runs it) and on the same rows
+    packed (`rlsys.data.packing`): (generate s, forward/backward s, packed forward/backward s)."""
     from transformers import AutoModelForCausalLM
 
-    from rlsys.algorithms.lm_loss import logprobs_of_labels
     from rlsys.data.batching import collate_rollouts
+    from rlsys.data.packing import block_causal_mask, pack_rows
 
     generate_s, outputs = bare_vllm_generate(cfg, prompts, repeats=3)
     prompt_ids = [ids for (_, ids), out in zip(prompts, outputs) for _ in out.outputs]
     response_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
-    batch = collate_rollouts(prompt_ids, response_ids, pad_id=0)
+    padded = collate_rollouts(prompt_ids, response_ids, pad_id=0)
+    packed = pack_rows(padded).batch
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    padded_s = forward_backward_s(model, padded, padded["attention_mask"], None)
+    packed_s = forward_backward_s(model, packed, block_causal_mask(packed["segment_ids"]), packed["position_ids"])
+    return generate_s, padded_s, packed_s
+
+
+def forward_backward_s(model, batch, attention_mask, position_ids, repeats: int = 3) -> float:
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         started = time.perf_counter()
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids).logits
         loss = (logprobs_of_labels(logits, batch["input_ids"]) * batch["loss_mask"][:, 1:]).sum()
         loss.backward()
         times.append(time.perf_counter() - started)
         model.zero_grad(set_to_none=True)
-    return generate_s, statistics.median(times)
+    return statistics.median(times)
 
 
 def trl_steps(args, cfg) -> Result:
@@ -152,8 +163,9 @@ def main() -> None:
 
     rlsys, phases, prompts = rlsys_result(cfg)
     print(f"rlsys: {rlsys.step_s:.3f} s/step, {rlsys.response_tokens:.0f} response tokens/step", flush=True)
-    generate_s, fwd_bwd_s = floor_step(cfg, prompts)
-    print(f"floor: generate {generate_s:.3f} s + forward/backward {fwd_bwd_s:.3f} s", flush=True)
+    generate_s, fwd_bwd_s, packed_fwd_bwd_s = floor_step(cfg, prompts)
+    print(f"floor: generate {generate_s:.3f} s + forward/backward {fwd_bwd_s:.3f} s "
+          f"({packed_fwd_bwd_s:.3f} s packed)", flush=True)
     trl = None if args.skip_trl else trl_steps(args, cfg)
 
     floor = generate_s + fwd_bwd_s
@@ -162,6 +174,9 @@ def main() -> None:
     print(f"{'':<34}{'s/step':>8}{'tokens/step':>13}{'x floor':>9}")
     print(f"{'floor (bare vLLM + 1 fwd/bwd)':<34}{floor:>8.3f}{'':>13}{1:>9.2f}   "
           f"(generate {generate_s:.3f} + fwd/bwd {fwd_bwd_s:.3f})")
+    packed_floor = generate_s + packed_fwd_bwd_s
+    print(f"{'floor, packed fwd/bwd':<34}{packed_floor:>8.3f}{'':>13}{packed_floor / floor:>9.2f}   "
+          f"(generate {generate_s:.3f} + fwd/bwd {packed_fwd_bwd_s:.3f})")
     if trl:
         print(f"{'TRL GRPOTrainer (1 process)':<34}{trl.step_s:>8.3f}{trl.response_tokens:>13.0f}{trl.step_s / floor:>9.2f}")
     print(f"{'rlsys rlvr':<34}{rlsys.step_s:>8.3f}{rlsys.response_tokens:>13.0f}{rlsys.step_s / floor:>9.2f}   "

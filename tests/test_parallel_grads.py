@@ -18,8 +18,8 @@ from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.schema import AlgorithmConfig, DataConfig
 from rlsys.data.batching import collate, micro_batches, num_targets
-from rlsys.data.packing import pack_rows
 from rlsys.data.examples import load_sft_examples
+from rlsys.data.packing import pack_rows
 
 MICRO_BATCH = 3
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)

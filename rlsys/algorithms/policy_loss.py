@@ -150,6 +150,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, counts: di
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def aggregates_per_sequence(mode: str) -> bool:
+    """Whether `aggregate` in this mode reads each row as one sequence (a per-row mean), which
+    packing several sequences into a row would break."""
+    return mode == "seq-mean-token-mean"
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk_elements: int = 1 << 24) -> torch.Tensor:
     """Per-token entropy [B, T], over rows of at most `chunk_elements` logits at a time (at
     least one row): the softmax temporaries of a whole micro-batch over a 150k vocabulary

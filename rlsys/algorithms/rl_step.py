@@ -14,6 +14,7 @@ from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels, samp
 from rlsys.algorithms.policy_loss import (
     POLICY_LOSSES,
     aggregate,
+    aggregates_per_sequence,
     entropy_from_logits,
     kl_penalty,
     masked,
@@ -71,5 +72,5 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: floa
             metrics.update({name: token_share(values, mask, counts) for name, values in is_metrics.items()})
         return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})
 
-    per_row = loss_agg == "seq-mean-token-mean" or algo.rollout_is == "sequence"
+    per_row = aggregates_per_sequence(loss_agg) or algo.rollout_is == "sequence"
     return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rlsys.algorithms.lm_loss import Batch, LossOutput, token_level
-from rlsys.algorithms.policy_loss import aggregate, masked, token_share
+from rlsys.algorithms.policy_loss import aggregate, aggregates_per_sequence, masked, token_share
 
 
 @token_level
@@ -45,4 +45,4 @@ def value_loss(counts: dict[str, int], cliprange: float, loss_agg: str) -> Calla
             }
         return LossOutput(loss, metrics)
 
-    return loss_fn if loss_agg == "seq-mean-token-mean" else token_level(loss_fn)
+    return loss_fn if aggregates_per_sequence(loss_agg) else token_level(loss_fn)

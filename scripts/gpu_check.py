@@ -1,0 +1,265 @@
+"""The training engine on a GPU, without Ray or vLLM: loss, gradients and log-probs of
+`ModelEngine` on CUDA (nccl, fp32 and bf16 mixed precision) against one plain Hugging Face
+process on the same batch, then the engine's forward/backward throughput beside that
+process's on a Qwen2.5-0.5B-shaped model. Run by `scripts/gpu_check.sh`.
+
+The lent GPU machines hold torch and transformers but neither Ray nor vLLM, and reach no
+package registry, so this is the part of the GPU path that can run there. On a machine
+without CUDA it runs the same checks on gloo, which is how it is kept working.
+
+    python scripts/gpu_check.py [--ranks N] [--skip-throughput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss, token_logprobs
+from rlsys.algorithms.rl_step import policy_loss
+from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+from rlsys.engine.model_engine import EngineSpec, ModelEngine
+from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+from rlsys.parallel.dims import ParallelDims
+
+ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
+TOLERANCE = {"float32": 1e-4, "bf16": 3e-2}
+"""Relative error allowed against the fp32 reference: fp32 on GPU sums in another order
+than one process does (1e-5 on CPU); bf16 rounds every matmul input to 8 bits of mantissa."""
+QWEN25_05B = TinyModelSpec(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                           num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                           max_position_embeddings=1024)
+
+
+def make_batch(vocab: int, rows: int, width: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token rows of uneven lengths (so micro-batches pack), the RL fields beside the SFT ones."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(width // 4, width + 1, (rows,), generator=generator)
+    attention = (torch.arange(width) < lengths[:, None]).long()
+    input_ids = torch.randint(3, vocab, (rows, width), generator=generator) * attention
+    loss_mask = attention.float()
+    loss_mask[:, :2] = 0
+    noise = lambda: 0.05 * torch.randn(rows, width, generator=generator)  # noqa: E731
+    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+            "advantages": torch.randn(rows, 1, generator=generator) * loss_mask,
+            "old_logprobs": noise() - 4, "ref_logprobs": noise() - 4}
+
+
+def loss_fns(batch) -> dict:
+    targets = int(batch["loss_mask"][:, 1:].sum())
+    return {"sft": nll_loss(targets), "rl": policy_loss({"tokens": targets, "sequences": len(batch["input_ids"])},
+                                                         ALGO)}
+
+
+def reference(model_dir: str, batch, device: torch.device) -> dict:
+    """One process, fp32, no engine: loss and gradients of each loss, and the log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    on_device = {k: v.to(device) for k, v in batch.items()}
+    result = {}
+    for name, loss_fn in loss_fns(batch).items():
+        model.zero_grad()
+        out = loss_fn(model(input_ids=on_device["input_ids"], attention_mask=on_device["attention_mask"]).logits,
+                      on_device)
+        out.loss.backward()
+        result[name] = (out.loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()})
+    with torch.no_grad():
+        logits = model(input_ids=on_device["input_ids"], attention_mask=on_device["attention_mask"]).logits
+        result["logprobs"] = torch.nn.functional.pad(logprobs_of_labels(logits, on_device["input_ids"]), (1, 0)).cpu()
+    return result
+
+
+def engine_rank(rank: int, world: int, port: int, layout: dict, precision: str, model_dir: str, batch,
+                out_path: str) -> None:
+    """One rank: the engine in `layout`; rank 0 saves loss, full gradients and log-probs."""
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        parallel = ParallelConfig(**layout)
+        dims = ParallelDims.of(parallel)
+        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=4,
+                          total_steps=1, param_dtype=torch.bfloat16 if precision == "bf16" else None)
+        engine = ModelEngine(spec, dims.build_mesh(device.type), device)
+        where = dims.coordinates(rank)
+        shard = {k: v[where.dp_rank::dims.dp_size] for k, v in batch.items()}
+        result = {}
+        for name, loss_fn in loss_fns(batch).items():
+            metrics, _ = engine.forward_backward(shard, loss_fn)
+            grads = {n: p.grad.full_tensor().float().cpu() for n, p in engine.named_parameters()}
+            result[name] = (metrics.get("loss"), grads)
+            engine.zero_grad()
+        _, rows = engine.forward_backward(shard, token_logprobs(), forward_only=True)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (where.dp_rank, where.collected, rows["logprobs"]))
+        logprobs = torch.empty_like(batch["input_ids"], dtype=torch.float32)
+        for dp_rank, collected, part in gathered:
+            if collected:
+                logprobs[dp_rank::dims.dp_size] = part
+        result["logprobs"] = logprobs
+        if rank == 0:
+            torch.save(result, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_engine(world: int, layout: dict, precision: str, model_dir: str, batch, workdir: str) -> dict:
+    out_path = os.path.join(workdir, "engine.pt")
+    mp.spawn(engine_rank, args=(world, free_port(), layout, precision, model_dir, batch, out_path), nprocs=world)
+    return torch.load(out_path)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def compare(got: dict, expected: dict, batch) -> dict[str, float]:
+    """The worst relative error of each quantity, over every parameter's gradient."""
+    errors = {}
+    for name in ("sft", "rl"):
+        (got_loss, got_grads), (ref_loss, ref_grads) = got[name], expected[name]
+        if name == "sft":
+            errors[f"{name} loss"] = abs(got_loss - ref_loss) / abs(ref_loss)
+        errors[f"{name} grads"] = max(relative_error(got_grads[n], ref_grads[n]) for n in ref_grads)
+    mask = batch["attention_mask"].bool()
+    errors["logprobs"] = relative_error(got["logprobs"][mask], expected["logprobs"][mask])
+    return errors
+
+
+def layouts(world: int) -> dict[str, dict]:
+    if world == 1:
+        return {"1 rank": {"dp_shard": 1}}
+    return {f"dp_shard={world}": {"dp_shard": world},
+            f"tp={world} sp lp": {"dp_shard": 1, "tp": world, "sequence_parallel": True, "loss_parallel": True}}
+
+
+def check_parity(world: int, workdir: str) -> bool:
+    model_dir = write_tiny_model(os.path.join(workdir, "tiny"), TinyModelSpec(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    batch = make_batch(vocab=100, rows=8, width=24)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    expected = reference(model_dir, batch, device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    ok = True
+    for name, layout in layouts(world).items():
+        for precision in ("float32", "bf16"):
+            errors = compare(run_engine(world, layout, precision, model_dir, batch, workdir), expected, batch)
+            passed = max(errors.values()) < TOLERANCE[precision]
+            ok &= passed
+            shown = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+            print(f"[parity] {name:<14} {backend} {precision:<8} {'ok  ' if passed else 'FAIL'} {shown}", flush=True)
+    return ok
+
+
+def throughput(workdir: str, rows: int, width: int, steps: int) -> None:
+    """Tokens/s of a forward/backward with the NLL loss on one device: plain HF (bf16 autocast)
+    beside the engine on one rank with bf16 mixed precision, same batch, one sitting."""
+    model_dir = write_tiny_model(os.path.join(workdir, "qwen05b"), QWEN25_05B)
+    batch = make_batch(vocab=QWEN25_05B.vocab_size, rows=rows, width=width)
+    tokens = int(batch["attention_mask"].sum())
+    hf = hf_step_s(model_dir, batch, steps)
+    torch.cuda.empty_cache()
+    out_path = os.path.join(workdir, "throughput.txt")
+    mp.spawn(engine_throughput, args=(free_port(), model_dir, batch, steps, out_path), nprocs=1)
+    with open(out_path) as f:
+        engine = float(f.read())
+    print(f"[throughput] 0.5B-shaped, {rows} x {width} tokens ({tokens} real): HF bf16 autocast "
+          f"{tokens / hf:,.0f} tok/s ({hf:.3f} s/step); engine, 1 rank, bf16 mixed precision "
+          f"{tokens / engine:,.0f} tok/s ({engine:.3f} s/step): {engine / hf:.2f}x HF's time", flush=True)
+
+
+def hf_step_s(model_dir: str, batch, steps: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda")
+    on_device = {k: v.to("cuda") for k, v in batch.items()}
+    loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=on_device["input_ids"], attention_mask=on_device["attention_mask"]).logits
+        loss_fn(logits, on_device).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return timed(step, steps)
+
+
+def engine_throughput(rank: int, port: int, model_dir: str, batch, steps: int, out_path: str) -> None:
+    torch.cuda.set_device(0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    try:
+        parallel = ParallelConfig(dp_shard=1)
+        dims = ParallelDims.of(parallel)
+        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel,
+                          micro_batch_size=len(batch["input_ids"]), total_steps=1, param_dtype=torch.bfloat16)
+        engine = ModelEngine(spec, dims.build_mesh("cuda"), torch.device("cuda", 0))
+        loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
+
+        def step():
+            engine.forward_backward(batch, loss_fn)
+            engine.zero_grad()
+
+        with open(out_path, "w") as f:
+            f.write(str(timed(step, steps)))
+    finally:
+        dist.destroy_process_group()
+
+
+def timed(step, steps: int) -> float:
+    """Median seconds of `steps` calls after two warm-ups."""
+    step(), step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="engine ranks (default: every GPU; 2 gloo ranks without CUDA)")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        print(f"[gpu] {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}, "
+              f"nccl {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    else:
+        print("[gpu] no CUDA device: the same checks on CPU with gloo", flush=True)
+    world = args.ranks or (torch.cuda.device_count() if on_gpu else 2)
+    with tempfile.TemporaryDirectory() as workdir:
+        ok = check_parity(world, workdir)
+        if on_gpu and not args.skip_throughput:
+            throughput(workdir, rows=16, width=512, steps=5)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

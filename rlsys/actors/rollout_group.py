@@ -60,14 +60,9 @@ class RolloutGroup:
         return [sample for samples in wait_all(refs, [self.names[i] for i in busy]) for sample in samples]
 
     def release_memory(self) -> None:
-        """The trainer's turn: colocated engines free their weights and KV cache."""
+        """The trainer's turn: colocated engines free their weights (and KV cache, on GPU)."""
         if self.releases_memory:
             self.call_all("release_memory")
-
-    def resume_weights(self) -> None:
-        """Allocate released weights again, for the sync to write."""
-        if self.releases_memory:
-            self.call_all("resume_weights")
 
     def call_all(self, method: str, *args) -> list:
         return wait_all([call(getattr(engine, method), *args) for engine in self.engines], self.names)

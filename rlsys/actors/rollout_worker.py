@@ -30,6 +30,19 @@ class Sample:
     finish_reason: str
 
 
+def vllm_requests(prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
+                  max_new_tokens: int, seed: int, stop: list[str]) -> tuple[list, list]:
+    """vLLM prompts and sampling parameters for `RolloutWorker.generate`: each request's seed
+    comes from `seed` and its prompt index."""
+    from vllm import SamplingParams, TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
+    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                             stop=stop or None, logprobs=0, seed=seed * 1_000_003 + index)
+              for index, _ in prompts]
+    return requests, params
+
+
 def _load_weights(worker, weights: dict[str, torch.Tensor]) -> None:
     """Runs inside the vLLM worker: load full HF-named tensors; vLLM's weight
     loaders shard and fuse them (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
@@ -58,15 +71,8 @@ class RolloutWorker:
         """Sample `n` responses for each (prompt_index, prompt_ids). The seed of
         each request is derived from `seed` and the prompt index, so the same
         step of a resumed run samples the same responses."""
-        from vllm import SamplingParams, TokensPrompt
-
         self.memory.ready_to_generate()
-        requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
-        params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                           stop=self.cfg.stop or None, logprobs=0, seed=seed * 1_000_003 + index)
-            for index, _ in prompts
-        ]
+        requests, params = vllm_requests(prompts, n, temperature, top_p, max_new_tokens, seed, self.cfg.stop)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [
             Sample(index, ids, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
@@ -76,22 +82,24 @@ class RolloutWorker:
         ]
 
     @releases_freed_memory
-    def load_weights(self, *buckets: ShardBucket | None) -> int:
-        """Load one bucket, given as every training rank's shards of it."""
+    def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False) -> int:
+        """Load one bucket, given as every training rank's shards of it. The sync's first
+        bucket allocates released weights again; its last checks that every weight freed was
+        rewritten and drops the prefix cache, computed under the old weights. (Here rather than
+        in calls of their own: those two round trips took the arithmetic example's sync from
+        15 to 18 ms.)"""
+        if first:
+            self.memory.resume(WEIGHTS)
         weights = self.assemble(list(buckets))
         self.llm.collective_rpc(_load_weights, args=(weights,))
+        if last:
+            self.memory.confirm_rewritten()
+            self.llm.reset_prefix_cache()
         return len(weights)
-
-    def finish_sync(self) -> None:
-        self.memory.confirm_rewritten()
-        self.llm.reset_prefix_cache()
 
     @releases_freed_memory
     def release_memory(self) -> int:
-        """Free the weights, the KV cache and the sync's staging buffer for the colocated
-        trainer (see `engine_memory`); returns the bytes of weights and KV cache freed."""
+        """Free the weights, the KV cache (on GPU) and the sync's staging buffer for the
+        colocated trainer (see `engine_memory`); returns the bytes of weights and KV cache freed."""
         self.assemble.release()
         return self.memory.release()
-
-    def resume_weights(self) -> None:
-        self.memory.resume(WEIGHTS)

@@ -86,6 +86,7 @@ class ModelEngine:
         self.pp_rank = mesh["pp"].get_local_rank()
         self.sequence_multiple = spec.dims.tp if spec.parallel.sequence_parallel else 1
         self.optimizers, self.schedulers = [], []
+        self.shard_offsets: dict[str, tuple[int, ...] | None] = {}
         if trainable:
             self._build_optimizers()
         else:
@@ -245,11 +246,10 @@ class ModelEngine:
         params = dict(self.named_parameters())
         for name in names:
             param = params[name].detach()
-            coordinate = param.device_mesh.get_coordinate()
-            if any(c and placement.is_replicate() for c, placement in zip(coordinate, param.placements)):
-                continue
-            _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            yield name, param.to_local(), tuple(param.shape), offset
+            if name not in self.shard_offsets:  # fixed by the layout: worked out on the first sync
+                self.shard_offsets[name] = _shard_offset(param)
+            if self.shard_offsets[name] is not None:
+                yield name, param.to_local(), tuple(param.shape), self.shard_offsets[name]
 
     def perturb_parameters(self, scale: float, seed: int) -> None:
         """Add seeded noise to every parameter, the same in any layout (seeded by name)."""
@@ -321,6 +321,15 @@ class ModelEngine:
             index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
+
+
+def _shard_offset(param: DTensor) -> tuple[int, ...] | None:
+    """Where this rank's shard of `param` starts in the full tensor; None for a replica that
+    another rank sends."""
+    coordinate = param.device_mesh.get_coordinate()
+    if any(c and placement.is_replicate() for c, placement in zip(coordinate, param.placements)):
+        return None
+    return tuple(compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1])
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group) -> float:

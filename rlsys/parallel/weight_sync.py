@@ -46,9 +46,9 @@ class WeightSync:
     def __init__(self, train_group, rollout_group, bucket_mb: float):
         self.train_group, self.rollout_group = train_group, rollout_group
         nbytes = train_group.run_all("parameter_nbytes")
-        self.stages = [(ranks, plan_buckets(nbytes[ranks[0]], int(bucket_mb * 2**20)))
-                       for ranks in train_group.dims.stage_ranks()]
-        self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks, _ in self.stages)
+        self.buckets = [(ranks, names) for ranks in train_group.dims.stage_ranks()
+                        for names in plan_buckets(nbytes[ranks[0]], int(bucket_mb * 2**20))]
+        self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks in train_group.dims.stage_ranks())
 
     def run(self) -> dict[str, float]:
         """Each bucket goes as every stage rank's shards, straight from the ranks' object
@@ -56,14 +56,12 @@ class WeightSync:
         next bucket while the engines load this one."""
         started = time.perf_counter()
         train, rollout = self.train_group, self.rollout_group
-        rollout.resume_weights()
         loading: list = []
-        for ranks, buckets in self.stages:
-            for names in buckets:
-                shards = [call(train.workers[rank].sync_shards, names) for rank in ranks]
-                wait_all(loading, rollout.names)
-                loading = [call(engine.load_weights, *shards) for engine in rollout.engines]
+        for index, (ranks, names) in enumerate(self.buckets):
+            shards = [call(train.workers[rank].sync_shards, names) for rank in ranks]
+            wait_all(loading, rollout.names)
+            loading = [call(engine.load_weights, *shards, first=index == 0, last=index == len(self.buckets) - 1)
+                       for engine in rollout.engines]
         wait_all(loading, rollout.names)
-        rollout.call_all("finish_sync")
-        return {"sync/time_s": time.perf_counter() - started,
-                "sync/buckets": sum(len(buckets) for _, buckets in self.stages), "sync/mb": self.total_bytes / 2**20}
+        return {"sync/time_s": time.perf_counter() - started, "sync/buckets": len(self.buckets),
+                "sync/mb": self.total_bytes / 2**20}

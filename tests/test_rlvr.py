@@ -102,9 +102,9 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
                         - torch.tensor(s.logprobs)).abs().max().item() for row, s in enumerate(samples))
 
         assert gap() > 1e-2
-        # as in a step: the colocated engine frees its weights and KV cache for the update
+        # as in a step: the colocated engine frees its weights for the update
         freed = ray.get(trainer.rollout.engines[0].release_memory.remote())
-        assert freed > trainer.sync.total_bytes or torch.cuda.is_available()  # vLLM logs it on GPU
+        assert freed >= trainer.sync.total_bytes or torch.cuda.is_available()  # vLLM logs it on GPU
         stats = trainer.sync.run()
         assert gap() < 1e-4
         assert stats["sync/buckets"] > 2  # streamed, not one whole-model transfer

@@ -183,7 +183,8 @@ class RolloutConfig:
     """colocated: engines share the training ranks' devices; separate: their own placement group."""
     free_memory_in_update: bool = True
     """Colocated engines free their weights and KV cache after generating, while the trainer runs (vLLM sleep
-    mode level 2 on GPU; on CPU the storages shrink), and take them back for the sync and the next rollout."""
+    mode level 2 on GPU; on CPU the weights' storages shrink and the KV cache stays), and take them back for the
+    sync and the next rollout."""
     cpus_per_engine: float = Field(default=1.0, ge=0)
     """CPUs reserved per engine with placement=separate."""
     gpus_per_engine: float = Field(default=0.0, ge=0)

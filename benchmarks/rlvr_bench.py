@@ -1,13 +1,14 @@
 """RLVR benchmark: a fixed workload, per-phase times, and rollout throughput
-beside bare vLLM `generate` on the same prompts, measured in the same run.
+beside bare vLLM `generate` of the same requests, measured in the same run.
 
     .venv/bin/python benchmarks/rlvr_bench.py --model runs/arith/sft/hf_model \\
-        --data runs/arith/data/rl_train.parquet --steps 8
+        --data runs/arith/data/rl_train.parquet --steps 8 [config overrides, e.g. parallel.dp_shard=1]
 
 Prints a table of mean phase times over the measured steps (the first step
 is warm-up and excluded), the rollout phase's generated tokens/s against a
-bare in-process vLLM engine generating the same prompts with the same
-sampling parameters, and the weight-sync time as a fraction of the step.
+bare in-process vLLM engine replaying the same requests (each step's prompts
+and per-request sampling parameters, seeds included), and the weight-sync time
+as a fraction of the step.
 """
 
 from __future__ import annotations
@@ -34,16 +35,26 @@ def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
     return load_config(RLJobConfig, None, overrides)
 
 
-def rlsys_steps(cfg: RLJobConfig) -> tuple[list[dict], list]:
+def rlsys_steps(cfg: RLJobConfig) -> tuple[list[dict], list, list[tuple]]:
+    """Run the steps; returns their metrics, the first step's prompts, and the arguments of
+    every rollout call (RolloutGroup.generate), for a bare engine to replay."""
     from rlsys.trainers.rl_trainer import RLVRTrainer
 
     trainer = RLVRTrainer(cfg)
+    calls = []
+    generate = trainer.rollout.generate
+
+    def recorded(*args):
+        calls.append(args)
+        return generate(*args)
+
+    trainer.rollout.generate = recorded
     try:
         rows = [trainer.step(step) for step in range(1, cfg.train.steps + 1)]
         prompts = [(i, trainer.prompt_ids[i]) for i in range(cfg.train.prompts_per_step)]
     finally:
         trainer.shutdown()
-    return rows, prompts
+    return rows, prompts, calls
 
 
 def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, list]:
@@ -67,9 +78,27 @@ def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, 
     return statistics.median(times), outputs
 
 
-def bare_vllm_tokens_per_s(cfg: RLJobConfig, prompts, repeats: int) -> float:
-    seconds, outputs = bare_vllm_generate(cfg, prompts, repeats)
-    return sum(len(c.token_ids) for o in outputs for c in o.outputs) / seconds
+def bare_vllm_replay(cfg: RLJobConfig, calls: list[tuple]) -> tuple[int, float]:
+    """Each step's rollout again, through a plain in-process vLLM engine: the same prompts and
+    per-request sampling parameters (seeds included), each from an empty prefix cache as after
+    a sync. The first call warms the engine up and is not counted, as the first step is not.
+    Returns (generated tokens, seconds)."""
+    from rlsys.actors.rollout_worker import vllm_requests
+    from rlsys.rollout.vllm_engine import create_llm
+
+    llm = create_llm(cfg.model.path, cfg.rollout.engine_memory_gib, cfg.seed)
+    tokens, seconds = 0, 0.0
+    for index, (prompts, seed, n, temperature, max_new_tokens) in enumerate(calls):
+        requests, params = vllm_requests(prompts, n, temperature, cfg.rollout.top_p, max_new_tokens, seed,
+                                         cfg.rollout.stop)
+        llm.reset_prefix_cache()
+        started = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        if index:
+            seconds += time.perf_counter() - started
+            tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    del llm
+    return tokens, seconds
 
 
 def main() -> None:
@@ -83,14 +112,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--kl-coef", type=float, default=0.0)
+    parser.add_argument("overrides", nargs="*", help="rlsys config overrides (key=value)")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps: at least 2 (the first is warm-up)")
     os.makedirs(args.out, exist_ok=True)
-    cfg = bench_config(args)
+    cfg = bench_config(args, args.overrides)
 
-    rows, prompts = rlsys_steps(cfg)
-    measured = rows[1:] or rows
+    rows, _, calls = rlsys_steps(cfg)
+    measured = rows[1:]
     mean = {k: statistics.mean(r[k] for r in measured) for k, v in measured[0].items() if isinstance(v, (int, float))}
-    bare = bare_vllm_tokens_per_s(cfg, prompts, repeats=3)
+    bare_tokens, bare_s = bare_vllm_replay(cfg, calls)
+    rlsys_tokens = sum(r["throughput/generated_tokens_per_s"] * r["time/generate_s"] for r in measured)
 
     print(f"\nRLVR benchmark: {args.prompts} prompts x n={args.n}, <= {args.max_new_tokens} new tokens, "
           f"{args.dp} FSDP2 ranks, {len(measured)} measured steps (first step excluded)")
@@ -100,10 +133,11 @@ def main() -> None:
         if key in mean:
             print(f"{phase:<14}{mean[key]:>10.3f}{mean[key] / mean['time/step_s']:>9.1%}")
     print(f"{'step':<14}{mean['time/step_s']:>10.3f}")
-    rollout_rate = mean["throughput/generated_tokens_per_s"]
-    print(f"\nrollout generated tokens/s (rlsys, Ray actor): {rollout_rate:,.0f}")
-    print(f"bare vLLM generate tokens/s (same prompts):    {bare:,.0f}")
-    print(f"ratio rlsys / bare vLLM:                       {rollout_rate / bare:.2f}")
+    rollout_rate = rlsys_tokens / sum(r["time/generate_s"] for r in measured)
+    bare = bare_tokens / bare_s
+    print(f"\nrollout generated tokens/s (rlsys, Ray actor):  {rollout_rate:,.0f} ({rlsys_tokens:,.0f} tokens)")
+    print(f"bare vLLM generate tokens/s (the same requests): {bare:,.0f} ({bare_tokens:,} tokens)")
+    print(f"ratio rlsys / bare vLLM:                         {rollout_rate / bare:.2f}")
     print(f"weight sync: {mean['sync/time_s']:.3f} s = {mean['sync/time_s'] / mean['time/step_s']:.1%} of the step "
           f"({mean['sync/mb']:.1f} MB in {mean['sync/buckets']:.0f} buckets)")
 

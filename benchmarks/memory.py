@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlsys.actors.host_memory import release_freed_memory
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.engine.model_engine import EngineSpec, ModelEngine
@@ -35,13 +36,13 @@ GIB = 2**30
 
 
 def write_model(out_dir: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                vocab: int) -> int:
+                vocab: int, tied: bool) -> int:
     """A random-init Qwen2 model directory (weights and config only); returns its parameter count."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
-                         tie_word_embeddings=False, max_position_embeddings=4096)
+                         tie_word_embeddings=tied, max_position_embeddings=4096)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
     return sum(p.numel() for p in model.parameters())
@@ -79,41 +80,44 @@ def local_bytes(tensors) -> int:
     return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
 
 
-def run_rank(rank: int, layout: dict, model_dir: str, port: int, batch_shape: tuple[int, int], results) -> None:
+def run_rank(rank: int, layout: dict, model_dir: str, port: int, args, results) -> None:
     torch.set_num_threads(1)
     parallel = ParallelConfig(**layout)
     dims = ParallelDims.of(parallel)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dims.world_size)
-    spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=batch_shape[0],
-                      total_steps=10, param_dtype=None)
+    spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel,
+                      micro_batch_size=args.micro_batch or args.rows, total_steps=10, param_dtype=None)
     baseline = PeakSampler.rss()
     with PeakSampler() as load:
         engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
-    rows, length = batch_shape
-    ids = torch.randint(0, 1000, (rows * dims.dp_size, length), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (args.rows * dims.dp_size, args.seq_len), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     shard = {k: v.tensor_split(dims.dp_size)[dims.coordinates(rank).dp_rank] for k, v in batch.items()}
     loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
-    with PeakSampler() as step:
-        engine.forward_backward(shard, loss_fn)
-        grads = local_bytes(p.grad for _, p in engine.named_parameters())
-        engine.optimizer_step()
+    for _ in range(args.steps):  # the last step is measured: from the second on, AdamW's state is held
+        started = time.perf_counter()
+        with PeakSampler() as step:
+            engine.forward_backward(shard, loss_fn)
+            grads = local_bytes(p.grad for _, p in engine.named_parameters())
+            engine.optimizer_step()
+            release_freed_memory()
+        step_s = time.perf_counter() - started
     params = local_bytes(p for _, p in engine.named_parameters())
     optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
                         for t in state.values() if t.dim() > 0)
     results.put((rank, {"params": params, "grads": grads, "optim": optim,
-                        "load_peak": load.peak - baseline, "step_peak": step.peak - baseline}))
+                        "load_peak": load.peak - baseline, "step_peak": step.peak - baseline, "step_s": step_s}))
     dist.destroy_process_group()
 
 
-def measure(layout: dict, model_dir: str, batch_shape: tuple[int, int]) -> list[dict]:
+def measure(layout: dict, model_dir: str, args) -> list[dict]:
     world = ParallelDims(**layout).world_size
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=run_rank, args=(r, layout, model_dir, port, batch_shape, results))
+    procs = [context.Process(target=run_rank, args=(r, layout, model_dir, port, args, results))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -139,25 +143,33 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rows", type=int, default=4, help="rows per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=0, help="rows per micro-batch (default: --rows)")
+    parser.add_argument("--tied", action="store_true", help="tie the embedding and the LM head")
+    parser.add_argument("--steps", type=int, default=1, help="training steps; the last one is measured")
+    parser.add_argument("--mmap-threshold-kb", type=int, default=0,
+                        help="MALLOC_MMAP_THRESHOLD_ of the rank processes: glibc maps every block of this "
+                             "size or more on its own and unmaps it when freed (0: glibc's default)")
     args = parser.parse_args()
     layouts = args.layout or [{"dp_shard": 2}, {"tp": 2}, {"dp_shard": 2, "tp": 2}]
+    if args.mmap_threshold_kb:  # read by glibc when each rank process starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold_kb * 1024)
     with tempfile.TemporaryDirectory() as model_dir:
         count = write_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
-                            args.vocab)
+                            args.vocab, args.tied)
         total = count * 4
         print(f"model: {count / 1e6:.1f} M parameters, {total / GIB:.3f} GiB in fp32; "
-              f"batch {args.rows} x {args.seq_len} tokens per data-parallel rank\n")
+              f"batch {args.rows} x {args.seq_len} tokens per data-parallel rank, step {args.steps} measured\n")
         print("| layout | rank | params MiB | grads MiB | optimizer MiB | ideal MiB | vs ideal | load peak MiB "
-              "| step peak MiB |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| step peak MiB | step s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for layout in layouts:
             shards = math.prod(layout.get(name, 1) for name in ("dp_shard", "cp", "tp", "pp"))
             name = " x ".join(f"{k}={v}" for k, v in layout.items())
-            for rank, row in enumerate(measure(layout, model_dir, (args.rows, args.seq_len))):
+            for rank, row in enumerate(measure(layout, model_dir, args)):
                 print(f"| {name} | {rank} | {row['params'] / 2**20:.1f} | {row['grads'] / 2**20:.1f} "
                       f"| {row['optim'] / 2**20:.1f} | {total / shards / 2**20:.1f} "
                       f"| {row['params'] / (total / shards):.3f} | {row['load_peak'] / 2**20:.0f} "
-                      f"| {row['step_peak'] / 2**20:.0f} |")
+                      f"| {row['step_peak'] / 2**20:.0f} | {row['step_s']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 After generating, the engine's weights and KV cache are dead weight: the
 trainer's update is next, and the sync after it rewrites every weight. Like
-VeRL, a colocated engine frees both after generating, takes its weights back
-just before the sync and its KV cache just before generating again.
+VeRL, a colocated engine frees both after generating (on CPU the weights
+alone, see below), takes its weights back just before the sync and its KV
+cache just before generating again.
 
 On GPU this is vLLM's sleep mode at level 2. vLLM has no sleep mode on CPU:
 there the storages of the weights shrink to nothing and grow back, which keeps
@@ -11,10 +12,12 @@ every tensor valid and loses only the contents (1.9 GiB on a 494 M-parameter
 model). The KV cache stays on CPU: grown back, every page of it that vLLM
 writes faults anew, and vLLM's block allocator walks the whole cache over the
 steps, which cost the arithmetic example 12% of its generate time (194 vs 171
-ms in the engine per step, one sitting) to free 0.25 GiB. A weight the sync does
-not rewrite would generate with garbage, so the engine counts what each load
-wrote and refuses to generate until the sync has rewritten every weight it freed. The count is by vLLM parameter: a
-fused one (qkv_proj) counts as written once any of its parts is.
+ms in the engine per step, one sitting) to free 0.25 GiB.
+
+A weight the sync does not rewrite would generate with garbage, so the engine
+counts what each load wrote and refuses to generate until the sync has
+rewritten every weight it freed. The count is by vLLM parameter: a fused one
+(qkv_proj) counts as written once any of its parts is.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     if mini and prompts % mini:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
     check_algorithm(cfg.algorithm, cfg.parallel)
-    _check_sampling_for_algorithm(cfg)
+    _check_algorithm_against_job(cfg)
     dp = dims.dp_size
     responses = (mini or prompts) * cfg.rollout.n
     if responses % dp:
@@ -109,9 +109,10 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
                           "use old_logprobs: auto or trainer")
 
 
-def _check_sampling_for_algorithm(cfg: RLJobConfig) -> None:
-    """Options that read the engine's log-probs need them over the full vocabulary (the trainer
-    does not apply top-p), DAPO's filter needs groups, a critic warm-up needs a critic."""
+def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
+    """Algorithm options that depend on the rest of the job: those reading the engine's log-probs
+    need them over the full vocabulary (the trainer does not apply top-p), DAPO's filter needs
+    groups, a critic warm-up needs a critic."""
     algo = cfg.algorithm
     reads_engine_logprobs = algo.rollout_is != "none" or algo.old_logprobs == "rollout"
     if cfg.rollout.top_p < 1 and reads_engine_logprobs:

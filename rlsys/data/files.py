@@ -7,8 +7,10 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import datasets
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ def read_rows(paths: list[str]) -> Iterator[tuple[str, int, dict]]:
 
 
 def load_file(path: str) -> datasets.Dataset:
+    """`datasets` is imported here, not at the top: the training engine imports this module
+    (through batching) and must import where `datasets` is not installed (the GPU check)."""
+    import datasets
+
     builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
     if builder is None:
         raise DataError(f"{path}: unsupported file type (use .jsonl, .json or .parquet)")

@@ -171,21 +171,22 @@ def check_parity(world: int, workdir: str) -> bool:
     return ok
 
 
-def throughput(workdir: str, rows: int, width: int, steps: int) -> None:
+def throughput(workdir: str, shapes: list[tuple[int, int]], steps: int) -> None:
     """Tokens/s of a forward/backward with the NLL loss on one device: plain HF (bf16 autocast)
     beside the engine on one rank with bf16 mixed precision, same batch, one sitting."""
     model_dir = write_tiny_model(os.path.join(workdir, "qwen05b"), QWEN25_05B)
-    batch = make_batch(vocab=QWEN25_05B.vocab_size, rows=rows, width=width)
-    tokens = int(batch["attention_mask"].sum())
-    hf = hf_step_s(model_dir, batch, steps)
-    torch.cuda.empty_cache()
-    out_path = os.path.join(workdir, "throughput.txt")
-    mp.spawn(engine_throughput, args=(free_port(), model_dir, batch, steps, out_path), nprocs=1)
-    with open(out_path) as f:
-        engine = float(f.read())
-    print(f"[throughput] 0.5B-shaped, {rows} x {width} tokens ({tokens} real): HF bf16 autocast "
-          f"{tokens / hf:,.0f} tok/s ({hf:.3f} s/step); engine, 1 rank, bf16 mixed precision "
-          f"{tokens / engine:,.0f} tok/s ({engine:.3f} s/step): {engine / hf:.2f}x HF's time", flush=True)
+    for rows, width in shapes:
+        batch = make_batch(vocab=QWEN25_05B.vocab_size, rows=rows, width=width)
+        tokens = int(batch["attention_mask"].sum())
+        hf = hf_step_s(model_dir, batch, steps)
+        torch.cuda.empty_cache()
+        out_path = os.path.join(workdir, "throughput.txt")
+        mp.spawn(engine_throughput, args=(free_port(), model_dir, batch, steps, out_path), nprocs=1)
+        with open(out_path) as f:
+            engine = float(f.read())
+        print(f"[throughput] 0.5B-shaped, {rows} x {width} tokens ({tokens} real): HF bf16 autocast "
+              f"{tokens / hf:,.0f} tok/s ({hf:.3f} s/step); engine, 1 rank, bf16 mixed precision "
+              f"{tokens / engine:,.0f} tok/s ({engine:.3f} s/step): {engine / hf:.2f}x HF's time", flush=True)
 
 
 def hf_step_s(model_dir: str, batch, steps: int) -> float:
@@ -257,7 +258,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as workdir:
         ok = check_parity(world, workdir)
         if on_gpu and not args.skip_throughput:
-            throughput(workdir, rows=16, width=512, steps=5)
+            throughput(workdir, shapes=[(16, 512), (4, 2048)], steps=5)
     return 0 if ok else 1
 
 

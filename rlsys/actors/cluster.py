@@ -19,10 +19,9 @@ log = logging.getLogger(__name__)
 
 # Run-time environment of every actor: no hub access, quiet tokenizers.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-# ... and of one role's actors. Idle training ranks must not spin on the cores a colocated
-# engine generates on; the engine keeps OpenMP's default wait policy, whose short spin
-# between its many small decode kernels PASSIVE would turn into sleeps and wake-ups.
-ROLE_ENV = {"train": {"OMP_WAIT_POLICY": "PASSIVE"}}
+# Every actor keeps OpenMP's default wait policy: a spin, then sleep. PASSIVE turns the spin
+# between a multi-threaded rank's many small kernels into sleeps and wake-ups (README, "Speed
+# beside TRL"); the default's spin after a rank's last kernel costs about 10 ms of one core.
 
 _log_dir = ""
 _actor_names: dict[str, str] = {}
@@ -93,7 +92,8 @@ def check_resources(num_workers: int, cpus: float, gpus: float, key: str, local_
         nodes = _node_resources(resource, local_cpus)
         total, largest = sum(nodes), max(nodes, default=0)
         if num_workers * per_worker > total:
-            raise ConfigError(f"{key}: {num_workers} workers x {per_worker:g} {resource}s = "
+            workers = f"{num_workers} worker{'s' if num_workers != 1 else ''}"
+            raise ConfigError(f"{key}: {workers} x {per_worker:g} {resource}s = "
                               f"{num_workers * per_worker:g} {resource}s, but the Ray cluster has {total:g}")
         if per_worker > largest:
             raise ConfigError(f"{key}: a worker needs {per_worker:g} {resource}s on one node, but the largest of "
@@ -141,7 +141,7 @@ def spawn(actor_cls, role: str, index: int, *args, timeout_s: float = 30.0, **op
     <log dir>/<role>-<index>.log (see `rlsys.console`); a name still held by an actor
     being killed is waited for rather than refused."""
     name = actor_name(role, index)
-    env = dict(ROLE_ENV.get(role, {}))
+    env = {}
     if _log_dir and not verbose():
         env[LOG_FILE_ENV] = os.path.join(_log_dir, f"{role}-{index}.log")
     if env:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from rlsys.config.loader import ConfigError
-from rlsys.config.schema import TrainJobConfig
+from rlsys.config.loader import ConfigError, load_config
+from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.run import main
 
 RL_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "arith" / "rlvr.yaml")
@@ -78,6 +79,31 @@ def test_valid_config_types_and_defaults(sft_config):
     cfg = sft_config("optim.betas=[0.8, 0.9]", "train.steps=7")
     assert isinstance(cfg, TrainJobConfig)
     assert cfg.optim.betas == (0.8, 0.9) and cfg.train.steps == 7 and cfg.train.resume is True
+
+
+@pytest.mark.parametrize(
+    ("schema", "overrides", "expected"),
+    [
+        (RLJobConfig, [], 8),
+        (RLJobConfig, ["parallel.dp_shard=2", "parallel.tp=2"], 2),
+        (RLJobConfig, ["parallel.dp_shard=16"], 1),
+        (RLJobConfig, ["rollout.placement=separate", "rollout.num_engines=2", "rollout.cpus_per_engine=2"], 4),
+        (RLJobConfig, ["ray.num_cpus=4"], 4),
+        (RLJobConfig, ["ray.num_cpus=64", "parallel.pp=2"], 4),
+        (RLJobConfig, ["ray.cpus_per_worker=3"], 3),
+        (TrainJobConfig, ["parallel.dp_shard=2"], 4),
+        (EvalJobConfig, [], 8),
+    ],
+)
+def test_cpus_per_worker_defaults_to_the_cores_over_the_ranks(monkeypatch, schema, overrides, expected):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert load_config(schema, None, overrides).ray.cpus_per_worker == expected
+
+
+def test_cpus_per_worker_is_1_on_a_joined_cluster(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert load_config(RLJobConfig, None, []).ray.cpus_per_worker == 1
 
 
 def test_config_error_is_a_value_error_naming_the_key(sft_config):

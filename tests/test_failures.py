@@ -97,7 +97,7 @@ def test_bad_input_exits_2_with_one_line_before_ray_starts(bad_inputs, tiny_mode
         f"reward.terms=[{{path: {ASSETS / 'types_reward.py'}, function: wrong_arity}}]":
             "reward.terms[0]: wrong_arity(solution_str, ground_truth, rubric) cannot be called",
         "eval.reward=no_such_reward": "eval.reward: unknown reward 'no_such_reward'",
-        "parallel.dp_shard=64": "ray.cpus_per_worker: 64 workers x 2 CPUs",
+        "parallel.dp_shard=64": "ray.cpus_per_worker: 64 workers x 1 CPUs",
         "parallel.tp=3": "parallel.tp: 3 does not divide the model's attention heads (2)",
         "parallel.pp=3": "parallel.pp: 3 pipeline stages for 2 decoder layers",
         ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"): "parallel.pp: 4 pipeline stages for 2 decoder",

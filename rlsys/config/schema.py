@@ -125,8 +125,10 @@ class ParallelConfig:
 
 @dataclass(config=STRICT)
 class RayConfig:
-    cpus_per_worker: int = Field(default=1, gt=0)
-    """CPUs reserved for each training rank (also its torch thread count)."""
+    cpus_per_worker: int | None = Field(default=None, gt=0)
+    """CPUs reserved for each training rank (also its torch thread count). Unset: this machine's cores
+    (at most ray.num_cpus) less separate rollout engines' CPUs, split evenly over the ranks; 1 when joining
+    RAY_ADDRESS."""
     gpus_per_worker: float = Field(default=0.0, ge=0)
     """GPUs for each training rank; 0 trains on CPU with gloo, >0 on CUDA with nccl."""
     num_cpus: int | None = Field(default=None, gt=0)

@@ -2,7 +2,7 @@
 beside bare vLLM `generate` of the same requests, measured in the same run.
 
     .venv/bin/python benchmarks/rlvr_bench.py --model runs/arith/sft/hf_model \\
-        --data runs/arith/data/rl_train.parquet --steps 8 [config overrides, e.g. parallel.dp_shard=1]
+        --data runs/arith/data/rl_train.parquet --steps 8 [--dp 2] [config overrides, e.g. parallel.tp=2]
 
 Prints a table of mean phase times over the measured steps (the first step
 is warm-up and excluded), the rollout phase's generated tokens/s against a
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel training ranks (each gets cores / dp)")
     parser.add_argument("--kl-coef", type=float, default=0.0)
     parser.add_argument("overrides", nargs="*", help="rlsys config overrides (key=value)")
     args = parser.parse_args()

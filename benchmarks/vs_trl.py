@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel training ranks (each gets cores / dp)")
     parser.add_argument("--out", default="runs/bench/vs_trl")
     parser.add_argument("--skip-trl", action="store_true", help="floor and rlsys only (no TRL installed)")
     parser.add_argument("overrides", nargs="*", help="extra rlsys config overrides (key=value)")

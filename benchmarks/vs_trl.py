@@ -7,7 +7,7 @@
 One invocation runs, one after the other on the same machine:
   floor  a bare in-process vLLM `generate` of the step's prompts plus one
          single-process forward/backward over the generated batch, padded (as TRL
-         runs it), and again with the rows packed (as rlsys runs them);
+         runs it), packed, and packed with prompts shared by their samples (as rlsys runs them);
   TRL    GRPOTrainer, one process, HF generate (what a TRL user on CPU gets);
   rlsys  the rlvr step (Ray actors: FSDP2 ranks + a colocated vLLM engine).
 Both trainers get the same model directory, the same VeRL-parquet prompts through
@@ -45,10 +45,11 @@ class Result:
     """Mean generated tokens per step."""
 
 
-def floor_step(cfg, prompts) -> tuple[float, float, float]:
+def floor_step(cfg, prompts) -> tuple[float, float, float, float]:
     """Bare vLLM generate of the prompts, plus one forward/backward over what it generated
-    in this process with all threads, on padded rows (as TRL runs it) and on the same rows
-    packed (`rlsys.data.packing`): (generate s, forward/backward s, packed forward/backward s)."""
+    in this process with all threads, on padded rows (as TRL runs it), on the same rows
+    packed, and packed with each prompt laid out once for its samples (`rlsys.data.packing`):
+    (generate s, then forward/backward s padded, packed, packed with shared prompts)."""
     from transformers import AutoModelForCausalLM
 
     from rlsys.data.batching import collate_rollouts
@@ -58,11 +59,14 @@ def floor_step(cfg, prompts) -> tuple[float, float, float]:
     prompt_ids = [ids for (_, ids), out in zip(prompts, outputs) for _ in out.outputs]
     response_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
     padded = collate_rollouts(prompt_ids, response_ids, pad_id=0)
-    packed = pack_rows(padded).batch
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     padded_s = forward_backward_s(model, padded, padded["attention_mask"], None)
-    packed_s = forward_backward_s(model, packed, block_causal_mask(packed["segment_ids"]), packed["position_ids"])
-    return generate_s, padded_s, packed_s
+    packed_s = []
+    for share_prompts in (False, True):
+        packed = pack_rows(padded, share_prompts).batch
+        mask = block_causal_mask(packed["segment_ids"], packed["prefix_ids"])
+        packed_s.append(forward_backward_s(model, packed, mask, packed["position_ids"]))
+    return generate_s, padded_s, *packed_s
 
 
 def forward_backward_s(model, batch, attention_mask, position_ids, repeats: int = 3) -> float:
@@ -163,9 +167,9 @@ def main() -> None:
 
     rlsys, phases, prompts = rlsys_result(cfg)
     print(f"rlsys: {rlsys.step_s:.3f} s/step, {rlsys.response_tokens:.0f} response tokens/step", flush=True)
-    generate_s, fwd_bwd_s, packed_fwd_bwd_s = floor_step(cfg, prompts)
+    generate_s, fwd_bwd_s, packed_fwd_bwd_s, shared_fwd_bwd_s = floor_step(cfg, prompts)
     print(f"floor: generate {generate_s:.3f} s + forward/backward {fwd_bwd_s:.3f} s "
-          f"({packed_fwd_bwd_s:.3f} s packed)", flush=True)
+          f"({packed_fwd_bwd_s:.3f} s packed, {shared_fwd_bwd_s:.3f} s with shared prompts)", flush=True)
     trl = None if args.skip_trl else trl_steps(args, cfg)
 
     floor = generate_s + fwd_bwd_s
@@ -174,9 +178,9 @@ def main() -> None:
     print(f"{'':<34}{'s/step':>8}{'tokens/step':>13}{'x floor':>9}")
     print(f"{'floor (bare vLLM + 1 fwd/bwd)':<34}{floor:>8.3f}{'':>13}{1:>9.2f}   "
           f"(generate {generate_s:.3f} + fwd/bwd {fwd_bwd_s:.3f})")
-    packed_floor = generate_s + packed_fwd_bwd_s
-    print(f"{'floor, packed fwd/bwd':<34}{packed_floor:>8.3f}{'':>13}{packed_floor / floor:>9.2f}   "
-          f"(generate {generate_s:.3f} + fwd/bwd {packed_fwd_bwd_s:.3f})")
+    for name, fwd_bwd in (("packed", packed_fwd_bwd_s), ("shared prompts", shared_fwd_bwd_s)):
+        print(f"{'floor, ' + name + ' fwd/bwd':<34}{generate_s + fwd_bwd:>8.3f}{'':>13}"
+              f"{(generate_s + fwd_bwd) / floor:>9.2f}   (generate {generate_s:.3f} + fwd/bwd {fwd_bwd:.3f})")
     if trl:
         print(f"{'TRL GRPOTrainer (1 process)':<34}{trl.step_s:>8.3f}{trl.response_tokens:>13.0f}{trl.step_s / floor:>9.2f}")
     print(f"{'rlsys rlvr':<34}{rlsys.step_s:>8.3f}{rlsys.response_tokens:>13.0f}{rlsys.step_s / floor:>9.2f}   "

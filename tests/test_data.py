@@ -168,3 +168,39 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
     real[:, 0] = False
     assert torch.allclose(got[real], expected[real], atol=1e-5)
     assert (got[~real] == 0).all()
+
+
+def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir):
+    """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
+    is packed once, yet every token's log-prob and the gradient of a token-level loss are those
+    of the padded rows."""
+    from rlsys.data.packing import block_causal_mask, pack_rows
+
+    generator = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(3, 100, (n,), generator=generator).tolist()  # noqa: E731
+    prompts = [ids(6), ids(6), ids(6), ids(3)]
+    group_of = [0, 0, 0, 0, 1, 1, 1, 1, 2, 3]
+    batch = collate_rollouts([prompts[g] for g in group_of], [ids(1 + i % 4) for i in range(10)], pad_id=0)
+    batch["advantages"] = torch.randn(10, 1, generator=generator) * batch["loss_mask"]
+    packing = pack_rows(batch)
+    packed = packing.batch
+    assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - 2 * 3 * 5
+    assert int(packed["loss_mask"][:, 1:].sum()) == int(batch["loss_mask"][:, 1:].sum())
+    assert pack_rows(batch, share_prompts=False).batch["attention_mask"].sum() == batch["attention_mask"].sum()
+
+    def grads_and_logprobs(fields, **inputs):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        logprobs = logprobs_of_labels(model(input_ids=fields["input_ids"], **inputs).logits, fields["input_ids"])
+        (logprobs * (fields["loss_mask"] * fields["advantages"])[:, 1:]).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        return grads, torch.nn.functional.pad(logprobs.detach(), (1, 0))
+
+    expected_grads, expected = grads_and_logprobs(batch, attention_mask=batch["attention_mask"])
+    grads, logprobs = grads_and_logprobs(
+        packed, attention_mask=block_causal_mask(packed["segment_ids"], packed["prefix_ids"]),
+        position_ids=packed["position_ids"])
+    got = packing.unpack(logprobs)
+    real = batch["attention_mask"].bool()
+    real[:, 0] = False
+    assert torch.allclose(got[real], expected[real], atol=1e-5)
+    assert torch.allclose(grads, expected_grads, rtol=1e-5, atol=1e-6 * expected_grads.abs().max())

@@ -17,7 +17,7 @@ from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.schema import AlgorithmConfig, DataConfig
-from rlsys.data.batching import collate, micro_batches, num_targets
+from rlsys.data.batching import collate, collate_rollouts, micro_batches, num_targets
 from rlsys.data.examples import load_sft_examples
 from rlsys.data.packing import pack_rows
 
@@ -57,9 +57,11 @@ def four_layer_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def batches(tiny_model_dir, arith_files):
-    """12 SFT rows, and the same rows as an RL mini-batch: per-row advantages on the target
-    tokens, old and reference log-probs nearby. Of every 3 rows (a micro-batch), two are cut
-    to 5 tokens, every one a target (as in pretraining), so that packing lays them into one row."""
+    """12 SFT rows, and an RL mini-batch of 4 GRPO groups: 3 responses (those of 3 SFT rows) to
+    one prompt each, per-row advantages on the response tokens, old and reference log-probs
+    nearby. Of every 3 SFT rows (a micro-batch), two are cut to 5 tokens, every one a target (as
+    in pretraining), so that packing lays them into one row; each RL micro-batch is one group,
+    whose prompt packing lays out once."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     examples, _ = load_sft_examples(DataConfig(train_files=[arith_files["sft"]], max_seq_len=32), tokenizer)
     sft = collate(examples[:12], tokenizer.pad_token_id)
@@ -68,11 +70,17 @@ def batches(tiny_model_dir, arith_files):
     sft["attention_mask"][short, 5:] = 0
     sft["loss_mask"][short] = sft["attention_mask"][short].float()
     assert all(len(pack_rows(micro).batch["input_ids"]) == 2 for micro in micro_batches(sft, MICRO_BATCH))
+
+    prompt_of = lambda e: e.input_ids[:e.loss_mask.index(1)]  # noqa: E731
+    rl = collate_rollouts([prompt_of(examples[i - i % MICRO_BATCH]) for i in range(12)],
+                          [e.input_ids[len(prompt_of(e)):] for e in examples[:12]], tokenizer.pad_token_id)
+    for micro in micro_batches(rl, MICRO_BATCH):
+        assert pack_rows(micro).batch["attention_mask"].sum() < micro["attention_mask"].sum()
     generator = torch.Generator().manual_seed(0)
-    logprobs = reference_logprobs(tiny_model_dir, sft)
+    logprobs = reference_logprobs(tiny_model_dir, rl)
     noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
-    rl = {**sft, "advantages": torch.randn(12, 1, generator=generator) * sft["loss_mask"],
-          "old_logprobs": logprobs + noise(), "ref_logprobs": logprobs + noise()}
+    rl.update(advantages=torch.randn(12, 1, generator=generator) * rl["loss_mask"],
+              old_logprobs=logprobs + noise(), ref_logprobs=logprobs + noise())
     counts = {"tokens": num_targets(rl), "sequences": 12}
     return sft, rl, counts
 

@@ -119,6 +119,10 @@ class ParallelConfig:
     block-causal mask, so no compute goes to padding (VeRL's use_remove_padding). Used with
     token-level losses (not GSPO, seq-mean-token-mean or sequence-level rollout_is), without
     pp or cp."""
+    share_prompts: bool = True
+    """With pack_sequences: rows with the same prompt (a GRPO group's samples) share one copy of it in
+    the forward and backward pass where that removes at least a quarter of their tokens; the gradient
+    is the same."""
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
 

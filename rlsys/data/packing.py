@@ -1,17 +1,29 @@
-"""Several sequences per row: no forward or backward pass over padding.
+"""Several sequences per row: no forward or backward pass over padding, and one pass over a
+prompt its samples share.
 
 A micro-batch's rows are right-padded to its longest row; RL responses vary in
 length, so on the random 22.7 M-parameter benchmark model (up to 128 new tokens)
 about half of a padded micro-batch is padding. Packing lays the rows end to end
-into as few rows of that same width as first-fit-decreasing finds, each token
-keeping its position in its own sequence (`position_ids`) and the index of its
-sequence (`segment_ids`, from 1; 0 is padding), from which the engine builds a
-block-causal attention mask: a token attends only to its own sequence.
+into as few rows as first-fit-decreasing finds, each token keeping its position in
+its own sequence (`position_ids`) and the index of its span (`segment_ids`, from 1;
+0 is padding), from which the engine builds a block-causal attention mask: a token
+attends only to its own span.
+
+A GRPO group's samples repeat one prompt, so rows whose prompts (the tokens before
+their first loss token) are the same token for token may share one copy of it
+(Prefix Grouper, arXiv 2506.05433): the prompt's first P - 1 tokens once, then each
+sample's last prompt token and response, whose tokens also attend to the shared span
+(`prefix_ids`). Every token sees what it saw in its own row, so activations are the
+same and the shared span's gradient is the sum of the copies' gradients; repeating the
+last prompt token keeps each response's first label next to the logits that predict
+it. A group shares only where that removes at least `MIN_SHARED_FRACTION` of its
+tokens: a shared group is one span as wide as all its samples, and attention over
+wider rows costs about what a short prompt saves.
 
 Every [B, T] field is packed the same way, so a loss whose terms are sums over
-tokens gives the same result on the packed micro-batch. The label of a sequence
-packed after another is never a target: its `loss_mask` is 0 there, as position 0
-of an unpacked row never is one.
+tokens gives the same result on the packed micro-batch. The label of a span packed
+after another is never a target: its `loss_mask` is 0 there, as position 0 of an
+unpacked row never is one.
 """
 
 from __future__ import annotations
@@ -22,56 +34,128 @@ import torch
 
 Batch = dict[str, torch.Tensor]
 
+MIN_SHARED_FRACTION = 0.25
+"""Share a group's prompt only if that drops at least this fraction of the group's tokens."""
+
 
 @dataclass
 class Packing:
     batch: Batch
-    """The packed fields, [rows, width], with position_ids and segment_ids."""
+    """The packed fields, [rows, width], with position_ids, segment_ids and prefix_ids."""
     source: tuple[torch.Tensor, torch.Tensor]
-    """(row, column) in the unpacked micro-batch of every real token."""
+    """(row, column) in the unpacked micro-batch of every packed token."""
     target: tuple[torch.Tensor, torch.Tensor]
     """(row, column) of the same tokens in the packed one."""
     shape: tuple[int, int]
     """The unpacked micro-batch's [B, T]."""
+    prompt_row: torch.Tensor
+    """[B]: the row whose packed prompt each row reads back (itself unless it shares one)."""
+    shared_length: torch.Tensor
+    """[B]: how many leading tokens each row reads from `prompt_row` (0 unless it shares)."""
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """A per-token output [rows, width] back to [B, T]; column 0 (no prediction) is 0."""
+        """A per-token output [rows, width] back to [B, T]; column 0 (no prediction) is 0. A
+        shared prompt's tokens read the copy whose output saw the whole prompt."""
         rows = torch.zeros(self.shape, dtype=packed.dtype, device=packed.device)
         rows[self.source] = packed[self.target]
+        shared = torch.arange(self.shape[1], device=packed.device) < self.shared_length[:, None].to(packed.device)
+        rows = torch.where(shared, rows[self.prompt_row.to(packed.device)], rows)
         rows[:, 0] = 0
         return rows
 
 
-def pack_rows(batch: Batch) -> Packing:
+@dataclass(frozen=True)
+class _Span:
+    """Columns [start, end) of one row, laid out contiguously."""
+    row: int
+    start: int
+    end: int
+    continues_prompt: bool = False
+    """Also attends to its unit's first span: the prompt it shares."""
+
+
+def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
-    wide as the batch."""
-    mask = batch["attention_mask"].bool()
-    lengths = mask.sum(1).tolist()
-    width = mask.shape[1]
-    placement = _first_fit_decreasing(lengths, width)
+    wide as the batch, or as its widest shared group."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
+    unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
+    width = max(batch["attention_mask"].shape[1], *unit_lengths)
+    placement = _first_fit_decreasing(unit_lengths, width)
     num_rows = 1 + max(row for row, _ in placement)
 
-    source_row, source_col = mask.nonzero(as_tuple=True)
-    row_of = torch.tensor([row for row, _ in placement])
-    offset_of = torch.tensor([offset for _, offset in placement])
-    target_row, target_col = row_of[source_row], offset_of[source_row] + source_col
+    columns = {name: [] for name in ("source_row", "source_col", "target_row", "target_col", "segment", "prefix")}
+    segment_id = 0
+    for unit, (packed_row, offset) in zip(units, placement):
+        prompt_id = segment_id + 1
+        for span in unit:
+            segment_id += 1
+            n = span.end - span.start
+            columns["source_row"] += [span.row] * n
+            columns["source_col"] += range(span.start, span.end)
+            columns["target_row"] += [packed_row] * n
+            columns["target_col"] += range(offset, offset + n)
+            columns["segment"] += [segment_id] * n
+            columns["prefix"] += [prompt_id if span.continues_prompt else 0] * n
+            offset += n
+    columns = {name: torch.tensor(values, dtype=torch.long) for name, values in columns.items()}
+    source = (columns["source_row"], columns["source_col"])
+    target = (columns["target_row"], columns["target_col"])
 
     packed = {}
     for name, values in batch.items():
         out = torch.zeros((num_rows, width), dtype=values.dtype)
-        out[target_row, target_col] = values[source_row, source_col]
+        out[target] = values[source]
         packed[name] = out
     if "loss_mask" in packed:
-        packed["loss_mask"][row_of, offset_of] = 0
-    packed["position_ids"] = torch.zeros((num_rows, width), dtype=torch.long)
-    packed["position_ids"][target_row, target_col] = source_col
-    packed["segment_ids"] = torch.zeros((num_rows, width), dtype=torch.long)
-    packed["segment_ids"][target_row, target_col] = source_row + 1
-    return Packing(packed, (source_row, source_col), (target_row, target_col), tuple(mask.shape))
+        segment = columns["segment"]
+        starts = torch.cat([torch.tensor([True]), segment[1:] != segment[:-1]])
+        packed["loss_mask"][target[0][starts], target[1][starts]] = 0
+    for name, values in (("position_ids", source[1]), ("segment_ids", columns["segment"]),
+                         ("prefix_ids", columns["prefix"])):
+        packed[name] = torch.zeros((num_rows, width), dtype=torch.long)
+        packed[name][target] = values
+    return Packing(packed, source, target, tuple(batch["attention_mask"].shape),
+                   torch.tensor(prompt_row), torch.tensor(shared_length))
+
+
+def _units(batch: Batch, lengths: list[int], share_prompts: bool):
+    """The spans packed together, each unit into one row: a row on its own, or a group's
+    shared prompt followed by its samples. Also each row's `prompt_row` and `shared_length`."""
+    rows = len(lengths)
+    prompt_row, shared_length = list(range(rows)), [0] * rows
+    units, alone = [], set(range(rows))
+    for members, prompt in _prompt_groups(batch, lengths) if share_prompts else []:
+        first = members[0]
+        units.append([_Span(first, 0, prompt - 1)] + [_Span(r, prompt - 1, lengths[r], True) for r in members])
+        for r in members:
+            prompt_row[r], shared_length[r] = first, prompt
+        alone -= set(members)
+    units += [[_Span(r, 0, lengths[r])] for r in sorted(alone)]
+    return units, prompt_row, shared_length
+
+
+def _prompt_groups(batch: Batch, lengths: list[int]) -> list[tuple[list[int], int]]:
+    """(rows, prompt length) of each set of rows with the same prompt (the tokens before the
+    first loss token) worth sharing."""
+    if "loss_mask" not in batch:
+        return []
+    has_target = batch["loss_mask"].bool()
+    prompt_lengths = torch.where(has_target.any(1), has_target.int().argmax(1), 0).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, (ids, prompt) in enumerate(zip(batch["input_ids"].tolist(), prompt_lengths)):
+        if prompt >= 2:
+            groups.setdefault(tuple(ids[:prompt]), []).append(row)
+    worth = []
+    for prompt_ids, members in groups.items():
+        saved = (len(members) - 1) * (len(prompt_ids) - 1)
+        if len(members) > 1 and saved >= MIN_SHARED_FRACTION * sum(lengths[r] for r in members):
+            worth.append((members, len(prompt_ids)))
+    return worth
 
 
 def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int]]:
-    """(packed row, offset) of each sequence: longest first, each into the first row with room."""
+    """(packed row, offset) of each unit: longest first, each into the first row with room."""
     free: list[int] = []
     placement: list[tuple[int, int]] = [(0, 0)] * len(lengths)
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -84,11 +168,14 @@ def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int
     return placement
 
 
-def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] boolean: causal within each packed sequence, nothing across them; every
-    position sees itself, so padding rows stay finite."""
+def block_causal_mask(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, T, T] boolean: causal within each packed span and from a span into the shared
+    prompt it continues (`prefix_ids`), nothing else across spans; every position sees itself,
+    so padding rows stay finite."""
     length = segment_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask = causal & same & (segment_ids > 0)[:, None, :]
+    visible = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_ids is not None:
+        visible |= prefix_ids[:, :, None] == segment_ids[:, None, :]
+    mask = causal & visible & (segment_ids > 0)[:, None, :]
     return (mask | torch.eye(length, dtype=torch.bool, device=segment_ids.device))[:, None]

@@ -137,7 +137,7 @@ class ModelEngine:
         packs = self._packs(loss_fn)
         with grad, self._loss_context():
             for micro in micro_batches(shard, self.spec.micro_batch_size):
-                packing = pack_rows(micro) if packs else None
+                packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 out = loss_fn(loss_logits(self._forward(seq), seq), seq.fields)
                 if not forward_only:
@@ -185,13 +185,15 @@ class ModelEngine:
                              position_ids=positions.to(self.device), use_cache=False).logits
 
     def _attention_mask(self, seq: RankSequence) -> torch.Tensor | None:
-        """The padding mask; block-causal over packed sequences; none under context parallel,
-        whose attention is causal over the gathered right-padded sequence; prepared at full
-        length under sequence parallel, where HF would build it at the split length."""
+        """The padding mask; block-causal over packed sequences and the prompts they share; none
+        under context parallel, whose attention is causal over the gathered right-padded
+        sequence; prepared at full length under sequence parallel, where HF would build it at
+        the split length."""
         if seq.chunked:
             return None
         if "segment_ids" in seq.fields:
-            return block_causal_mask(seq.fields["segment_ids"].to(self.device))
+            fields = seq.fields
+            return block_causal_mask(fields["segment_ids"].to(self.device), fields["prefix_ids"].to(self.device))
         mask = seq.fields["attention_mask"].to(self.device)
         return block_causal_mask(mask) if self.sequence_multiple > 1 else mask
 

@@ -17,8 +17,10 @@ sample's last prompt token and response, whose tokens also attend to the shared 
 same and the shared span's gradient is the sum of the copies' gradients; repeating the
 last prompt token keeps each response's first label next to the logits that predict
 it. A group shares only where that removes at least `MIN_SHARED_FRACTION` of its
-tokens: a shared group is one span as wide as all its samples, and attention over
-wider rows costs about what a short prompt saves.
+tokens: a shared group is one span as wide as all its samples, and attention under a
+dense mask is computed over a row's whole width, so a prompt short beside its
+responses saves less than the wider rows cost (the fraction is a guard, not a
+measured break-even).
 
 Every [B, T] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed

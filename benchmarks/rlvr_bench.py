@@ -64,7 +64,7 @@ def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, 
 
     from rlsys.rollout.vllm_engine import create_llm
 
-    llm = create_llm(cfg.model.path, cfg.rollout.engine_memory_gib, cfg.seed)
+    llm = create_llm(cfg.model.path, cfg.rollout, cfg.seed)
     requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
     params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_new_tokens, logprobs=0, seed=cfg.seed)
@@ -86,7 +86,7 @@ def bare_vllm_replay(cfg: RLJobConfig, calls: list[tuple]) -> tuple[int, float]:
     from rlsys.actors.rollout_worker import vllm_requests
     from rlsys.rollout.vllm_engine import create_llm
 
-    llm = create_llm(cfg.model.path, cfg.rollout.engine_memory_gib, cfg.seed)
+    llm = create_llm(cfg.model.path, cfg.rollout, cfg.seed)
     tokens, seconds = 0, 0.0
     for index, (prompts, seed, n, temperature, max_new_tokens) in enumerate(calls):
         requests, params = vllm_requests(prompts, n, temperature, cfg.rollout.top_p, max_new_tokens, seed,

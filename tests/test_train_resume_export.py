@@ -83,6 +83,7 @@ def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
+    from rlsys.config.schema import RolloutConfig
     from rlsys.rollout.vllm_engine import create_llm
 
     hf_dir = os.path.join(straight_run[0].output_dir, "hf_model")
@@ -96,7 +97,7 @@ def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
             out = model.generate(**ids, max_new_tokens=6, do_sample=False)
         expected.append(out[0, ids["input_ids"].shape[1]:].tolist())
 
-    llm = create_llm(hf_dir, kv_cache_gib=0.25, seed=0)
+    llm = create_llm(hf_dir, RolloutConfig(engine_memory_gib=0.25), seed=0)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outputs]
     assert got == expected

@@ -204,9 +204,16 @@ class RolloutConfig:
     max_new_tokens: int = Field(default=16, gt=0)
     """Generation budget per response."""
     stop: list[str] = Field(default_factory=list)
-    """Extra stop strings (the tokenizer's EOS always stops)."""
+    """Extra stop strings (the tokenizer's EOS always stops). As in VeRL, the reward sees the response's tokens
+    decoded, so the text ends with the stop string: the tokens trained on."""
     engine_memory_gib: float = Field(default=0.5, gt=0)
     """KV-cache memory per engine, in GiB."""
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    """Sequences an engine runs at once; empty: vLLM's default for the device (256 on CPU)."""
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    """Tokens an engine computes in one forward pass; empty: vLLM's default. On CPU prompts are never split
+    across passes (vLLM cannot rewind a seeded CPU sampler after a partial prefill), so there it must be at
+    least the model's context length, which is also what empty gives."""
     sync_bucket_mb: float = Field(default=64.0, gt=0)
     """Weight-sync bucket size: decoder blocks are gathered and sent this many MB at a time."""
 

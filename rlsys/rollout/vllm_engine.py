@@ -4,12 +4,15 @@ rollout actor or the eval stage needs it."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from rlsys.config.schema import RolloutConfig
 
-def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_size: int = 1,
-               sleep_mode: bool = False):
+
+def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool = False):
     # In-process engine core: starts in seconds and lives inside a Ray actor.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -20,10 +23,15 @@ def create_llm(model_path: str, kv_cache_gib: float, seed: int, tensor_parallel_
         model=model_path,
         dtype="bfloat16" if on_gpu else "float32",
         enforce_eager=not on_gpu,
-        kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
-        tensor_parallel_size=tensor_parallel_size,
+        kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        # vLLM rewinds a seeded sampler after a partial prefill by a CUDA generator offset; on CPU that
+        # raises "CPU Generator does not use offset", so there every prompt is prefilled in one pass
+        enable_chunked_prefill=on_gpu,
+        tensor_parallel_size=cfg.tensor_parallel_size,
         # a tensor-parallel engine on CPU runs its ranks as worker processes of this one
-        distributed_executor_backend="mp" if tensor_parallel_size > 1 and not on_gpu else None,
+        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 and not on_gpu else None,
         enable_sleep_mode=sleep_mode,
         # log-probs of the distribution sampled from (after temperature), which the trainer reproduces
         logprobs_mode="processed_logprobs",

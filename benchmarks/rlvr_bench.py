@@ -67,7 +67,8 @@ def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, 
     llm = create_llm(cfg.model.path, cfg.rollout, cfg.seed)
     requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
     params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            max_tokens=cfg.rollout.max_new_tokens, logprobs=0, seed=cfg.seed)
+                            max_tokens=cfg.rollout.max_new_tokens, logprobs=0, seed=cfg.seed,
+                            detokenize=False)  # token ids only, as the rollout asks for them
     llm.generate(requests, params, use_tqdm=False)  # warm-up
     times = []
     for _ in range(repeats):

@@ -18,7 +18,7 @@ from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.config.checks import check_eval_job, load_tokenizer
 from rlsys.config.schema import EvalConfig, EvalJobConfig, RewardConfig, RolloutConfig
-from rlsys.data.rl import load_prompts
+from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.rewards.loading import eval_term
 from rlsys.rewards.runner import RewardRunner, reward_inputs
 from rlsys.trainers.run_dir import prepare_run_dir, write_summary
@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 
 
 class Evaluator:
-    def __init__(self, cfg: EvalConfig, tokenizer, seed: int, reward_timeout_s: float = 10.0):
-        """Loads and tokenises the split and checks the reward; starts nothing."""
+    def __init__(self, cfg: EvalConfig, tokenizer, seed: int, model_path: str, reward_timeout_s: float = 10.0):
+        """Loads and tokenises the split (for the context of the model at `model_path`) and
+        checks the reward; starts nothing."""
         self.cfg, self.seed = cfg, seed
-        self.prompts, self.stats = load_prompts(cfg.files, tokenizer, cfg.limit)
-        self.prompt_ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in self.prompts]
+        self.prompts, self.stats = load_prompts(cfg.files, tokenizer, prompt_budget(model_path, cfg.max_new_tokens),
+                                                cfg.limit)
+        self.prompt_ids = [p.ids for p in self.prompts]
         self.rewards = RewardRunner(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
                                     role="val_reward")
 
@@ -61,7 +63,7 @@ def run_eval(cfg: EvalJobConfig) -> dict:
     check_eval_job(cfg)
     started = time.time()
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed)
+    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path)
     prepare_run_dir(cfg, "eval")
     ensure_ray(cfg.ray)
     summary = evaluate_model(cfg.model.path, evaluator, cfg.output_dir, cfg.ray.cpus_per_worker,

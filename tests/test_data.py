@@ -13,7 +13,7 @@ from rlsys.config.schema import DataConfig
 from rlsys.data.batching import EpochSampler, collate, collate_rollouts, micro_batches, split_rows
 from rlsys.data.examples import load_pretrain_examples, load_sft_examples, sft_example
 from rlsys.data.files import DataError
-from rlsys.data.rl import load_prompts
+from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.rewards import get_reward
 from rlsys.tasks.arith import ArithSpec, split_problems
 
@@ -114,6 +114,19 @@ def test_verl_schema_prompts_and_arith_reward(arith_files, tokenizer):
     assert reward(first.data_source, f" {first.ground_truth}\n", first.ground_truth) == 1.0
     assert reward(first.data_source, first.ground_truth + "0", first.ground_truth) == 0.0
     assert reward(first.data_source, "", first.ground_truth) == 0.0
+
+
+def test_prompts_too_long_for_the_models_context_are_skipped_and_counted(tmp_path, tokenizer, tiny_model_dir):
+    """The tiny model's context is 256 tokens: a 250-token prompt leaves no room for 16 new ones
+    (vLLM would cut its response to 6) and a 300-token one failed the whole rollout."""
+    rows = [{"prompt": text, "reward_model": {"ground_truth": "2"}, "data_source": "arith"}
+            for text in ("1+1=", "1" * 250, "2+0=", "1" * 300)]
+    path = write_jsonl(tmp_path / "rl.jsonl", rows)
+    prompts, stats = load_prompts([path], tokenizer, prompt_budget(tiny_model_dir, max_new_tokens=16))
+    assert [p.text for p in prompts] == ["1+1=", "2+0="] and (stats.kept, stats.skipped) == (2, 2)
+    assert stats.first_reason == f"{path} row 2: prompt of 250 tokens, over the 240 that leave room for the response " \
+                                 "in the model's context"
+    assert prompts[0].ids == tokenizer("1+1=", add_special_tokens=False)["input_ids"]
 
 
 def test_arith_test_split_is_held_out():

@@ -17,6 +17,8 @@ from rlsys.data.files import RowStats, convert_rows
 class Prompt:
     text: str
     """The prompt as the model sees it (chat template applied)."""
+    ids: list[int]
+    """`text` tokenized (no special tokens added: the chat template has them)."""
     ground_truth: Any
     """reward_model.ground_truth as stored: a string, number, list or dict."""
     data_source: str
@@ -24,12 +26,25 @@ class Prompt:
     """extra_info as stored (usually a dict; None when the row has none)."""
 
 
-def load_prompts(paths: list[str], tokenizer, limit: int = 0) -> tuple[list[Prompt], RowStats]:
-    prompts, stats = convert_rows(paths, lambda row: to_prompt(row, tokenizer), "rl data")
+def load_prompts(paths: list[str], tokenizer, max_tokens: int | None = None,
+                 limit: int = 0) -> tuple[list[Prompt], RowStats]:
+    """The prompts of `paths`; a row whose prompt is longer than `max_tokens` is skipped and
+    counted (`prompt_budget`), as VeRL filters overlong prompts."""
+    prompts, stats = convert_rows(paths, lambda row: to_prompt(row, tokenizer, max_tokens), "rl data")
     return (prompts[:limit] if limit else prompts), stats
 
 
-def to_prompt(row: dict, tokenizer) -> Prompt:
+def prompt_budget(model_path: str, max_new_tokens: int) -> int | None:
+    """The longest prompt that leaves `max_new_tokens` in the model's context (its config's
+    max_position_embeddings, vLLM's context length): a longer one would fail the whole rollout
+    or have its response cut short. None when the config states no context length."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return context - max_new_tokens if context else None
+
+
+def to_prompt(row: dict, tokenizer, max_tokens: int | None = None) -> Prompt:
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError("missing reward_model.ground_truth")
@@ -37,8 +52,13 @@ def to_prompt(row: dict, tokenizer) -> Prompt:
     if not isinstance(prompt, str):
         prompt = tokenizer.apply_chat_template(chat_messages(to_python(prompt), "prompt"), tokenize=False,
                                                add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise ValueError(f"prompt of {len(ids)} tokens, over the {max_tokens} that leave room for the response "
+                         "in the model's context")
     return Prompt(
         text=prompt,
+        ids=ids,
         ground_truth=to_python(reward_model["ground_truth"]),
         data_source=str(row.get("data_source") or ""),
         extra_info=to_python(row.get("extra_info")),

@@ -46,7 +46,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     if cfg.eval is not None:
         from rlsys.eval import Evaluator
 
-        evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed)
+        evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path)
     log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
     config_dict = prepare_run_dir(cfg, stage)
     ensure_ray(cfg.ray)

@@ -40,7 +40,7 @@ from rlsys.data.batching import (
     split_rows,
 )
 from rlsys.data.files import DataError
-from rlsys.data.rl import Prompt, load_prompts
+from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.eval import Evaluator
 from rlsys.parallel.weight_sync import WeightSync
 from rlsys.rewards.runner import RewardRunner, ScoredSample, reward_inputs
@@ -66,13 +66,13 @@ class RLData:
 
 def load_rl_data(cfg: RLJobConfig) -> RLData:
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    prompts, _ = load_prompts(cfg.data.train_files, tokenizer)
+    prompts, _ = load_prompts(cfg.data.train_files, tokenizer,
+                              prompt_budget(cfg.model.path, cfg.rollout.max_new_tokens))
     if len(prompts) < cfg.train.prompts_per_step:
         raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
                         f"({cfg.train.prompts_per_step})")
-    ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
-    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.reward.timeout_s) if cfg.eval else None
-    return RLData(tokenizer, prompts, ids, evaluator)
+    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, cfg.reward.timeout_s) if cfg.eval else None
+    return RLData(tokenizer, prompts, [p.ids for p in prompts], evaluator)
 
 
 class RLVRTrainer:

@@ -146,6 +146,17 @@ def test_sampler_resumes_the_same_order():
     assert sorted(order[0] + order[1]) == sorted(set(order[0] + order[1]))  # no repeats within an epoch
 
 
+def test_collate_right_pads_each_row_with_its_own_masks():
+    from rlsys.data.examples import Example
+
+    batch = collate([Example([5, 6, 7], [0, 1, 1]), Example([8], [1]), Example([9, 10], [0, 0])], pad_id=2)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 2, 2], [9, 10, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0], [0, 0, 0]]
+    assert (batch["input_ids"].dtype, batch["attention_mask"].dtype, batch["loss_mask"].dtype) == \
+        (torch.long, torch.long, torch.float32)
+
+
 def test_split_and_micro_batches_trim_padding(tokenizer):
     rows = [sft_example({"prompt": "1+1=", "response": "2" * n}, DataConfig(), tokenizer) for n in (1, 5, 2, 9)]
     batch = collate(rows, tokenizer.pad_token_id)

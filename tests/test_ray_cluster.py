@@ -38,6 +38,15 @@ def get(url: str, token: str | None) -> dict | str:
     return json.loads(body) if body.startswith(("{", "[")) else body
 
 
+def alive_nodes(dashboard: str, token: str) -> int:
+    """ALIVE nodes, or 0 while the dashboard drops connections (it did once as the worker joined)."""
+    try:
+        nodes = get(f"{dashboard}/api/v0/nodes", token)["data"]["result"]["result"]
+    except (OSError, urllib.error.URLError):
+        return 0
+    return sum(n["state"] == "ALIVE" for n in nodes)
+
+
 def start_node(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
     """`ray start --block ...` in its own process group: the node lives as long as the process."""
     return subprocess.Popen([RAY, "start", "--block", "--num-cpus=1", "--disable-usage-stats", *args], env=env,
@@ -70,8 +79,7 @@ def head(tmp_path_factory):
             time.sleep(1)
     worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
                          f"--dashboard-agent-listen-port={free_port()}"], env, logs / "worker.log")
-    while len([n for n in get(f"{dashboard}/api/v0/nodes", token.read_text().strip())["data"]["result"]["result"]
-               if n["state"] == "ALIVE"]) < 2:
+    while alive_nodes(dashboard, token.read_text().strip()) < 2:
         assert worker.poll() is None, (logs / "worker.log").read_text()[-3000:]
         assert time.monotonic() < deadline + 120, "the worker node did not join"
         time.sleep(1)

@@ -86,23 +86,12 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     placement = _first_fit_decreasing(unit_lengths, width)
     num_rows = 1 + max(row for row, _ in placement)
 
-    columns = {name: [] for name in ("source_row", "source_col", "target_row", "target_col", "segment", "prefix")}
-    segment_id = 0
-    for unit, (packed_row, offset) in zip(units, placement):
-        prompt_id = segment_id + 1
-        for span in unit:
-            segment_id += 1
-            n = span.end - span.start
-            columns["source_row"] += [span.row] * n
-            columns["source_col"] += range(span.start, span.end)
-            columns["target_row"] += [packed_row] * n
-            columns["target_col"] += range(offset, offset + n)
-            columns["segment"] += [segment_id] * n
-            columns["prefix"] += [prompt_id if span.continues_prompt else 0] * n
-            offset += n
-    columns = {name: torch.tensor(values, dtype=torch.long) for name, values in columns.items()}
-    source = (columns["source_row"], columns["source_col"])
-    target = (columns["target_row"], columns["target_col"])
+    spans = _span_table(units, placement)
+    sizes = spans[_SPAN_FIELDS.index("size")]
+    per_token = dict(zip(_SPAN_FIELDS, spans.repeat_interleave(sizes, dim=1)))
+    within = torch.arange(len(per_token["size"])) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+    source = (per_token["row"], per_token["start"] + within)
+    target = (per_token["packed_row"], per_token["offset"] + within)
 
     packed = {}
     for name, values in batch.items():
@@ -110,15 +99,32 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
         out[target] = values[source]
         packed[name] = out
     if "loss_mask" in packed:
-        segment = columns["segment"]
-        starts = torch.cat([torch.tensor([True]), segment[1:] != segment[:-1]])
+        starts = within == 0
         packed["loss_mask"][target[0][starts], target[1][starts]] = 0
-    for name, values in (("position_ids", source[1]), ("segment_ids", columns["segment"]),
-                         ("prefix_ids", columns["prefix"])):
+    for name, values in (("position_ids", source[1]), ("segment_ids", per_token["segment"]),
+                         ("prefix_ids", per_token["prefix"])):
         packed[name] = torch.zeros((num_rows, width), dtype=torch.long)
         packed[name][target] = values
     return Packing(packed, source, target, tuple(batch["attention_mask"].shape),
                    torch.tensor(prompt_row), torch.tensor(shared_length))
+
+
+_SPAN_FIELDS = ("row", "start", "size", "packed_row", "offset", "segment", "prefix")
+
+
+def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> torch.Tensor:
+    """[len(_SPAN_FIELDS), spans], in packing order: each span's source row and start, size,
+    packed row and offset, segment id (from 1) and the segment id of the prompt it continues
+    (0 if none)."""
+    entries = []
+    for unit, (packed_row, offset) in zip(units, placement):
+        prompt_segment = len(entries) + 1
+        for span in unit:
+            size = span.end - span.start
+            entries.append((span.row, span.start, size, packed_row, offset, len(entries) + 1,
+                            prompt_segment if span.continues_prompt else 0))
+            offset += size
+    return torch.tensor(entries, dtype=torch.long).T
 
 
 def _units(batch: Batch, lengths: list[int], share_prompts: bool):

@@ -51,7 +51,7 @@ def rlsys_steps(cfg: RLJobConfig) -> tuple[list[dict], list, list[tuple]]:
     trainer.rollout.generate = recorded
     try:
         rows = [trainer.step(step) for step in range(1, cfg.train.steps + 1)]
-        prompts = [(i, trainer.prompt_ids[i]) for i in range(cfg.train.prompts_per_step)]
+        prompts = [(i, trainer.prompts[i].ids) for i in range(cfg.train.prompts_per_step)]
     finally:
         trainer.shutdown()
     return rows, prompts, calls

@@ -33,13 +33,12 @@ class Evaluator:
         self.cfg, self.seed = cfg, seed
         self.prompts, self.stats = load_prompts(cfg.files, tokenizer, prompt_budget(model_path, cfg.max_new_tokens),
                                                 cfg.limit)
-        self.prompt_ids = [p.ids for p in self.prompts]
         self.rewards = RewardRunner(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
                                     role="val_reward")
 
     def run(self, rollout: RolloutGroup) -> tuple[dict, list[dict]]:
         """Accuracy and reward errors on the split, and one result row per prompt."""
-        samples = rollout.generate(list(enumerate(self.prompt_ids)), self.seed, 1, self.cfg.temperature,
+        samples = rollout.generate([(i, p.ids) for i, p in enumerate(self.prompts)], self.seed, 1, self.cfg.temperature,
                                    self.cfg.max_new_tokens)
         inputs = reward_inputs(samples, self.prompts)
         scored, metrics = self.rewards.score(inputs)

@@ -90,7 +90,7 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     trainer = RLVRTrainer(cfg)
     try:
         trainer.train.run_all("perturb_parameters", 0.05, cfg.seed)
-        prompts = [(i, trainer.prompt_ids[i]) for i in range(8)]
+        prompts = [(i, trainer.prompts[i].ids) for i in range(8)]
 
         def gap() -> float:
             samples = trainer.rollout.generate(prompts, seed=1, n=2, temperature=cfg.rollout.temperature,
@@ -217,7 +217,7 @@ def test_rlvr_resume_reproduces_the_metrics(straight_rl, tmp_path):
 
 def sampled_batch(trainer: RLVRTrainer) -> dict[str, torch.Tensor]:
     """2 responses to each of the first 8 prompts, from the trainer's engines, collated."""
-    samples = trainer.rollout.generate([(i, trainer.prompt_ids[i]) for i in range(8)], seed=3, n=2,
+    samples = trainer.rollout.generate([(i, trainer.prompts[i].ids) for i in range(8)], seed=3, n=2,
                                        temperature=1.0, max_new_tokens=6)
     return collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                             trainer.tokenizer.pad_token_id)

@@ -60,7 +60,6 @@ class RLData:
 
     tokenizer: object
     prompts: list[Prompt]
-    prompt_ids: list[list[int]]
     evaluator: Evaluator | None
 
 
@@ -72,14 +71,14 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
         raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
                         f"({cfg.train.prompts_per_step})")
     evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, cfg.reward.timeout_s) if cfg.eval else None
-    return RLData(tokenizer, prompts, [p.ids for p in prompts], evaluator)
+    return RLData(tokenizer, prompts, evaluator)
 
 
 class RLVRTrainer:
     def __init__(self, cfg: RLJobConfig, data: RLData | None = None):
         self.cfg = cfg
         data = data or load_rl_data(cfg)
-        self.tokenizer, self.prompts, self.prompt_ids = data.tokenizer, data.prompts, data.prompt_ids
+        self.tokenizer, self.prompts = data.tokenizer, data.prompts
         self.evaluator = data.evaluator
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
@@ -159,7 +158,7 @@ class RLVRTrainer:
         for draw in range(algo.max_sampling_rounds if algo.filter_groups else 1):
             indices = self.sampler.next_indices()
             with timer("generate"):
-                samples = self.rollout.generate([(i, self.prompt_ids[i]) for i in indices],
+                samples = self.rollout.generate([(i, self.prompts[i].ids) for i in indices],
                                                 cfg.seed * 100_003 + step + draw * 1_000_000_007,
                                                 n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
             with timer("reward"):

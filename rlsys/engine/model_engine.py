@@ -85,6 +85,7 @@ class ModelEngine:
         self.pp_group = mesh["pp"].get_group()
         self.pp_rank = mesh["pp"].get_local_rank()
         self.sequence_multiple = spec.dims.tp if spec.parallel.sequence_parallel else 1
+        self.fsdp_size = spec.dims.fsdp_mesh(mesh).size()
         self.optimizers, self.schedulers = [], []
         self.shard_offsets: dict[str, tuple[int, ...] | None] = {}
         if trainable:
@@ -135,8 +136,10 @@ class ModelEngine:
         rows: dict[str, list[torch.Tensor]] = {}
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         packs = self._packs(loss_fn)
+        micros = micro_batches(shard, self.spec.micro_batch_size)
         with grad, self._loss_context():
-            for micro in micro_batches(shard, self.spec.micro_batch_size):
+            for index, micro in enumerate(micros):
+                self._defer_gradient_reduction(not forward_only and index < len(micros) - 1)
                 packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 out = loss_fn(loss_logits(self._forward(seq), seq), seq.fields)
@@ -165,6 +168,19 @@ class ModelEngine:
                 parallel.pp_schedule, parallel.pp_microbatches, activation_dtype, forward_only,
                 self.sequence_multiple)
         return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
+
+    def _defer_gradient_reduction(self, defer: bool) -> None:
+        """On a data-parallel mesh of one rank FSDP2 shards nothing, yet every backward copies
+        all gradients out to reduce them and every forward gathers the parameters again. There the
+        micro-batches before the last accumulate unreduced gradients and keep the parameters
+        gathered: 3% of the arithmetic RL update, the same gradients, the same peak memory (each
+        backward holds both anyway). On more ranks each micro-batch's gradients are reduced as
+        they come, so no rank holds the whole model's."""
+        if self.fsdp_size > 1:
+            return
+        for part in self.parts:
+            part.set_requires_gradient_sync(not defer)
+            part.set_reshard_after_backward(not defer)
 
     def _packs(self, loss_fn: LossFn) -> bool:
         """Pack sequences (`rlsys.data.packing`) for a token-level loss, outside pipeline and

@@ -38,8 +38,8 @@ class Evaluator:
 
     def run(self, rollout: RolloutGroup) -> tuple[dict, list[dict]]:
         """Accuracy and reward errors on the split, and one result row per prompt."""
-        samples = rollout.generate([(i, p.ids) for i, p in enumerate(self.prompts)], self.seed, 1, self.cfg.temperature,
-                                   self.cfg.max_new_tokens)
+        prompts = [(index, prompt.ids) for index, prompt in enumerate(self.prompts)]
+        samples = rollout.generate(prompts, self.seed, 1, self.cfg.temperature, self.cfg.max_new_tokens)
         inputs = reward_inputs(samples, self.prompts)
         scored, metrics = self.rewards.score(inputs)
         rows = [{"prompt": self.prompts[s.prompt_index].text, "response": s.text, "ground_truth": item.ground_truth,

@@ -23,8 +23,7 @@ TIMEOUT_S = 300
 
 def stage_configs(tmp_path, model_dir: str, files: dict[str, str]) -> dict[str, str]:
     """Tiny YAML configs for the three stages; returns stage name -> path."""
-    common = {"ray": {"include_dashboard": False}, "tracking": {"backends": ["jsonl", "ray"]},
-              }
+    common = {"ray": {"include_dashboard": False}, "tracking": {"backends": ["jsonl", "ray"]}}
     evaluation = {"files": [files["test"]], "limit": 16, "max_new_tokens": 6, "engine_memory_gib": 0.1}
     stages = {
         "pretrain": {**common, "model": {"path": model_dir}, "data": {"train_files": [files["pretrain"]],

@@ -1,10 +1,14 @@
 """Next-token log-probs and the language-modelling loss, as pure loss functions
-for the model engine (`rlsys.engine.model_engine`)."""
+for the model engine (`rlsys.engine.model_engine`).
+
+A loss builder returns a `functools.partial` of a module-level function rather than a
+closure: Ray pickles the loss for every call, a closure by value, a partial by reference."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -68,21 +72,21 @@ def masked_nll_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Ten
 
 def nll_loss(num_global_targets: int) -> LossFn:
     """Pretrain/SFT: mean negative log-likelihood over the global batch's target tokens."""
+    return token_level(partial(_nll_loss, num_global_targets=num_global_targets))
 
-    def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
-        logprobs = logprobs_of_labels(logits, micro["input_ids"].to(logits.device))
-        loss = masked_nll_sum(logprobs, micro["loss_mask"].to(logprobs.device)) / num_global_targets
-        return LossOutput(loss, {"loss": loss})
 
-    return token_level(loss_fn)
+def _nll_loss(logits: torch.Tensor, micro: Batch, *, num_global_targets: int) -> LossOutput:
+    logprobs = logprobs_of_labels(logits, micro["input_ids"].to(logits.device))
+    loss = masked_nll_sum(logprobs, micro["loss_mask"].to(logprobs.device)) / num_global_targets
+    return LossOutput(loss, {"loss": loss})
 
 
 def token_logprobs(temperature: float = 1.0) -> LossFn:
     """Forward only: per-token log-probs [B, T] aligned with input_ids (column 0 is 0), at the
     sampling temperature."""
+    return token_level(partial(_token_logprobs, temperature=temperature))
 
-    def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
-        logprobs = logprobs_of_labels(sampling_logits(logits, temperature), micro["input_ids"].to(logits.device))
-        return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})
 
-    return token_level(loss_fn)
+def _token_logprobs(logits: torch.Tensor, micro: Batch, *, temperature: float) -> LossOutput:
+    logprobs = logprobs_of_labels(sampling_logits(logits, temperature), micro["input_ids"].to(logits.device))
+    return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})

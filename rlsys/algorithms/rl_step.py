@@ -5,6 +5,7 @@ engine."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels, sampling_logits, token_level
 from rlsys.algorithms.policy_loss import (
     POLICY_LOSSES,
+    PolicyLoss,
     aggregate,
     aggregates_per_sequence,
     entropy_from_logits,
@@ -32,45 +34,48 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: floa
     update is on-policy: the current log-probs, detached, are the old ones) and, with a KL
     term, ref_logprobs, and with `algorithm.rollout_is`, rollout_logprobs (the engine's). Its rows output the current log-probs when `with_logprobs` (each row
     costs a transfer, and a gather under context parallel). Values outside the mask
-    (padding) never reach the loss, NaN included."""
+    (padding) never reach the loss, NaN included. (A partial, see `rlsys.algorithms.lm_loss`.)"""
     loss_kind = POLICY_LOSSES[algo.policy_loss]
-    loss_agg = loss_kind.loss_agg or algo.loss_agg
-
-    def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
-        micro = {k: v.to(logits.device) for k, v in micro.items()}
-        logits = sampling_logits(logits, temperature)
-        logprobs = logprobs_of_labels(logits, micro["input_ids"])
-        mask = micro["loss_mask"][:, 1:]
-        current = logprobs.detach()
-        # padding may hold NaN or inf from the engine or the data: it never enters a ratio or a KL
-        old_logprobs = masked(micro["old_logprobs"][:, 1:], mask, current) if "old_logprobs" in micro else current
-        advantages = masked(micro["advantages"][:, 1:], mask)
-        terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
-        pg_per_token, is_metrics = terms.per_token, {}
-        if "rollout_logprobs" in micro:
-            weights, truncated = truncated_is_weights(old_logprobs, micro["rollout_logprobs"][:, 1:], mask,
-                                                      algo.rollout_is, algo.rollout_is_threshold)
-            pg_per_token = pg_per_token * weights
-            is_metrics = {"rollout_corr/is_weight": weights, "rollout_corr/truncated_frac": truncated}
-        per_token, kl = pg_per_token, torch.zeros_like(current)
-        if algo.kl_coef > 0:
-            kl = kl_penalty(logprobs, masked(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
-            per_token = per_token + algo.kl_coef * kl
-        loss = aggregate(per_token, mask, loss_agg, counts)
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits[:, :-1])
-            if isinstance(entropy, DTensor):
-                entropy = entropy.full_tensor()
-            metrics = {
-                "actor/pg_loss": aggregate(pg_per_token, mask, loss_agg, counts),
-                "actor/clip_frac": token_share(terms.clipped, mask, counts),
-                "actor/entropy": token_share(entropy, mask, counts),
-                "actor/kl": token_share(kl, mask, counts),
-            }
-            if terms.clipped_lower is not None:
-                metrics["actor/clip_frac_lower"] = token_share(terms.clipped_lower, mask, counts)
-            metrics.update({name: token_share(values, mask, counts) for name, values in is_metrics.items()})
-        return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})
-
-    per_row = aggregates_per_sequence(loss_agg) or algo.rollout_is == "sequence"
+    loss_fn = partial(_policy_loss, loss_kind=loss_kind, counts=counts, algo=algo, temperature=temperature,
+                      with_logprobs=with_logprobs)
+    per_row = aggregates_per_sequence(loss_kind.loss_agg or algo.loss_agg) or algo.rollout_is == "sequence"
     return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn
+
+
+def _policy_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, counts: dict[str, int],
+                 algo: AlgorithmConfig, temperature: float, with_logprobs: bool) -> LossOutput:
+    loss_agg = loss_kind.loss_agg or algo.loss_agg
+    micro = {k: v.to(logits.device) for k, v in micro.items()}
+    logits = sampling_logits(logits, temperature)
+    logprobs = logprobs_of_labels(logits, micro["input_ids"])
+    mask = micro["loss_mask"][:, 1:]
+    current = logprobs.detach()
+    # padding may hold NaN or inf from the engine or the data: it never enters a ratio or a KL
+    old_logprobs = masked(micro["old_logprobs"][:, 1:], mask, current) if "old_logprobs" in micro else current
+    advantages = masked(micro["advantages"][:, 1:], mask)
+    terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
+    pg_per_token, is_metrics = terms.per_token, {}
+    if "rollout_logprobs" in micro:
+        weights, truncated = truncated_is_weights(old_logprobs, micro["rollout_logprobs"][:, 1:], mask,
+                                                  algo.rollout_is, algo.rollout_is_threshold)
+        pg_per_token = pg_per_token * weights
+        is_metrics = {"rollout_corr/is_weight": weights, "rollout_corr/truncated_frac": truncated}
+    per_token, kl = pg_per_token, torch.zeros_like(current)
+    if algo.kl_coef > 0:
+        kl = kl_penalty(logprobs, masked(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
+        per_token = per_token + algo.kl_coef * kl
+    loss = aggregate(per_token, mask, loss_agg, counts)
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits[:, :-1])
+        if isinstance(entropy, DTensor):
+            entropy = entropy.full_tensor()
+        metrics = {
+            "actor/pg_loss": aggregate(pg_per_token, mask, loss_agg, counts),
+            "actor/clip_frac": token_share(terms.clipped, mask, counts),
+            "actor/entropy": token_share(entropy, mask, counts),
+            "actor/kl": token_share(kl, mask, counts),
+        }
+        if terms.clipped_lower is not None:
+            metrics["actor/clip_frac_lower"] = token_share(terms.clipped_lower, mask, counts)
+        metrics.update({name: token_share(values, mask, counts) for name, values in is_metrics.items()})
+    return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})

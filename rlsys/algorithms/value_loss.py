@@ -9,6 +9,7 @@ token was generated.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,22 +28,24 @@ def value_loss(counts: dict[str, int], cliprange: float, loss_agg: str) -> Calla
     """PPO's clipped value loss: 0.5 x max((v - R)^2, (clip(v, v_old +- cliprange) - R)^2),
     aggregated like the policy loss. A micro-batch holds loss_mask, values (the critic's
     before this update) and returns, [B, T] aligned with input_ids."""
-
-    def loss_fn(logits: torch.Tensor, micro: Batch) -> LossOutput:
-        micro = {k: v.to(logits.device) for k, v in micro.items()}
-        mask = micro["loss_mask"][:, 1:]
-        predicted = logits[:, :-1, 0].float()
-        old = masked(micro["values"][:, 1:], mask, predicted.detach())
-        returns = masked(micro["returns"][:, 1:], mask)
-        clipped = old + (predicted - old).clamp(-cliprange, cliprange)
-        unclipped_loss, clipped_loss = (predicted - returns).square(), (clipped - returns).square()
-        loss = 0.5 * aggregate(torch.maximum(unclipped_loss, clipped_loss), mask, loss_agg, counts)
-        with torch.no_grad():
-            metrics = {
-                "critic/vf_loss": loss.detach(),
-                "critic/vf_clipfrac": token_share((clipped_loss > unclipped_loss).float(), mask, counts),
-                "critic/vpred_mean": token_share(predicted, mask, counts),
-            }
-        return LossOutput(loss, metrics)
-
+    loss_fn = partial(_value_loss, counts=counts, cliprange=cliprange, loss_agg=loss_agg)
     return loss_fn if aggregates_per_sequence(loss_agg) else token_level(loss_fn)
+
+
+def _value_loss(logits: torch.Tensor, micro: Batch, *, counts: dict[str, int], cliprange: float,
+                loss_agg: str) -> LossOutput:
+    micro = {k: v.to(logits.device) for k, v in micro.items()}
+    mask = micro["loss_mask"][:, 1:]
+    predicted = logits[:, :-1, 0].float()
+    old = masked(micro["values"][:, 1:], mask, predicted.detach())
+    returns = masked(micro["returns"][:, 1:], mask)
+    clipped = old + (predicted - old).clamp(-cliprange, cliprange)
+    unclipped_loss, clipped_loss = (predicted - returns).square(), (clipped - returns).square()
+    loss = 0.5 * aggregate(torch.maximum(unclipped_loss, clipped_loss), mask, loss_agg, counts)
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": loss.detach(),
+            "critic/vf_clipfrac": token_share((clipped_loss > unclipped_loss).float(), mask, counts),
+            "critic/vpred_mean": token_share(predicted, mask, counts),
+        }
+    return LossOutput(loss, metrics)

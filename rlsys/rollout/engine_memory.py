@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsys.actors.host_memory import release_freed_memory
+from rlsys.actors.host_memory import TRIM_ABOVE_BYTES, release_freed_memory
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
@@ -111,7 +111,7 @@ def _shrink_storages(worker, tags: list[str]) -> int:
             storage.resize_(0)
             freed += nbytes
     worker.rlsys_released = released
-    release_freed_memory()
+    release_freed_memory(TRIM_ABOVE_BYTES)
     return freed
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/sync.py                      # Qwen2.5-0.5B-shaped, random init
     .venv/bin/python benchmarks/sync.py --model runs/arith/sft/hf_model parallel.tp=2 parallel.dp_shard=1
+    .venv/bin/python benchmarks/sync.py --release          # the engine frees its weights first, as in the RL loop
 
 Builds the training group (any layout, given as config overrides) and one colocated
 vLLM engine, runs the trainer -> engine sync `--repeats` times and prints its median
@@ -34,7 +35,7 @@ def ensure_model(path: str) -> None:
         write_tiny_model(path, TinyModelSpec(**QWEN25_05B))
 
 
-def sync_times(cfg: RLJobConfig, repeats: int) -> tuple[list[float], dict[str, float]]:
+def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[float], dict[str, float]]:
     from rlsys.actors.cluster import ensure_ray
     from rlsys.actors.rollout_group import RolloutGroup
     from rlsys.actors.train_worker import build_worker_spec
@@ -48,12 +49,16 @@ def sync_times(cfg: RLJobConfig, repeats: int) -> tuple[list[float], dict[str, f
         rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, train.placement,
                                cfg.ray.cpus_per_worker * train.dims.world_size)
         sync = WeightSync(train, rollout, cfg.rollout.sync_bucket_mb)
-        runs = [sync.run() for _ in range(repeats + 1)][1:]
+        runs = []
+        for _ in range(repeats + 1):
+            if release:
+                rollout.release_memory()
+            runs.append(sync.run())
     finally:
         for group in (rollout, train):
             if group is not None:
                 group.shutdown()
-    return [r["sync/time_s"] for r in runs], runs[-1]
+    return [r["sync/time_s"] for r in runs[1:]], runs[-1]
 
 
 def memcpy_time(nbytes: int, repeats: int = 5) -> float:
@@ -70,17 +75,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="runs/bench/qwen2.5-0.5b-random")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--release", action="store_true",
+                        help="the engine frees its weights before each sync, as a colocated engine does in the RL loop")
     parser.add_argument("overrides", nargs="*", help="rlsys config overrides (key=value), e.g. parallel.tp=2")
     args = parser.parse_args()
     ensure_model(args.model)
     cfg = load_config(RLJobConfig, None, [
         "output_dir=runs/bench/sync", f"model.path={args.model}", "data.train_files=[unused.parquet]",
         "parallel.dp_shard=2", "rollout.engine_memory_gib=0.25", "ray.include_dashboard=false", *args.overrides])
-    times, last = sync_times(cfg, args.repeats)
+    times, last = sync_times(cfg, args.repeats, args.release)
     seconds, mb = statistics.median(times), last["sync/mb"]
     floor = memcpy_time(int(mb * 2**20))
     print(f"\nweight sync of {mb:,.1f} MB in {last['sync/buckets']:.0f} buckets "
-          f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> 1 engine), "
+          f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> 1 engine"
+          f"{', weights freed before each' if args.release else ''}), "
           f"median of {args.repeats}:")
     print(f"  sync    {seconds:8.3f} s  {mb / seconds:10,.0f} MB/s")
     print(f"  memcpy  {floor:8.3f} s  {mb / floor:10,.0f} MB/s   (same bytes, one process)")

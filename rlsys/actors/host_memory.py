@@ -21,7 +21,8 @@ import functools
 
 TRIM_ABOVE_BYTES = 256 * 2**20
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+_libc_name = ctypes.util.find_library("c")
+_libc = ctypes.CDLL(_libc_name) if _libc_name else None
 _malloc_trim = getattr(_libc, "malloc_trim", None)
 _mallinfo2 = getattr(_libc, "mallinfo2", None)
 

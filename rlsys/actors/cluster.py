@@ -136,12 +136,13 @@ def actor_name(role: str, index: int) -> str:
     return f"rlsys/{role}/{index}"
 
 
-def spawn(actor_cls, role: str, index: int, *args, timeout_s: float = 30.0, **options):
-    """Create the actor rlsys/<role>/<index> from a `ray.remote` class. Its output goes to
-    <log dir>/<role>-<index>.log (see `rlsys.console`); a name still held by an actor
-    being killed is waited for rather than refused."""
+def spawn(actor_cls, role: str, index: int, *args, timeout_s: float = 30.0, env: dict[str, str] | None = None,
+          **options):
+    """Create the actor rlsys/<role>/<index> from a `ray.remote` class, with `env` added to its
+    environment. Its output goes to <log dir>/<role>-<index>.log (see `rlsys.console`); a name
+    still held by an actor being killed is waited for rather than refused."""
     name = actor_name(role, index)
-    env = {}
+    env = dict(env or {})
     if _log_dir and not verbose():
         env[LOG_FILE_ENV] = os.path.join(_log_dir, f"{role}-{index}.log")
     if env:

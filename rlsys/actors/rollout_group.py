@@ -13,6 +13,13 @@ from rlsys.config.schema import RolloutConfig
 from rlsys.tracking.phases import call
 
 
+# Transparent huge pages for torch's CPU allocations of 2 MiB and more in the engines: a
+# colocated engine's weights are freed in every update and grown back for the sync, and
+# faulting them in 2 MiB pages instead of 4 KiB ones took the sync of a 494 M-parameter
+# model from 1.9 to 1.0 s (README, "Weight sync"). No effect on GPU memory.
+ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
 class RolloutGroup:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0):
@@ -39,7 +46,7 @@ class RolloutGroup:
         try:
             self.engines = [
                 spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory,
-                      num_cpus=num_cpus, num_gpus=num_gpus,
+                      env=ENGINE_ENV, num_cpus=num_cpus, num_gpus=num_gpus,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(
                           placement, placement_group_bundle_index=i % bundles))
                 for i in range(cfg.num_engines)

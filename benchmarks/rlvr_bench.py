@@ -18,6 +18,8 @@ import os
 import statistics
 import time
 
+import ray
+
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 
@@ -35,9 +37,12 @@ def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
     return load_config(RLJobConfig, None, overrides)
 
 
-def rlsys_steps(cfg: RLJobConfig) -> tuple[list[dict], list, list[tuple]]:
-    """Run the steps; returns their metrics, the first step's prompts, and the arguments of
-    every rollout call (RolloutGroup.generate), for a bare engine to replay."""
+def rlsys_steps(cfg: RLJobConfig, replay_beside_actors: bool = False
+                ) -> tuple[list[dict], list, list[tuple], tuple[int, float] | None]:
+    """Run the steps; returns their metrics, the first step's prompts, the arguments of every
+    rollout call (RolloutGroup.generate), for a bare engine to replay, and with
+    `replay_beside_actors` that replay run in this process while rlsys's actors are still up,
+    idle (`bare_vllm_replay`)."""
     from rlsys.trainers.rl_trainer import RLVRTrainer
 
     trainer = RLVRTrainer(cfg)
@@ -52,9 +57,10 @@ def rlsys_steps(cfg: RLJobConfig) -> tuple[list[dict], list, list[tuple]]:
     try:
         rows = [trainer.step(step) for step in range(1, cfg.train.steps + 1)]
         prompts = [(i, trainer.prompts[i].ids) for i in range(cfg.train.prompts_per_step)]
+        beside_actors = bare_vllm_replay(cfg, calls) if replay_beside_actors else None
     finally:
         trainer.shutdown()
-    return rows, prompts, calls
+    return rows, prompts, calls, beside_actors
 
 
 def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, list]:
@@ -120,9 +126,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     cfg = bench_config(args, args.overrides)
 
-    rows, _, calls = rlsys_steps(cfg)
+    rows, _, calls, (beside_tokens, beside_s) = rlsys_steps(cfg, replay_beside_actors=True)
     measured = rows[1:]
     mean = {k: statistics.mean(r[k] for r in measured) for k, v in measured[0].items() if isinstance(v, (int, float))}
+    ray.shutdown()
     bare_tokens, bare_s = bare_vllm_replay(cfg, calls)
     rlsys_tokens = sum(r["throughput/generated_tokens_per_s"] * r["time/generate_s"] for r in measured)
 
@@ -139,6 +146,9 @@ def main() -> None:
     print(f"\nrollout generated tokens/s (rlsys, Ray actor):  {rollout_rate:,.0f} ({rlsys_tokens:,.0f} tokens)")
     print(f"bare vLLM generate tokens/s (the same requests): {bare:,.0f} ({bare_tokens:,} tokens)")
     print(f"ratio rlsys / bare vLLM:                         {rollout_rate / bare:.2f}")
+    beside = beside_tokens / beside_s
+    print(f"bare vLLM beside rlsys's idle Ray actors:        {beside:,.0f} tokens/s; rlsys / that: "
+          f"{rollout_rate / beside:.2f}")
     print(f"weight sync: {mean['sync/time_s']:.3f} s = {mean['sync/time_s'] / mean['time/step_s']:.1%} of the step "
           f"({mean['sync/mb']:.1f} MB in {mean['sync/buckets']:.0f} buckets)")
 

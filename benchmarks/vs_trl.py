@@ -124,7 +124,7 @@ def trl_steps(args, cfg) -> Result:
 
 
 def rlsys_result(cfg) -> tuple[Result, dict[str, float], list]:
-    rows, prompts, _ = rlsys_steps(cfg)
+    rows, prompts, _, _ = rlsys_steps(cfg)
     measured = rows[1:]
     mean = {k: statistics.mean(r[k] for r in measured) for k in measured[0]}
     tokens = mean["throughput/generated_tokens_per_s"] * mean["time/generate_s"]

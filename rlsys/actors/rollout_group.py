@@ -16,7 +16,7 @@ from rlsys.tracking.phases import call
 # Transparent huge pages for torch's CPU allocations of 2 MiB and more in the engines: a
 # colocated engine's weights are freed in every update and grown back for the sync, and
 # faulting them in 2 MiB pages instead of 4 KiB ones took the sync of a 494 M-parameter
-# model from 1.9 to 1.0 s (README, "Weight sync"). No effect on GPU memory.
+# model from 1.91 to 1.64 s (medians; README, "Speed beside TRL"). No effect on GPU memory.
 ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 

@@ -29,12 +29,15 @@ from rlsys.config.schema import AlgorithmConfig
 def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float = 1.0,
                 with_logprobs: bool = True) -> Callable[[torch.Tensor, Batch], LossOutput]:
     """`counts`: the mini-batch's global response "tokens" and "sequences", and the "horizon"
-    (generation budget per response); `temperature`: the rollout's (`sampling_logits`). A micro-batch holds [B, T] tensors aligned with
-    input_ids: loss_mask (1 on response tokens), advantages, old_logprobs (absent when the
-    update is on-policy: the current log-probs, detached, are the old ones) and, with a KL
-    term, ref_logprobs, and with `algorithm.rollout_is`, rollout_logprobs (the engine's). Its rows output the current log-probs when `with_logprobs` (each row
-    costs a transfer, and a gather under context parallel). Values outside the mask
-    (padding) never reach the loss, NaN included. (A partial, see `rlsys.algorithms.lm_loss`.)"""
+    (generation budget per response); `temperature`: the rollout's (`sampling_logits`).
+
+    A micro-batch holds [B, T] tensors aligned with input_ids: loss_mask (1 on response
+    tokens), advantages, old_logprobs (absent when the update is on-policy: the current
+    log-probs, detached, are the old ones) and, with a KL term, ref_logprobs, and with
+    `algorithm.rollout_is`, rollout_logprobs (the engine's). Its rows output the current
+    log-probs when `with_logprobs` (each row costs a transfer, and a gather under context
+    parallel). Values outside the mask (padding) never reach the loss, NaN included.
+    (A partial, see `rlsys.algorithms.lm_loss`.)"""
     loss_kind = POLICY_LOSSES[algo.policy_loss]
     loss_fn = partial(_policy_loss, loss_kind=loss_kind, counts=counts, algo=algo, temperature=temperature,
                       with_logprobs=with_logprobs)

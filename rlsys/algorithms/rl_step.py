@@ -39,15 +39,16 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: floa
     parallel). Values outside the mask (padding) never reach the loss, NaN included.
     (A partial, see `rlsys.algorithms.lm_loss`.)"""
     loss_kind = POLICY_LOSSES[algo.policy_loss]
-    loss_fn = partial(_policy_loss, loss_kind=loss_kind, counts=counts, algo=algo, temperature=temperature,
-                      with_logprobs=with_logprobs)
-    per_row = aggregates_per_sequence(loss_kind.loss_agg or algo.loss_agg) or algo.rollout_is == "sequence"
+    loss_agg = loss_kind.loss_agg or algo.loss_agg
+    loss_fn = partial(_policy_loss, loss_kind=loss_kind, loss_agg=loss_agg, counts=counts, algo=algo,
+                      temperature=temperature, with_logprobs=with_logprobs)
+    per_row = aggregates_per_sequence(loss_agg) or algo.rollout_is == "sequence"
     return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn
 
 
-def _policy_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, counts: dict[str, int],
-                 algo: AlgorithmConfig, temperature: float, with_logprobs: bool) -> LossOutput:
-    loss_agg = loss_kind.loss_agg or algo.loss_agg
+def _policy_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, loss_agg: str,
+                 counts: dict[str, int], algo: AlgorithmConfig, temperature: float, with_logprobs: bool
+                 ) -> LossOutput:
     micro = {k: v.to(logits.device) for k, v in micro.items()}
     logits = sampling_logits(logits, temperature)
     logprobs = logprobs_of_labels(logits, micro["input_ids"])

@@ -164,7 +164,7 @@ class TrainWorker:
     def sync_shards(self, names: list[str]) -> ShardBucket | None:
         """This rank's shards of `names`, for the engines to reassemble (None when it
         holds only replicas of them)."""
-        shards = list(self.policy.local_shards(names))
+        shards = self.policy.local_shards(names)
         return pack(shards) if shards else None
 
     # -- inspection (tests) ---------------------------------------------------

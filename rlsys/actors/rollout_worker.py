@@ -11,10 +11,11 @@ import torch
 from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
-from rlsys.parallel.weight_shards import Assembler, ShardBucket
+from rlsys.parallel.weight_shards import ShardBucket, shard_pieces
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
+from rlsys.rollout.weight_placement import WeightPlacer
 
 
 @dataclass
@@ -46,10 +47,17 @@ def vllm_requests(prompts: list[tuple[int, list[int]]], n: int, temperature: flo
     return requests, params
 
 
-def _load_weights(worker, weights: dict[str, torch.Tensor]) -> None:
-    """Runs inside the vLLM worker: load full HF-named tensors; vLLM's weight
-    loaders shard and fuse them (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
-    record_loaded(worker, worker.model_runner.get_model().load_weights(weights=iter(weights.items())))
+def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
+    """Runs inside each vLLM worker: write one bucket, given as every training rank's shards,
+    into the engine's parameters (`weight_placement`)."""
+    if not hasattr(worker, "rlsys_placer"):
+        worker.rlsys_placer = WeightPlacer(worker.model_runner.get_model())
+    record_loaded(worker, worker.rlsys_placer(shard_pieces(buckets)))
+
+
+def _release_staging(worker) -> None:
+    if hasattr(worker, "rlsys_placer"):
+        worker.rlsys_placer.release()
 
 
 class RolloutWorker:
@@ -63,7 +71,6 @@ class RolloutWorker:
                                   cpu_thread_binding(num_threads, cfg.tensor_parallel_size))
             keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
-        self.assemble = Assembler()
         self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu)
         self.memory = EngineMemory(self.llm, on_gpu)
 
@@ -86,7 +93,7 @@ class RolloutWorker:
         ]
 
     @releases_freed_memory
-    def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False) -> int:
+    def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False) -> None:
         """Load one bucket, given as every training rank's shards of it. The sync's first
         bucket allocates released weights again; its last checks that every weight freed was
         rewritten and drops the prefix cache, computed under the old weights. (Here rather than
@@ -94,16 +101,14 @@ class RolloutWorker:
         15 to 18 ms.)"""
         if first:
             self.memory.resume(WEIGHTS)
-        weights = self.assemble(list(buckets))
-        self.llm.collective_rpc(_load_weights, args=(weights,))
+        self.llm.collective_rpc(_place_weights, args=(list(buckets),))
         if last:
             self.memory.confirm_rewritten()
             self.llm.reset_prefix_cache()
-        return len(weights)
 
     @releases_freed_memory
     def release_memory(self) -> int:
         """Free the weights, the KV cache (on GPU) and the sync's staging buffer for the
         colocated trainer (see `engine_memory`); returns the bytes of weights and KV cache freed."""
-        self.assemble.release()
+        self.llm.collective_rpc(_release_staging)
         return self.memory.release()

@@ -3,11 +3,11 @@
 Each pipeline stage sends its own layers (one stage without pipelining). For
 each bucket every rank of the stage packs its own FSDP / tensor-parallel shards
 (`weight_shards.pack`, no collective among the ranks), each engine takes all
-ranks' buffers from Ray's object store, places the shards into full tensors
-(`weight_shards.Assembler`) and loads them with vLLM's weight loaders, which
-re-shard and fuse them for the engine's own layout. Buckets are filled with
-whole decoder blocks, so a block's q/k/v and gate/up (fused into one tensor by
-vLLM) arrive together. No process holds more than two buckets of the model at a
+ranks' buffers from Ray's object store and writes them into its parameters
+(`rollout.weight_placement`): through vLLM's weight loaders, which re-shard and
+fuse them for the engine's own layout, the first time, then by replaying the
+copies those loaders made. Buckets are filled with whole decoder blocks, so a
+block's q/k/v and gate/up (fused into one tensor by vLLM) arrive together. No process holds more than two buckets of the model at a
 time (one being packed, one being loaded); the driver holds none.
 """
 

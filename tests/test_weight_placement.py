@@ -1,0 +1,95 @@
+"""The engine side of the sync: vLLM's loader places each weight the first time, its copies
+are recorded and checked, and later syncs replay them (shards straight into place where the
+loader copied a weight whole)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlsys.parallel.weight_shards import pack, shard_pieces
+from rlsys.rollout.weight_placement import WeightPlacer
+
+
+class FusingModel(torch.nn.Module):
+    """Loads like a vLLM model: q and k fused into one parameter, one weight split in two
+    (as a tensor-parallel rank takes its slice), a vocabulary padded with zeros (written by
+    `fill_`, not copied), a norm copied after a conversion, a head whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Parameter(torch.zeros(6, 4))
+        self.embed = torch.nn.Parameter(torch.zeros(8, 4))
+        self.norm = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        self.head = torch.nn.Parameter(torch.zeros(5, 4))
+        self.left, self.right = torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(4, 2))
+        self.loader_calls: list[str] = []
+
+    def load_weights(self, weights) -> set[str]:
+        written = set()
+        for name, weight in weights:
+            self.loader_calls.append(name)
+            if name in ("q", "k"):
+                rows = slice(0, 4) if name == "q" else slice(4, 6)
+                self.qk.data[rows].copy_(weight)
+                written.add("qk")
+            elif name == "embed":
+                self.embed.data[:weight.shape[0]].copy_(weight)
+                self.embed.data[weight.shape[0]:].fill_(0)
+                written.add("embed")
+            elif name == "norm":
+                self.norm.data.copy_(weight.to(torch.float64))
+                written.add("norm")
+            elif name == "head":
+                self.head.data.copy_(weight)
+                written.add("head")
+            elif name == "split":
+                self.left.data.copy_(weight.narrow(1, 0, 2))
+                self.right.data.copy_(weight.narrow(1, 2, 2))
+                written.update(("left", "right"))
+        return written
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"q": (4, 4), "k": (2, 4), "embed": (7, 4), "norm": (4,), "head": (5, 4), "split": (4, 4)}
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def two_rank_buckets(full: dict[str, torch.Tensor]) -> list:
+    """Rank 0 holds the first rows of every weight, rank 1 the rest (the norm whole on rank 0)."""
+    ranks = [[], []]
+    for name, tensor in full.items():
+        if tensor.dim() == 1:
+            ranks[0].append((name, tensor, tuple(tensor.shape), (0,)))
+            continue
+        half = tensor.shape[0] // 2
+        ranks[0].append((name, tensor[:half], tuple(tensor.shape), (0, 0)))
+        ranks[1].append((name, tensor[half:], tuple(tensor.shape), (half, 0)))
+    return [pack(shards) for shards in ranks]
+
+
+def loader_result(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    model = FusingModel()
+    model.load_weights(full.items())
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_replayed_syncs_write_what_the_loader_writes():
+    model = FusingModel()
+    place = WeightPlacer(model)
+    for sync in range(3):
+        full = weights(sync)
+        model.loader_calls.clear()
+        for param in model.parameters():  # the engine frees its weights between syncs
+            param.data.fill_(float("nan"))
+        written = place(shard_pieces(two_rank_buckets(full)))
+        assert written == {"qk", "embed", "norm", "head", "left", "right"}
+        expected = loader_result(full)
+        for name, param in model.named_parameters():
+            assert torch.equal(param, expected[name]), (sync, name)
+        if sync == 0:
+            assert sorted(model.loader_calls) == sorted(full)
+        else:  # only what a replay cannot reproduce still goes through the loader
+            assert sorted(model.loader_calls) == ["embed", "norm"]
+    assert sorted(place.copies) == ["head", "k", "q", "split"]
+    assert place.takes_shards == {"head", "k", "q"}  # "split" is read in slices: from a full tensor

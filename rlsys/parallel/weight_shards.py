@@ -43,10 +43,11 @@ class ShardBucket:
 
 def pack(shards: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> ShardBucket:
     """(name, local shard, full shape, offset) -> one bucket. The bytes are numpy views of
-    the shards themselves: putting the bucket in the object store is their only copy."""
+    the shards themselves (copies in host memory of shards on a GPU): putting the bucket in
+    the object store is their only copy."""
     entries = [ShardEntry(name, local.dtype, tuple(full_shape), tuple(local.shape), tuple(offset))
                for name, local, full_shape, offset in shards]
-    data = [local.contiguous().view(-1).view(torch.uint8).numpy() for _, local, _, _ in shards]
+    data = [local.contiguous().view(-1).view(torch.uint8).cpu().numpy() for _, local, _, _ in shards]
     return ShardBucket(entries, data)
 
 

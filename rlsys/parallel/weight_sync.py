@@ -7,8 +7,9 @@ ranks' buffers from Ray's object store and writes them into its parameters
 (`rollout.weight_placement`): through vLLM's weight loaders, which re-shard and
 fuse them for the engine's own layout, the first time, then by replaying the
 copies those loaders made. Buckets are filled with whole decoder blocks, so a
-block's q/k/v and gate/up (fused into one tensor by vLLM) arrive together. No process holds more than two buckets of the model at a
-time (one being packed, one being loaded); the driver holds none.
+block's q/k/v and gate/up (fused into one tensor by vLLM) arrive together. No
+process holds more than two buckets of the model at a time (one being packed,
+one being loaded); the driver holds none.
 """
 
 from __future__ import annotations

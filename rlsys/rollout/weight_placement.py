@@ -11,7 +11,7 @@ the copies they make.
 
 So the first time a weight arrives, vLLM's loader places it and every copy it
 makes from the weight into a parameter is recorded: the parameter's view
-written, and the view of the weight read (`_Recorder`). The record is checked
+written, and the view of the weight read (`_Recording`). The record is checked
 at once: the parameters written are overwritten with NaN, the recorded copies
 replayed, and the parameters must come out equal to what the loader wrote. A
 weight whose copies pass is replayed from then on; one that fails (a parameter
@@ -64,7 +64,7 @@ class WeightPlacer:
     def __call__(self, pieces: Pieces) -> set[str] | None:
         """Write one bucket's weights; returns the names of the parameters written (None when
         the model's loader does not report them)."""
-        written: set[str] | None = set()
+        written: set[str] = set()
         for name in pieces.keys() & self.takes_shards:
             [copy] = self.copies[name]
             for entry, shard in pieces[name]:

@@ -92,7 +92,7 @@ class WeightPlacer:
             return set()
         owners = {param.untyped_storage().data_ptr(): name for name, param in self.params.items()}
         recording = _Recording(weights, owners)
-        loaded = self.model.load_weights(weights=iter(recording.traced().items()))
+        loaded = self._load(recording.traced())
         replayable = self._replays_exactly(recording)
         for name, weight in weights.items():
             if name not in replayable:

@@ -6,18 +6,23 @@ beside bare vLLM `generate` of the same requests, measured in the same run.
 
 Prints a table of mean phase times over the measured steps (the first step
 is warm-up and excluded), the rollout phase's generated tokens/s against a
-bare in-process vLLM engine replaying the same requests (each step's prompts
-and per-request sampling parameters, seeds included), and the weight-sync time
-as a fraction of the step.
+bare vLLM engine replaying the same requests (each step's prompts and
+per-request sampling parameters, seeds included), and the weight-sync time
+as a fraction of the step. The bare engine replays each step's requests right
+after the step, with Ray's processes stopped and running (`PausedEngine`), and
+all of them once more after Ray has shut down.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import signal
 import statistics
 import time
 
+import psutil
 import ray
 
 from rlsys.config.loader import load_config
@@ -37,16 +42,15 @@ def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
     return load_config(RLJobConfig, None, overrides)
 
 
-def rlsys_steps(cfg: RLJobConfig, replay_beside_actors: bool = False
-                ) -> tuple[list[dict], list, list[tuple], tuple[int, float] | None]:
-    """Run the steps; returns their metrics, the first step's prompts, the arguments of every
-    rollout call (RolloutGroup.generate), for a bare engine to replay, and with
-    `replay_beside_actors` that replay run in this process while rlsys's actors are still up,
-    idle (`bare_vllm_replay`)."""
+def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None
+                ) -> tuple[list[dict], list, list[list[tuple]], list[dict[str, tuple[int, float]]]]:
+    """Run the steps; returns their metrics, the first step's prompts, the arguments of each
+    step's rollout calls (RolloutGroup.generate), and with a `bare` engine its replay of each
+    step's calls right after the step (`PausedEngine.replay_paired`)."""
     from rlsys.trainers.rl_trainer import RLVRTrainer
 
     trainer = RLVRTrainer(cfg)
-    calls = []
+    calls, rows, calls_by_step, replays = [], [], [], []
     generate = trainer.rollout.generate
 
     def recorded(*args):
@@ -55,12 +59,16 @@ def rlsys_steps(cfg: RLJobConfig, replay_beside_actors: bool = False
 
     trainer.rollout.generate = recorded
     try:
-        rows = [trainer.step(step) for step in range(1, cfg.train.steps + 1)]
+        for step in range(1, cfg.train.steps + 1):
+            first_call = len(calls)
+            rows.append(trainer.step(step))
+            calls_by_step.append(calls[first_call:])
+            if bare is not None:
+                replays.append(bare.replay_paired(calls_by_step[-1], paused_first=step % 2 == 0))
         prompts = [(i, trainer.prompts[i].ids) for i in range(cfg.train.prompts_per_step)]
-        beside_actors = bare_vllm_replay(cfg, calls) if replay_beside_actors else None
     finally:
         trainer.shutdown()
-    return rows, prompts, calls, beside_actors
+    return rows, prompts, calls_by_step, replays
 
 
 def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, list]:
@@ -85,27 +93,85 @@ def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, 
     return statistics.median(times), outputs
 
 
-def bare_vllm_replay(cfg: RLJobConfig, calls: list[tuple]) -> tuple[int, float]:
-    """Each step's rollout again, through a plain in-process vLLM engine: the same prompts and
-    per-request sampling parameters (seeds included), each from an empty prefix cache as after
-    a sync. The first call warms the engine up and is not counted, as the first step is not.
-    Returns (generated tokens, seconds)."""
+def _serve_bare_engine(cfg: RLJobConfig, conn) -> None:
+    """The paused engine's process: replays the rollout calls it is sent, each from an empty
+    prefix cache as after a sync; answers (generated tokens, seconds) for each batch of calls."""
     from rlsys.actors.rollout_worker import vllm_requests
     from rlsys.rollout.vllm_engine import create_llm
 
     llm = create_llm(cfg.model.path, cfg.rollout, cfg.seed)
-    tokens, seconds = 0, 0.0
-    for index, (prompts, seed, n, temperature, max_new_tokens) in enumerate(calls):
-        requests, params = vllm_requests(prompts, n, temperature, cfg.rollout.top_p, max_new_tokens, seed,
-                                         cfg.rollout.stop)
-        llm.reset_prefix_cache()
-        started = time.perf_counter()
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        if index:
+    conn.send("ready")
+    while (calls := conn.recv()) is not None:
+        tokens, seconds = 0, 0.0
+        for prompts, seed, n, temperature, max_new_tokens in calls:
+            requests, params = vllm_requests(prompts, n, temperature, cfg.rollout.top_p, max_new_tokens, seed,
+                                             cfg.rollout.stop)
+            llm.reset_prefix_cache()
+            started = time.perf_counter()
+            outputs = llm.generate(requests, params, use_tqdm=False)
             seconds += time.perf_counter() - started
             tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    del llm
-    return tokens, seconds
+        conn.send((tokens, seconds))
+
+
+class PausedEngine:
+    """A bare vLLM engine (`create_llm`, no Ray) in a process of its own, stopped with SIGSTOP
+    except while it replays rlsys's rollout calls, so that it takes nothing from rlsys's steps.
+
+    On these shared machines the speed of the same generation drifts by 15% over minutes, so a
+    bare engine measured after rlsys (with Ray shut down) is compared with a different machine.
+    `replay_paired` replays a step's calls right after the step, twice: with every other process
+    this driver started stopped too (Ray's GCS, raylet, agents and rlsys's actors: the machine as
+    without Ray, a second after rlsys's own rollout), and with them running, idle."""
+
+    def __init__(self, cfg: RLJobConfig):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_serve_bare_engine, args=(cfg, child_conn), daemon=True)
+        self.process.start()
+        child_conn.close()  # so that a dead engine process ends `recv` with EOFError
+        try:
+            self.conn.recv()
+        except EOFError:
+            raise SystemExit("the bare vLLM engine's process exited; its error is above") from None
+        self._signal(signal.SIGSTOP, [self.process.pid])
+
+    def replay(self, calls: list[tuple]) -> tuple[int, float]:
+        """(generated tokens, seconds) of `calls`, with the rest of the machine as it is."""
+        self._signal(signal.SIGCONT, [self.process.pid])
+        try:
+            self.conn.send(calls)
+            return self.conn.recv()
+        finally:
+            self._signal(signal.SIGSTOP, [self.process.pid])
+
+    def replay_paired(self, calls: list[tuple], paused_first: bool) -> dict[str, tuple[int, float]]:
+        """`calls` replayed with this driver's other processes stopped ("paused") and running
+        ("beside"), in the order `paused_first` says (alternate it to cancel an order effect)."""
+        replays = {}
+        for paused in (paused_first, not paused_first):
+            others = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != self.process.pid]
+            if paused:
+                self._signal(signal.SIGSTOP, others)
+            try:
+                replays["paused" if paused else "beside"] = self.replay(calls)
+            finally:
+                if paused:
+                    self._signal(signal.SIGCONT, others)
+        return replays
+
+    def close(self) -> None:
+        self._signal(signal.SIGCONT, [self.process.pid])
+        self.conn.send(None)
+        self.process.join(timeout=30)
+
+    @staticmethod
+    def _signal(signum: int, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def main() -> None:
@@ -126,12 +192,15 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     cfg = bench_config(args, args.overrides)
 
-    rows, _, calls, (beside_tokens, beside_s) = rlsys_steps(cfg, replay_beside_actors=True)
+    bare = PausedEngine(cfg)  # started before Ray, so its process is none of Ray's
+    try:
+        rows, _, calls, replays = rlsys_steps(cfg, bare)
+        ray.shutdown()
+        after_shutdown = bare.replay([call for step_calls in calls[1:] for call in step_calls])
+    finally:
+        bare.close()
     measured = rows[1:]
     mean = {k: statistics.mean(r[k] for r in measured) for k, v in measured[0].items() if isinstance(v, (int, float))}
-    ray.shutdown()
-    bare_tokens, bare_s = bare_vllm_replay(cfg, calls)
-    rlsys_tokens = sum(r["throughput/generated_tokens_per_s"] * r["time/generate_s"] for r in measured)
 
     print(f"\nRLVR benchmark: {args.prompts} prompts x n={args.n}, <= {args.max_new_tokens} new tokens, "
           f"{args.dp} FSDP2 ranks, {len(measured)} measured steps (first step excluded)")
@@ -141,16 +210,33 @@ def main() -> None:
         if key in mean:
             print(f"{phase:<14}{mean[key]:>10.3f}{mean[key] / mean['time/step_s']:>9.1%}")
     print(f"{'step':<14}{mean['time/step_s']:>10.3f}")
-    rollout_rate = rlsys_tokens / sum(r["time/generate_s"] for r in measured)
-    bare = bare_tokens / bare_s
-    print(f"\nrollout generated tokens/s (rlsys, Ray actor):  {rollout_rate:,.0f} ({rlsys_tokens:,.0f} tokens)")
-    print(f"bare vLLM generate tokens/s (the same requests): {bare:,.0f} ({bare_tokens:,} tokens)")
-    print(f"ratio rlsys / bare vLLM:                         {rollout_rate / bare:.2f}")
-    beside = beside_tokens / beside_s
-    print(f"bare vLLM beside rlsys's idle Ray actors:        {beside:,.0f} tokens/s; rlsys / that: "
-          f"{rollout_rate / beside:.2f}")
+    print_rollout_rates(measured, replays[1:], after_shutdown)
     print(f"weight sync: {mean['sync/time_s']:.3f} s = {mean['sync/time_s'] / mean['time/step_s']:.1%} of the step "
           f"({mean['sync/mb']:.1f} MB in {mean['sync/buckets']:.0f} buckets)")
+
+
+def print_rollout_rates(rows: list[dict], replays: list[dict[str, tuple[int, float]]],
+                        after_shutdown: tuple[int, float]) -> None:
+    """rlsys's rollout tokens/s beside the bare engine's on the same requests, paired by step
+    and after Ray shut down."""
+    tokens = [r["throughput/generated_tokens_per_s"] * r["time/generate_s"] for r in rows]
+    rlsys = sum(tokens) / sum(r["time/generate_s"] for r in rows)
+    print("\nrollout, generated tokens/s on the same requests (same prompts, per-request seeds)")
+    print(f"  rlsys (the step's generate phase, Ray actor)                {rlsys:>8,.0f} ({sum(tokens):,.0f} tokens)")
+    print("  bare vLLM on each step's requests, right after the step:")
+    for key, what in (("paused", "the driver's other processes stopped (as without Ray)"),
+                      ("beside", "beside them, running idle")):
+        bare = sum(r[key][0] for r in replays) / sum(r[key][1] for r in replays)
+        per_step = [(t / r["time/generate_s"]) / (replay[key][0] / replay[key][1])
+                    for t, r, replay in zip(tokens, rows, replays)]
+        spread = ""
+        if len(per_step) >= 4:
+            low, median, high = statistics.quantiles(per_step, n=4)
+            spread = f"; by step: median {median:.2f}, quartiles {low:.2f}-{high:.2f}"
+        print(f"    {what:<58}{bare:>8,.0f}; rlsys / that: {rlsys / bare:.2f}{spread}")
+    bare = after_shutdown[0] / after_shutdown[1]
+    print(f"  bare vLLM on all of them again, after Ray shut down         {bare:>8,.0f}; rlsys / that: "
+          f"{rlsys / bare:.2f}")
 
 
 if __name__ == "__main__":

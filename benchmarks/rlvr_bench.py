@@ -211,8 +211,9 @@ def main() -> None:
             print(f"{phase:<14}{mean[key]:>10.3f}{mean[key] / mean['time/step_s']:>9.1%}")
     print(f"{'step':<14}{mean['time/step_s']:>10.3f}")
     print_rollout_rates(measured, replays[1:], after_shutdown)
+    how = "read in place" if mean.get("sync/in_place") else f"in {mean['sync/buckets']:.0f} buckets"
     print(f"weight sync: {mean['sync/time_s']:.3f} s = {mean['sync/time_s'] / mean['time/step_s']:.1%} of the step "
-          f"({mean['sync/mb']:.1f} MB in {mean['sync/buckets']:.0f} buckets)")
+          f"({mean['sync/mb']:.1f} MB {how})")
 
 
 def print_rollout_rates(rows: list[dict], replays: list[dict[str, tuple[int, float]]],

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/sync.py                      # Qwen2.5-0.5B-shaped, random init
     .venv/bin/python benchmarks/sync.py --model runs/arith/sft/hf_model parallel.tp=2 parallel.dp_shard=1
     .venv/bin/python benchmarks/sync.py --release          # the engine frees its weights first, as in the RL loop
+    .venv/bin/python benchmarks/sync.py rollout.sync_shared_memory=false   # through Ray's object store
 
 Builds the training group (any layout, given as config overrides) and one colocated
 vLLM engine, runs the trainer -> engine sync `--repeats` times and prints its median
@@ -48,7 +49,7 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     try:
         rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, train.placement,
                                cfg.ray.cpus_per_worker * train.dims.world_size)
-        sync = WeightSync(train, rollout, cfg.rollout.sync_bucket_mb)
+        sync = WeightSync(train, rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
         runs = []
         for _ in range(repeats + 1):
             if release:
@@ -86,7 +87,8 @@ def main() -> None:
     times, last = sync_times(cfg, args.repeats, args.release)
     seconds, mb = statistics.median(times), last["sync/mb"]
     floor = memcpy_time(int(mb * 2**20))
-    print(f"\nweight sync of {mb:,.1f} MB in {last['sync/buckets']:.0f} buckets "
+    how = "read in place from shared memory" if last["sync/in_place"] else f"in {last['sync/buckets']:.0f} buckets"
+    print(f"\nweight sync of {mb:,.1f} MB {how} "
           f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> 1 engine"
           f"{', weights freed before each' if args.release else ''}), "
           f"median of {args.repeats}:")

@@ -1,12 +1,14 @@
 """The engine side of the sync: vLLM's loader places each weight the first time, its copies
 are recorded and checked, and later syncs replay them (shards straight into place where the
-loader copied a weight whole)."""
+loader copied a weight whole); shards in a training rank's shared memory are read in place."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import torch
 
-from rlsys.parallel.weight_shards import pack, shard_pieces
+from rlsys.parallel.weight_shards import pack, share, shard_pieces, shared_pieces
 from rlsys.rollout.weight_placement import WeightPlacer
 
 
@@ -93,3 +95,37 @@ def test_replayed_syncs_write_what_the_loader_writes():
             assert sorted(model.loader_calls) == ["embed", "norm"]
     assert sorted(place.copies) == ["head", "k", "q", "split"]
     assert place.takes_shards == {"head", "k", "q"}  # "split" is read in slices: from a full tensor
+
+
+def _trainer_side(conn) -> None:
+    """A training rank's part: a shard that is a view into a padded buffer (as FSDP2 keeps an
+    uneven shard), moved into shared memory, then stepped in place on request."""
+    padded = torch.arange(12, dtype=torch.float32)
+    shard = padded[2:10].view(2, 4)
+    conn.send(share([("w", shard, (4, 4), (2, 0))]))
+    while conn.recv():
+        padded.add_(1.0)  # the optimizer's step, on the buffer the shard views
+        conn.send(shard.clone())
+
+
+def test_shared_shards_are_read_in_place_by_another_process():
+    """The engine's side of an in-place sync: through the handles of a shard in another process's
+    shared memory, it reads the shard's current values (after each in-place update there), where
+    the shard lies in the full tensor, and nothing of the buffer around it."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    trainer = context.Process(target=_trainer_side, args=(child_conn,), daemon=True)
+    trainer.start()
+    try:
+        pieces = shared_pieces([conn.recv()])
+        [(entry, mapped)] = pieces["w"]
+        assert entry.region == (slice(2, 4), slice(0, 4))
+        assert torch.equal(mapped, torch.arange(2, 10, dtype=torch.float32).view(2, 4))
+        for _ in range(2):
+            conn.send(True)
+            assert torch.equal(mapped, conn.recv())
+        conn.send(False)
+    finally:
+        # no timeout: join(timeout) waits for the process's sentinel, which the torch_shm_manager
+        # it started inherits; pytest-timeout bounds a hang
+        trainer.join()

@@ -11,7 +11,7 @@ import torch
 from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
-from rlsys.parallel.weight_shards import ShardBucket, shard_pieces
+from rlsys.parallel.weight_shards import Pieces, SharedShard, ShardBucket, shard_pieces, shared_pieces
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
@@ -50,9 +50,21 @@ def vllm_requests(prompts: list[tuple[int, list[int]]], n: int, temperature: flo
 def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
     """Runs inside each vLLM worker: write one bucket, given as every training rank's shards,
     into the engine's parameters (`weight_placement`)."""
+    _place(worker, shard_pieces(buckets))
+
+
+def _place_shared(worker, shards_by_rank: list[list[SharedShard]]) -> None:
+    """Runs inside each vLLM worker: write every weight, read in place from the training ranks'
+    shared memory (mapped on the first sync; a training group's handles never change)."""
+    if not hasattr(worker, "rlsys_shared"):
+        worker.rlsys_shared = shared_pieces(shards_by_rank)
+    _place(worker, worker.rlsys_shared)
+
+
+def _place(worker, pieces: Pieces) -> None:
     if not hasattr(worker, "rlsys_placer"):
         worker.rlsys_placer = WeightPlacer(worker.model_runner.get_model())
-    record_loaded(worker, worker.rlsys_placer(shard_pieces(buckets)))
+    record_loaded(worker, worker.rlsys_placer(pieces))
 
 
 def _release_staging(worker) -> None:
@@ -105,6 +117,15 @@ class RolloutWorker:
         if last:
             self.memory.confirm_rewritten()
             self.llm.reset_prefix_cache()
+
+    @releases_freed_memory
+    def load_shared(self, *shards_by_rank: list[SharedShard]) -> None:
+        """Load every weight, read in place from the shared memory of the training ranks on this
+        machine (`WeightSync`'s shared path): one call per sync, nothing through the object store."""
+        self.memory.resume(WEIGHTS)
+        self.llm.collective_rpc(_place_shared, args=(list(shards_by_rank),))
+        self.memory.confirm_rewritten()
+        self.llm.reset_prefix_cache()
 
     @releases_freed_memory
     def release_memory(self) -> int:

@@ -26,6 +26,7 @@ class TrainGroup:
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
         self.placement = placement_group([bundle] * world_size, strategy="PACK")
         self.dims = spec.dims
+        self.on_gpu = spec.use_gpu
         self.straggler_timeout_s = spec.collective_timeout_s
         self.names = [actor_name("train", rank) for rank in range(world_size)]
         self.workers = []
@@ -52,6 +53,10 @@ class TrainGroup:
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Call `method` with the same arguments on every rank; results by rank."""
         return self._wait([call(getattr(w, method), *args, **kwargs) for w in self.workers])
+
+    def run_all_ranks(self, method: str, args_by_rank: dict[int, Any]) -> list:
+        """Call `method` on every rank with its own argument; results by rank."""
+        return self._wait([call(getattr(w, method), args_by_rank[rank]) for rank, w in enumerate(self.workers)])
 
     def run_data_parallel(self, method: str, batch: Batch, **kwargs: Any) -> list:
         """Split `batch` by rows into one shard per data-parallel rank; every rank of a

@@ -51,6 +51,7 @@ from rlsys.engine.loading import load_parallel_model
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.pipeline_schedule import run_schedule
 from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
+from rlsys.parallel.weight_shards import SharedShard, share
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class ModelEngine:
         self.fsdp_size = spec.dims.fsdp_mesh(mesh).size()
         self.optimizers, self.schedulers = [], []
         self.shard_offsets: dict[str, tuple[int, ...] | None] = {}
+        self.shared_storages: dict[str, int] = {}
+        """Address of each shared shard's storage (`share_shards`): an engine reads it in place."""
         if trainable:
             self._build_optimizers()
         else:
@@ -231,6 +234,7 @@ class ModelEngine:
             optimizer.step()
             scheduler.step()
         self.zero_grad()
+        self._check_shared()
         return {"grad_norm": grad_norm, "lr": lr}
 
     def zero_grad(self) -> None:
@@ -273,6 +277,23 @@ class ModelEngine:
             if self.shard_offsets[name] is not None:
                 shards.append((name, param.to_local(), tuple(param.shape), self.shard_offsets[name]))
         return shards
+
+    def share_shards(self, names: list[str]) -> list[SharedShard]:
+        """`local_shards` of `names` moved into shared memory, as handles for an engine on this
+        machine to read them in place on every sync (`weight_shards.share`)."""
+        shards = self.local_shards(names)
+        shared = share(shards)
+        self.shared_storages.update((name, local.untyped_storage().data_ptr()) for name, local, _, _ in shards)
+        return shared
+
+    def _check_shared(self) -> None:
+        """An engine reading a shard in place would go on reading a storage the parameter left."""
+        if not self.shared_storages:
+            return
+        params = dict(self.named_parameters())
+        for name, address in self.shared_storages.items():
+            if params[name].to_local().untyped_storage().data_ptr() != address:
+                raise RuntimeError(f"{name}: its shard moved out of the shared memory the rollout engines read")
 
     def perturb_parameters(self, scale: float, seed: int) -> None:
         """Add seeded noise to every parameter, the same in any layout (seeded by name)."""

@@ -10,14 +10,27 @@ copies those loaders made. Buckets are filled with whole decoder blocks, so a
 block's q/k/v and gate/up (fused into one tensor by vLLM) arrive together. No
 process holds more than two buckets of the model at a time (one being packed,
 one being loaded); the driver holds none.
+
+Training on CPU with the engines on the same machine, the engines instead read
+the ranks' shards in place: the first sync moves each rank's shards into shared
+memory (`weight_shards.share`, where the optimizer then keeps stepping them) and
+hands the engines their file names; every sync is then one call to each engine,
+which copies from the mapped shards straight into its parameters. Nothing is
+packed or copied on the trainer's side and nothing goes through the object
+store. (On GPU the same would take CUDA IPC handles, not built: untested.)
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import time
 
+import ray
+
 from rlsys.actors.failures import wait_all
+from rlsys.parallel.weight_shards import SharedShard
 from rlsys.tracking.phases import call
 
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -44,18 +57,31 @@ def plan_buckets(nbytes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
 
 
 class WeightSync:
-    def __init__(self, train_group, rollout_group, bucket_mb: float):
+    def __init__(self, train_group, rollout_group, bucket_mb: float, shared_memory: bool = True):
         self.train_group, self.rollout_group = train_group, rollout_group
         nbytes = train_group.run_all("parameter_nbytes")
         self.buckets = [(ranks, names) for ranks in train_group.dims.stage_ranks()
                         for names in plan_buckets(nbytes[ranks[0]], int(bucket_mb * 2**20))]
         self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks in train_group.dims.stage_ranks())
+        self.stage_names = {rank: list(nbytes[ranks[0]]) for ranks in train_group.dims.stage_ranks()
+                            for rank in ranks}
+        self.in_place = shared_memory and _one_machine_with_room(train_group, rollout_group, self.total_bytes)
+        self.shared: list[list[SharedShard]] | None = None
+        """Every rank's handles to its shards in shared memory, from the first sync on (`in_place`)."""
 
     def run(self) -> dict[str, float]:
+        started = time.perf_counter()
+        if self.in_place:
+            self._load_in_place()
+        else:
+            self._load_buckets()
+        return {"sync/time_s": time.perf_counter() - started, "sync/in_place": float(self.in_place),
+                "sync/buckets": 1 if self.in_place else len(self.buckets), "sync/mb": self.total_bytes / 2**20}
+
+    def _load_buckets(self) -> None:
         """Each bucket goes as every stage rank's shards, straight from the ranks' object
         stores to the engines (the driver only passes references); the ranks pack the
         next bucket while the engines load this one."""
-        started = time.perf_counter()
         train, rollout = self.train_group, self.rollout_group
         loading: list = []
         for index, (ranks, names) in enumerate(self.buckets):
@@ -64,5 +90,29 @@ class WeightSync:
             loading = [call(engine.load_weights, *shards, first=index == 0, last=index == len(self.buckets) - 1)
                        for engine in rollout.engines]
         wait_all(loading, rollout.names)
-        return {"sync/time_s": time.perf_counter() - started, "sync/buckets": len(self.buckets),
-                "sync/mb": self.total_bytes / 2**20}
+
+    def _load_in_place(self) -> None:
+        """The engines read the ranks' shards where the optimizer keeps them: the first sync
+        moves them into shared memory (one call to each rank); every sync is then one call
+        to each engine, with no copy on the trainer's side and none through the object store."""
+        train, rollout = self.train_group, self.rollout_group
+        if self.shared is None:
+            self.shared = train.run_all_ranks("share_shards", self.stage_names)
+        wait_all([call(engine.load_shared, *self.shared) for engine in rollout.engines], rollout.names)
+
+
+def _one_machine_with_room(train_group, rollout_group, nbytes: int) -> bool:
+    """Whether the engines can read the training ranks' memory: CPU training, every rank and
+    engine on one Ray node, and room for the shards in its /dev/shm (a container's is often
+    64 MB)."""
+    if train_group.on_gpu:
+        return False
+    actors = train_group.workers + rollout_group.engines
+    facts = wait_all([actor.__ray_call__.remote(_node_and_shm_room) for actor in actors],
+                     train_group.names + rollout_group.names)
+    return len({node for node, _ in facts}) == 1 and min(room for _, room in facts) > nbytes
+
+
+def _node_and_shm_room(actor) -> tuple[str, int]:
+    room = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    return ray.get_runtime_context().get_node_id(), room

@@ -100,7 +100,8 @@ class RLVRTrainer:
             self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
                                         cfg.ray.cpus_per_worker * self.train.dims.world_size,
                                         gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share())
-            self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb)
+            self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb,
+                                   cfg.rollout.sync_shared_memory)
         except BaseException:
             self.shutdown()
             raise

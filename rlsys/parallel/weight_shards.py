@@ -14,12 +14,12 @@ the same pieces, with no copy before the engine's own.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.multiprocessing.reductions import reduce_storage
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,12 @@ def pack(shards: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]
 @dataclass(frozen=True)
 class SharedShard:
     """A training rank's shard in shared memory, which an engine on the same machine reads in
-    place: where it lies, and torch.multiprocessing's handle to its storage (a rebuild function
-    and its arguments; with the file_system strategy the handle names a file any process opens)."""
+    place: where it lies, and the file descriptor of its storage in the rank's process."""
 
     entry: ShardEntry
-    storage: tuple
+    pid: int
+    fd: int
+    storage_bytes: int
     storage_offset: int
     stride: tuple[int, ...]
 
@@ -69,15 +70,15 @@ class SharedShard:
 def share(shards: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> list[SharedShard]:
     """Move each shard's storage into shared memory and return handles to it. The move is in
     place: every tensor on that storage (FSDP2's padded shard, the parameter the optimizer
-    steps) reads and writes the shared pages from then on, so the handles stay valid as
-    long as nothing gives the parameter a new storage."""
-    torch.multiprocessing.set_sharing_strategy("file_system")
+    steps) reads and writes the shared pages from then on, so the handles stay valid as long
+    as nothing gives the parameter a new storage. The memory is an unlinked file that this
+    process holds open (torch's file-descriptor sharing): it goes when the last process
+    mapping it ends, however it ends, and never outlives the run in /dev/shm."""
     shared = []
     for name, local, full_shape, offset in shards:
-        local.share_memory_()
+        fd, storage_bytes = local.untyped_storage()._share_fd_cpu_()
         entry = ShardEntry(name, local.dtype, tuple(full_shape), tuple(local.shape), tuple(offset))
-        shared.append(SharedShard(entry, reduce_storage(local.untyped_storage()), local.storage_offset(),
-                                  local.stride()))
+        shared.append(SharedShard(entry, os.getpid(), fd, storage_bytes, local.storage_offset(), local.stride()))
     return shared
 
 
@@ -99,12 +100,20 @@ def shard_pieces(buckets: list[ShardBucket | None]) -> Pieces:
 
 def shared_pieces(shards_by_rank: list[list[SharedShard]]) -> Pieces:
     """Tensors on the training ranks' shared shards, grouped by name as `shard_pieces` groups
-    a sync's buckets: reading them reads the trainer's current weights."""
+    a sync's buckets: reading them reads the trainer's current weights. Each storage is opened
+    through /proc/<pid>/fd of the rank holding it (the ranks must be alive) and mapped once."""
+    storages: dict[tuple[int, int], torch.UntypedStorage] = {}
     pieces: Pieces = {}
     for shards in shards_by_rank:
         for shard in shards:
-            rebuild, args = shard.storage
-            tensor = torch.empty(0, dtype=shard.entry.dtype).set_(rebuild(*args), shard.storage_offset,
+            key = (shard.pid, shard.fd)
+            if key not in storages:
+                fd = os.open(f"/proc/{shard.pid}/fd/{shard.fd}", os.O_RDWR)
+                try:
+                    storages[key] = torch.UntypedStorage._new_shared_fd_cpu(fd, shard.storage_bytes)
+                finally:
+                    os.close(fd)  # the mapping keeps its own duplicate
+            tensor = torch.empty(0, dtype=shard.entry.dtype).set_(storages[key], shard.storage_offset,
                                                                   shard.entry.shape, shard.stride)
             pieces.setdefault(shard.entry.name, []).append((shard.entry, tensor))
     return pieces

@@ -14,7 +14,7 @@ one being loaded); the driver holds none.
 Training on CPU with the engines on the same machine, the engines instead read
 the ranks' shards in place: the first sync moves each rank's shards into shared
 memory (`weight_shards.share`, where the optimizer then keeps stepping them) and
-hands the engines their file names; every sync is then one call to each engine,
+hands the engines their file descriptors; every sync is then one call to each engine,
 which copies from the mapped shards straight into its parameters. Nothing is
 packed or copied on the trainer's side and nothing goes through the object
 store. (On GPU the same would take CUDA IPC handles, not built: untested.)

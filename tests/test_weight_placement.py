@@ -126,6 +126,4 @@ def test_shared_shards_are_read_in_place_by_another_process():
             assert torch.equal(mapped, conn.recv())
         conn.send(False)
     finally:
-        # no timeout: join(timeout) waits for the process's sentinel, which the torch_shm_manager
-        # it started inherits; pytest-timeout bounds a hang
-        trainer.join()
+        trainer.join(timeout=30)

@@ -111,21 +111,22 @@ class RolloutWorker:
         rewritten and drops the prefix cache, computed under the old weights. (Here rather than
         in calls of their own: those two round trips took the arithmetic example's sync from
         15 to 18 ms.)"""
-        if first:
-            self.memory.resume(WEIGHTS)
-        self.llm.collective_rpc(_place_weights, args=(list(buckets),))
-        if last:
-            self.memory.confirm_rewritten()
-            self.llm.reset_prefix_cache()
+        self._load(_place_weights, list(buckets), first, last)
 
     @releases_freed_memory
     def load_shared(self, *shards_by_rank: list[SharedShard]) -> None:
         """Load every weight, read in place from the shared memory of the training ranks on this
         machine (`WeightSync`'s shared path): one call per sync, nothing through the object store."""
-        self.memory.resume(WEIGHTS)
-        self.llm.collective_rpc(_place_shared, args=(list(shards_by_rank),))
-        self.memory.confirm_rewritten()
-        self.llm.reset_prefix_cache()
+        self._load(_place_shared, list(shards_by_rank), first=True, last=True)
+
+    def _load(self, place, shards: list, first: bool, last: bool) -> None:
+        """Run `place` on `shards` in every vLLM worker, inside a sync's first and last steps."""
+        if first:
+            self.memory.resume(WEIGHTS)
+        self.llm.collective_rpc(place, args=(shards,))
+        if last:
+            self.memory.confirm_rewritten()
+            self.llm.reset_prefix_cache()
 
     @releases_freed_memory
     def release_memory(self) -> int:

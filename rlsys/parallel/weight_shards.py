@@ -48,8 +48,7 @@ def pack(shards: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]
     """(name, local shard, full shape, offset) -> one bucket. The bytes are numpy views of
     the shards themselves (copies in host memory of shards on a GPU): putting the bucket in
     the object store is their only copy."""
-    entries = [ShardEntry(name, local.dtype, tuple(full_shape), tuple(local.shape), tuple(offset))
-               for name, local, full_shape, offset in shards]
+    entries = [_entry(*shard) for shard in shards]
     data = [local.contiguous().view(-1).view(torch.uint8).cpu().numpy() for _, local, _, _ in shards]
     return ShardBucket(entries, data)
 
@@ -77,9 +76,13 @@ def share(shards: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]
     shared = []
     for name, local, full_shape, offset in shards:
         fd, storage_bytes = local.untyped_storage()._share_fd_cpu_()
-        entry = ShardEntry(name, local.dtype, tuple(full_shape), tuple(local.shape), tuple(offset))
-        shared.append(SharedShard(entry, os.getpid(), fd, storage_bytes, local.storage_offset(), local.stride()))
+        shared.append(SharedShard(_entry(name, local, full_shape, offset), os.getpid(), fd, storage_bytes,
+                                  local.storage_offset(), local.stride()))
     return shared
+
+
+def _entry(name: str, local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...]) -> ShardEntry:
+    return ShardEntry(name, local.dtype, tuple(full_shape), tuple(local.shape), tuple(offset))
 
 
 Pieces = dict[str, list[tuple[ShardEntry, torch.Tensor]]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import resource
 import shutil
 import struct
 import threading
@@ -92,6 +93,9 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     through_object_store = "rollout.sync_shared_memory=false" in layout
     trainer = RLVRTrainer(cfg)
     try:
+        if through_object_store:
+            assert trainer.sync._can_share() and not trainer.sync.in_place
+            _assert_too_few_file_descriptors_keep_shards_private(trainer)
         trainer.train.run_all("perturb_parameters", 0.05, cfg.seed)
         prompts = [(i, trainer.prompts[i].ids) for i in range(8)]
 
@@ -117,6 +121,22 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
             trainer.train.run_all("perturb_parameters", 0.05, cfg.seed + 1)
     finally:
         trainer.shutdown()
+
+
+def _assert_too_few_file_descriptors_keep_shards_private(trainer) -> None:
+    """A rank whose `ulimit -n` leaves fewer descriptors free than its shards take (plus a
+    margin) is not asked to share them: the sync goes through the object store."""
+    def set_soft_limit(actor, soft: int | None) -> int:
+        old, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft or len(os.listdir("/proc/self/fd")) + 64, hard))
+        return old
+
+    rank = trainer.train.workers[-1]
+    old = ray.get(rank.__ray_call__.remote(set_soft_limit, None))
+    try:
+        assert not trainer.sync._can_share()
+    finally:
+        ray.get(rank.__ray_call__.remote(set_soft_limit, old))
 
 
 @pytest.fixture(scope="module")

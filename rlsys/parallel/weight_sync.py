@@ -22,8 +22,10 @@ store. (On GPU the same would take CUDA IPC handles, not built: untested.)
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import resource
 import shutil
 import time
 
@@ -33,7 +35,11 @@ from rlsys.actors.failures import wait_all
 from rlsys.parallel.weight_shards import SharedShard
 from rlsys.tracking.phases import call
 
+log = logging.getLogger(__name__)
+
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")
+_SPARE_FDS = 256
+"""File descriptors each process keeps free beyond those the shared shards take."""
 
 
 def plan_buckets(nbytes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
@@ -65,7 +71,7 @@ class WeightSync:
         self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks in train_group.dims.stage_ranks())
         self.stage_names = {rank: list(nbytes[ranks[0]]) for ranks in train_group.dims.stage_ranks()
                             for rank in ranks}
-        self.in_place = shared_memory and _one_machine_with_room(train_group, rollout_group, self.total_bytes)
+        self.in_place = shared_memory and self._can_share()
         self.shared: list[list[SharedShard]] | None = None
         """Every rank's handles to its shards in shared memory, from the first sync on (`in_place`)."""
 
@@ -101,18 +107,37 @@ class WeightSync:
         wait_all([call(engine.load_shared, *self.shared) for engine in rollout.engines], rollout.names)
 
 
-def _one_machine_with_room(train_group, rollout_group, nbytes: int) -> bool:
-    """Whether the engines can read the training ranks' memory: CPU training, every rank and
-    engine on one Ray node, and room for the shards in its /dev/shm (a container's is often
-    64 MB)."""
-    if train_group.on_gpu:
+    def _can_share(self) -> bool:
+        """Whether the engines can read the training ranks' memory: CPU training, every rank and
+        engine on one Ray node, room for the shards in its /dev/shm (a container's is often
+        64 MB), and a file descriptor free for each shared storage in every rank and engine."""
+        train, rollout = self.train_group, self.rollout_group
+        if train.on_gpu:
+            return False
+        facts = wait_all([actor.__ray_call__.remote(_node_and_room) for actor in train.workers + rollout.engines],
+                         train.names + rollout.names)
+        if len({node for node, _, _ in facts}) > 1:
+            return False
+        shm_free = min(shm for _, shm, _ in facts)
+        rank_fds = [len(self.stage_names[rank]) for rank in range(len(train.workers))]
+        fds_needed = rank_fds + [sum(rank_fds)] * len(rollout.engines)
+        fds_free = [fds for _, _, fds in facts]
+        if shm_free <= self.total_bytes:
+            reason = f"/dev/shm has {shm_free / 2**20:.0f} MB free for {self.total_bytes / 2**20:.0f} MB of weights"
+        elif any(free < needed + _SPARE_FDS for free, needed in zip(fds_free, fds_needed)):
+            reason = (f"an actor has {min(fds_free)} file descriptors free for up to {max(fds_needed)} shared "
+                      f"shards (raise `ulimit -n`)")
+        else:
+            return True
+        log.info("weight sync through Ray's object store, not in place: %s", reason)
         return False
-    actors = train_group.workers + rollout_group.engines
-    facts = wait_all([actor.__ray_call__.remote(_node_and_shm_room) for actor in actors],
-                     train_group.names + rollout_group.names)
-    return len({node for node, _ in facts}) == 1 and min(room for _, room in facts) > nbytes
 
 
-def _node_and_shm_room(actor) -> tuple[str, int]:
-    room = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-    return ray.get_runtime_context().get_node_id(), room
+def _node_and_room(actor) -> tuple[str, int, int]:
+    """This actor's node, free bytes in /dev/shm and free file descriptors (none without Linux's
+    /dev/shm and /proc, which the engines open the shards through)."""
+    if not (os.path.isdir("/dev/shm") and os.path.isdir("/proc/self/fd")):
+        return ray.get_runtime_context().get_node_id(), 0, 0
+    shm_free = shutil.disk_usage("/dev/shm").free
+    fds_free = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - len(os.listdir("/proc/self/fd"))
+    return ray.get_runtime_context().get_node_id(), shm_free, fds_free

@@ -25,8 +25,8 @@ def test_a_step_of_long_prompts_samples_each_prompt_as_it_would_alone(worker, ti
     assert {len(ids) for _, ids in prompts} == {200}
     sample = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=3)
 
-    together = worker.generate(prompts, **sample)
-    alone = worker.generate(prompts[17:18], **sample)
+    together = worker.generate(prompts, **sample).samples(dict(prompts))
+    alone = worker.generate(prompts[17:18], **sample).samples(dict(prompts))
 
     assert len(together) == 48 and all(s.response_ids for s in together)
     mine = [s for s in together if s.prompt_index == 17]

@@ -64,7 +64,9 @@ class RolloutGroup:
         busy = [i for i in range(engines) if shares[i]]
         refs = [call(self.engines[i].generate, shares[i], n, temperature, self.cfg.top_p, max_new_tokens, seed)
                 for i in busy]
-        return [sample for samples in wait_all(refs, [self.names[i] for i in busy]) for sample in samples]
+        prompt_ids = dict(prompts)
+        return [sample for generated in wait_all(refs, [self.names[i] for i in busy])
+                for sample in generated.samples(prompt_ids)]
 
     def release_memory(self) -> None:
         """The trainer's turn: colocated engines free their weights (and KV cache, on GPU)."""

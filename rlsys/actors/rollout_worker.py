@@ -3,9 +3,11 @@ new weights from the trainer bucket by bucket."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlsys.actors.host_memory import releases_freed_memory
@@ -37,14 +39,42 @@ def vllm_requests(prompts: list[tuple[int, list[int]]], n: int, temperature: flo
     """vLLM prompts and sampling parameters for `RolloutWorker.generate`: each request's seed
     comes from `seed` and its prompt index. vLLM detokenizes only to find stop strings: its
     token-by-token detokenization, and the decoding of every log-prob's token, took 14% of an
-    arithmetic rollout; `RolloutWorker.generate` decodes the responses in one batch instead."""
+    arithmetic rollout; `RolloutWorker.generate` decodes the responses in one batch instead.
+    Log-probs come flat (a few lists per response, not a dict per token)."""
     from vllm import SamplingParams, TokensPrompt
 
     requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                             stop=stop or None, detokenize=bool(stop), logprobs=0, seed=seed * 1_000_003 + index)
+                             stop=stop or None, detokenize=bool(stop), logprobs=0, flat_logprobs=True,
+                             seed=seed * 1_000_003 + index)
               for index, _ in prompts]
     return requests, params
+
+
+@dataclass
+class Generated:
+    """One engine's samples as columns, in request order. Ray sends a few arrays far faster
+    than as many small objects as samples: 512 `Sample`s took 3.6 ms from actor to driver, their
+    columns 1.0 ms (2-core machine), against a 240 ms arithmetic rollout."""
+
+    prompt_index: np.ndarray
+    lengths: np.ndarray
+    """Response tokens of each sample."""
+    response_ids: np.ndarray
+    """All samples' response tokens, back to back."""
+    logprobs: np.ndarray
+    """The engine's log-prob of each of those tokens."""
+    texts: list[str]
+    finish_reasons: list[str]
+
+    def samples(self, prompt_ids: dict[int, list[int]]) -> list[Sample]:
+        """One `Sample` per response; `prompt_ids`: the ids of each prompt index."""
+        ends = np.cumsum(self.lengths).tolist()
+        starts = [0, *ends[:-1]]
+        ids, logprobs = self.response_ids.tolist(), self.logprobs.tolist()
+        return [Sample(index, prompt_ids[index], ids[start:end], logprobs[start:end], text, finish)
+                for index, start, end, text, finish in zip(self.prompt_index.tolist(), starts, ends, self.texts,
+                                                           self.finish_reasons)]
 
 
 def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
@@ -88,21 +118,30 @@ class RolloutWorker:
 
     @releases_freed_memory
     def generate(self, prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seed: int) -> list[Sample]:
+                 max_new_tokens: int, seed: int) -> Generated:
         """Sample `n` responses for each (prompt_index, prompt_ids). The seed of
         each request is derived from `seed` and the prompt index, so the same
         step of a resumed run samples the same responses."""
         self.memory.ready_to_generate()
         requests, params = vllm_requests(prompts, n, temperature, top_p, max_new_tokens, seed, self.cfg.stop)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [(index, ids, c) for (index, ids), output in zip(prompts, outputs) for c in output.outputs]
-        texts = self.llm.get_tokenizer().batch_decode([c.token_ids for _, _, c in completions],
-                                                      skip_special_tokens=True)
-        return [
-            Sample(index, ids, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                   text, c.finish_reason or "")
-            for (index, ids, c), text in zip(completions, texts)
-        ]
+        completions = [(index, c) for (index, _), output in zip(prompts, outputs) for c in output.outputs]
+        token_ids = [c.token_ids for _, c in completions]
+        # flat log-probs, one per token with logprobs=0: the sampled token's
+        logprobs = itertools.chain.from_iterable(c.logprobs.logprobs for _, c in completions)
+        return Generated(np.array([index for index, _ in completions], dtype=np.int64),
+                         np.array([len(ids) for ids in token_ids], dtype=np.int64),
+                         np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64),
+                         np.fromiter(logprobs, dtype=np.float32), self._decode(token_ids),
+                         [c.finish_reason or "" for _, c in completions])
+
+    def _decode(self, token_ids: list[list[int]]) -> list[str]:
+        """Each response's text (special tokens skipped), decoding each distinct response once:
+        a converging policy repeats its answers (an arithmetic step: 512 samples, few distinct)."""
+        distinct = list(dict.fromkeys(map(tuple, token_ids)))
+        texts = dict(zip(distinct, self.llm.get_tokenizer().batch_decode(list(map(list, distinct)),
+                                                                          skip_special_tokens=True)))
+        return [texts[tuple(ids)] for ids in token_ids]
 
     @releases_freed_memory
     def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False) -> None:

@@ -85,7 +85,7 @@ def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
 
 def _place_shared(worker, shards_by_rank: list[list[SharedShard]]) -> None:
     """Runs inside each vLLM worker: write every weight, read in place from the training ranks'
-    shared memory (mapped on the first sync; a training group's handles never change)."""
+    shared memory (mapped on the first sync, whose handles are the only ones sent)."""
     if not hasattr(worker, "rlsys_shared"):
         worker.rlsys_shared = shared_pieces(shards_by_rank)
     _place(worker, worker.rlsys_shared)
@@ -152,10 +152,11 @@ class RolloutWorker:
         15 to 18 ms.)"""
         self._load(_place_weights, list(buckets), first, last)
 
-    @releases_freed_memory
     def load_shared(self, *shards_by_rank: list[SharedShard]) -> None:
         """Load every weight, read in place from the shared memory of the training ranks on this
-        machine (`WeightSync`'s shared path): one call per sync, nothing through the object store."""
+        machine (`WeightSync`'s shared path): one call per sync, nothing through the object store.
+        The first sync brings every rank's handles; later ones bring none (the handles never
+        change and the engine keeps their mapping). Frees nothing, so no trim after it."""
         self._load(_place_shared, list(shards_by_rank), first=True, last=True)
 
     def _load(self, place, shards: list, first: bool, last: bool) -> None:

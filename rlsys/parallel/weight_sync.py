@@ -99,12 +99,14 @@ class WeightSync:
 
     def _load_in_place(self) -> None:
         """The engines read the ranks' shards where the optimizer keeps them: the first sync
-        moves them into shared memory (one call to each rank); every sync is then one call
-        to each engine, with no copy on the trainer's side and none through the object store."""
+        moves them into shared memory (one call to each rank) and sends the engines their
+        handles; every sync is then one call to each engine, with no copy on the trainer's side
+        and none through the object store."""
         train, rollout = self.train_group, self.rollout_group
+        handles = []
         if self.shared is None:
-            self.shared = train.run_all_ranks("share_shards", self.stage_names)
-        wait_all([call(engine.load_shared, *self.shared) for engine in rollout.engines], rollout.names)
+            self.shared = handles = train.run_all_ranks("share_shards", self.stage_names)
+        wait_all([call(engine.load_shared, *handles) for engine in rollout.engines], rollout.names)
 
 
     def _can_share(self) -> bool:

@@ -127,13 +127,16 @@ class RolloutWorker:
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = [(index, c) for (index, _), output in zip(prompts, outputs) for c in output.outputs]
         token_ids = [c.token_ids for _, c in completions]
+        response_ids = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64)
         # flat log-probs, one per token with logprobs=0: the sampled token's
-        logprobs = itertools.chain.from_iterable(c.logprobs.logprobs for _, c in completions)
+        logprobs = np.fromiter(itertools.chain.from_iterable(c.logprobs.logprobs for _, c in completions),
+                               dtype=np.float32)
+        if len(logprobs) != len(response_ids):
+            raise RuntimeError(f"rollout engine: vLLM returned {len(logprobs)} log-probs for {len(response_ids)} "
+                               "tokens; expected the sampled token's alone")
         return Generated(np.array([index for index, _ in completions], dtype=np.int64),
-                         np.array([len(ids) for ids in token_ids], dtype=np.int64),
-                         np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64),
-                         np.fromiter(logprobs, dtype=np.float32), self._decode(token_ids),
-                         [c.finish_reason or "" for _, c in completions])
+                         np.array([len(ids) for ids in token_ids], dtype=np.int64), response_ids, logprobs,
+                         self._decode(token_ids), [c.finish_reason or "" for _, c in completions])
 
     def _decode(self, token_ids: list[list[int]]) -> list[str]:
         """Each response's text (special tokens skipped), decoding each distinct response once:

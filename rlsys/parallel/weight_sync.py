@@ -32,7 +32,6 @@ import time
 import ray
 
 from rlsys.actors.failures import wait_all
-from rlsys.parallel.weight_shards import SharedShard
 from rlsys.tracking.phases import call
 
 log = logging.getLogger(__name__)
@@ -72,8 +71,8 @@ class WeightSync:
         self.stage_names = {rank: list(nbytes[ranks[0]]) for ranks in train_group.dims.stage_ranks()
                             for rank in ranks}
         self.in_place = shared_memory and self._can_share()
-        self.shared: list[list[SharedShard]] | None = None
-        """Every rank's handles to its shards in shared memory, from the first sync on (`in_place`)."""
+        self.shards_shared = False
+        """Whether the ranks' shards are in shared memory and the engines hold their handles (`in_place`)."""
 
     def run(self) -> dict[str, float]:
         started = time.perf_counter()
@@ -103,11 +102,9 @@ class WeightSync:
         handles; every sync is then one call to each engine, with no copy on the trainer's side
         and none through the object store."""
         train, rollout = self.train_group, self.rollout_group
-        handles = []
-        if self.shared is None:
-            self.shared = handles = train.run_all_ranks("share_shards", self.stage_names)
+        handles = [] if self.shards_shared else train.run_all_ranks("share_shards", self.stage_names)
         wait_all([call(engine.load_shared, *handles) for engine in rollout.engines], rollout.names)
-
+        self.shards_shared = True
 
     def _can_share(self) -> bool:
         """Whether the engines can read the training ranks' memory: CPU training, every rank and
@@ -138,8 +135,8 @@ class WeightSync:
 def _node_and_room(actor) -> tuple[str, int, int]:
     """This actor's node, free bytes in /dev/shm and free file descriptors (none without Linux's
     /dev/shm and /proc, which the engines open the shards through)."""
+    node = ray.get_runtime_context().get_node_id()
     if not (os.path.isdir("/dev/shm") and os.path.isdir("/proc/self/fd")):
-        return ray.get_runtime_context().get_node_id(), 0, 0
-    shm_free = shutil.disk_usage("/dev/shm").free
+        return node, 0, 0
     fds_free = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - len(os.listdir("/proc/self/fd"))
-    return ray.get_runtime_context().get_node_id(), shm_free, fds_free
+    return node, shutil.disk_usage("/dev/shm").free, fds_free

@@ -1,7 +1,8 @@
 """The training engine on a GPU, without Ray or vLLM: loss, gradients and log-probs of
 `ModelEngine` on CUDA (nccl, fp32 and bf16 mixed precision) against one plain Hugging Face
-process on the same batch, then the engine's forward/backward throughput beside that
-process's on a Qwen2.5-0.5B-shaped model. Run by `scripts/gpu_check.sh`.
+process on the same batch; the in-place weight sync, whose reader (a colocated rollout
+engine) maps a rank's shards through CUDA IPC; then the engine's forward/backward throughput
+beside that process's on a Qwen2.5-0.5B-shaped model. Run by `scripts/gpu_check.sh`.
 
 The lent GPU machines hold torch and transformers but neither Ray nor vLLM, and reach no
 package registry, so this is the part of the GPU path that can run there. On a machine
@@ -30,11 +31,14 @@ from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig, Paral
 from rlsys.engine.model_engine import EngineSpec, ModelEngine
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.weight_shards import shared_pieces
 
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
 TOLERANCE = {"float32": 1e-4, "bf16": 3e-2}
 """Relative error allowed against the fp32 reference: fp32 on GPU sums in another order
 than one process does (1e-5 on CPU); bf16 rounds every matmul input to 8 bits of mantissa."""
+TINY = TinyModelSpec(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2)
 QWEN25_05B = TinyModelSpec(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                            max_position_embeddings=1024)
@@ -153,10 +157,8 @@ def layouts(world: int) -> dict[str, dict]:
             f"tp={world} sp lp": {"dp_shard": 1, "tp": world, "sequence_parallel": True, "loss_parallel": True}}
 
 
-def check_parity(world: int, workdir: str) -> bool:
-    model_dir = write_tiny_model(os.path.join(workdir, "tiny"), TinyModelSpec(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    batch = make_batch(vocab=100, rows=8, width=24)
+def check_parity(world: int, workdir: str, model_dir: str) -> bool:
+    batch = make_batch(vocab=TINY.vocab_size, rows=8, width=24)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     expected = reference(model_dir, batch, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -171,10 +173,9 @@ def check_parity(world: int, workdir: str) -> bool:
     return ok
 
 
-def throughput(workdir: str, shapes: list[tuple[int, int]], steps: int) -> None:
+def throughput(workdir: str, model_dir: str, shapes: list[tuple[int, int]], steps: int) -> None:
     """Tokens/s of a forward/backward with the NLL loss on one device: plain HF (bf16 autocast)
     beside the engine on one rank with bf16 mixed precision, same batch, one sitting."""
-    model_dir = write_tiny_model(os.path.join(workdir, "qwen05b"), QWEN25_05B)
     for rows, width in shapes:
         batch = make_batch(vocab=QWEN25_05B.vocab_size, rows=rows, width=width)
         tokens = int(batch["attention_mask"].sum())
@@ -227,6 +228,85 @@ def engine_throughput(rank: int, port: int, model_dir: str, batch, steps: int, o
         dist.destroy_process_group()
 
 
+def check_in_place_sync(model_dir: str, batch) -> bool:
+    """The in-place weight sync: another process (as a colocated rollout engine) reads an engine
+    rank's shards (through CUDA IPC on a GPU, shared memory on CPU), and finds the rank's
+    parameters before and after an optimizer step. On a GPU, then the time to copy them all into
+    bf16 weights (what a vLLM engine holds), beside the same copies from the process's own tensors."""
+    context = mp.get_context("spawn")
+    conn, rank_conn = context.Pipe()
+    rank = context.Process(target=sharing_rank, args=(rank_conn, free_port(), model_dir, batch))
+    rank.start()
+    rank_conn.close()  # a rank that dies ends the reads below
+    try:
+        pieces = shared_pieces([conn.recv()])
+        mapped = {name: tensor for name, [(_, tensor)] in pieces.items()}
+        before = conn.recv()
+        ok = all(torch.equal(mapped[name].cpu(), value) for name, value in before.items())
+        conn.send("step")
+        after = conn.recv()
+        ok &= all(torch.equal(mapped[name].cpu(), value) for name, value in after.items())
+        ok &= any(not torch.equal(after[name], before[name]) for name in before)
+        how = "CUDA IPC" if torch.cuda.is_available() else "shared memory"
+        print(f"[in-place sync] {how}, {len(mapped)} tensors: {'ok  ' if ok else 'FAIL'} the reader sees the "
+              "rank's weights before and after a step", flush=True)
+        if torch.cuda.is_available():
+            ipc_s, local_s = copy_times(mapped)
+            gb = sum(t.numel() * t.element_size() for t in mapped.values()) / 1e9
+            print(f"[in-place sync] copying {gb:.2f} GB of shards into bf16 weights: through CUDA IPC "
+                  f"{ipc_s * 1e3:.2f} ms, from the process's own tensors {local_s * 1e3:.2f} ms: "
+                  f"{ipc_s / local_s:.2f}x", flush=True)
+        del pieces, mapped
+        conn.send("done")
+        rank.join(timeout=60)
+        return ok
+    finally:
+        if rank.is_alive():
+            rank.kill()
+
+
+def sharing_rank(conn, port: int, model_dir: str, batch) -> None:
+    """One engine rank (bf16 mixed precision) that shares its shards, sends its full parameters,
+    takes an optimizer step when asked and sends them again."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        parallel = ParallelConfig(dp_shard=1)
+        dims = ParallelDims.of(parallel)
+        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(lr=1e-3), dims, parallel,
+                          micro_batch_size=len(batch["input_ids"]), total_steps=1, param_dtype=torch.bfloat16)
+        engine = ModelEngine(spec, dims.build_mesh(device.type), device)
+        conn.send(engine.share_shards(list(engine.parameter_nbytes())))
+        conn.send(full_parameters(engine))
+        conn.recv()
+        engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
+        engine.optimizer_step()
+        conn.send(full_parameters(engine))
+        conn.recv()
+    finally:
+        dist.destroy_process_group()
+
+
+def full_parameters(engine: ModelEngine) -> dict[str, torch.Tensor]:
+    """Copies (a CPU tensor sent through a pipe would share the parameter's own memory)."""
+    return {name: p.full_tensor().detach().to("cpu", copy=True) for name, p in engine.named_parameters()}
+
+
+def copy_times(sources: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Seconds to copy every tensor of `sources` into a bf16 tensor of its shape, and the same
+    from clones of them in this process (the peer: no IPC)."""
+    weights = {name: torch.empty(t.shape, dtype=torch.bfloat16, device="cuda") for name, t in sources.items()}
+    local = {name: t.clone() for name, t in sources.items()}
+
+    def copy_from(tensors):
+        return lambda: [weights[name].copy_(t) for name, t in tensors.items()]
+
+    return timed(copy_from(sources), 10), timed(copy_from(local), 10)
+
+
 def timed(step, steps: int) -> float:
     """Median seconds of `steps` calls after two warm-ups."""
     step(), step()
@@ -256,9 +336,14 @@ def main() -> int:
         print("[gpu] no CUDA device: the same checks on CPU with gloo", flush=True)
     world = args.ranks or (torch.cuda.device_count() if on_gpu else 2)
     with tempfile.TemporaryDirectory() as workdir:
-        ok = check_parity(world, workdir)
-        if on_gpu and not args.skip_throughput:
-            throughput(workdir, shapes=[(16, 512), (4, 2048)], steps=5)
+        tiny = write_tiny_model(os.path.join(workdir, "tiny"), TINY)
+        ok = check_parity(world, workdir, tiny)
+        if not on_gpu:
+            return 0 if ok & check_in_place_sync(tiny, make_batch(TINY.vocab_size, rows=8, width=24)) else 1
+        qwen05b = write_tiny_model(os.path.join(workdir, "qwen05b"), QWEN25_05B)
+        ok &= check_in_place_sync(qwen05b, make_batch(QWEN25_05B.vocab_size, rows=4, width=256))
+        if not args.skip_throughput:
+            throughput(workdir, qwen05b, shapes=[(16, 512), (4, 2048)], steps=5)
     return 0 if ok else 1
 
 

@@ -20,7 +20,7 @@ import yaml
 from rlsys.config.loader import build_config, load_config
 from rlsys.config.schema import RLJobConfig, TrackingConfig
 from rlsys.data.batching import collate_rollouts
-from rlsys.parallel.weight_sync import plan_buckets
+from rlsys.parallel.weight_sync import _gpus_unseen, _Room, plan_buckets
 from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
 
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
@@ -50,6 +50,15 @@ def rl_config(tiny_model_dir, arith_files, tmp_path):
     path = tmp_path / "rl.yaml"
     path.write_text(yaml.safe_dump(rl_raw(tiny_model_dir, arith_files, str(tmp_path / "rl"))))
     return lambda *overrides: load_config(RLJobConfig, str(path), list(overrides))
+
+
+def test_gpu_shards_are_read_in_place_only_by_engines_that_see_their_gpus():
+    """CUDA IPC opens an allocation only on a GPU the reading process sees: colocated engines
+    read in place; an engine on a GPU of its own, or one that sees only one rank's, does not."""
+    ranks = [_Room("node", ("0",), 0, 0), _Room("node", ("1",), 0, 0)]
+    assert _gpus_unseen(ranks, [_Room("node", ("0", "1"), 0, 0)]) == ""
+    assert "colocate" in _gpus_unseen(ranks, [_Room("node", ("0",), 0, 0), _Room("node", ("1",), 0, 0)])
+    assert "colocate" in _gpus_unseen(ranks[:1], [_Room("node", ("2",), 0, 0)])
 
 
 def test_buckets_keep_decoder_blocks_whole():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 
+import pytest
 import torch
 
 from rlsys.parallel.weight_shards import pack, share, shard_pieces, shared_pieces
@@ -97,33 +98,41 @@ def test_replayed_syncs_write_what_the_loader_writes():
     assert place.takes_shards == {"head", "k", "q"}  # "split" is read in slices: from a full tensor
 
 
-def _trainer_side(conn) -> None:
+def _trainer_side(conn, device: str) -> None:
     """A training rank's part: a shard that is a view into a padded buffer (as FSDP2 keeps an
-    uneven shard), moved into shared memory, then stepped in place on request."""
-    padded = torch.arange(12, dtype=torch.float32)
+    uneven shard), shared (moved into shared memory on CPU), then stepped in place on request."""
+    padded = torch.arange(12, dtype=torch.float32, device=device)
     shard = padded[2:10].view(2, 4)
     conn.send(share([("w", shard, (4, 4), (2, 0))]))
     while conn.recv():
         padded.add_(1.0)  # the optimizer's step, on the buffer the shard views
-        conn.send(shard.clone())
+        conn.send(shard.cpu())
+    conn.send(None)  # CUDA IPC: the producer outlives the engine's mapping
 
 
-def test_shared_shards_are_read_in_place_by_another_process():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (scripts/gpu_check.sh runs this)"))])
+def test_shared_shards_are_read_in_place_by_another_process(device):
     """The engine's side of an in-place sync: through the handles of a shard in another process's
-    shared memory, it reads the shard's current values (after each in-place update there), where
-    the shard lies in the full tensor, and nothing of the buffer around it."""
+    memory (shared memory on CPU, CUDA IPC on a GPU), it reads the shard's current values (after
+    each in-place update there), where the shard lies in the full tensor, and nothing of the
+    buffer around it."""
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
-    trainer = context.Process(target=_trainer_side, args=(child_conn,), daemon=True)
+    trainer = context.Process(target=_trainer_side, args=(child_conn, device), daemon=True)
     trainer.start()
     try:
         pieces = shared_pieces([conn.recv()])
         [(entry, mapped)] = pieces["w"]
         assert entry.region == (slice(2, 4), slice(0, 4))
-        assert torch.equal(mapped, torch.arange(2, 10, dtype=torch.float32).view(2, 4))
+        assert mapped.device.type == device
+        assert torch.equal(mapped.cpu(), torch.arange(2, 10, dtype=torch.float32).view(2, 4))
         for _ in range(2):
             conn.send(True)
-            assert torch.equal(mapped, conn.recv())
+            stepped = conn.recv()
+            assert torch.equal(mapped.cpu(), stepped)
+        del pieces, mapped
         conn.send(False)
+        conn.recv()
     finally:
         trainer.join(timeout=30)

@@ -13,7 +13,7 @@ import torch
 from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
-from rlsys.parallel.weight_shards import Pieces, SharedShard, ShardBucket, shard_pieces, shared_pieces
+from rlsys.parallel.weight_shards import Pieces, Shared, ShardBucket, shard_pieces, shared_pieces
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
@@ -83,12 +83,14 @@ def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
     _place(worker, shard_pieces(buckets))
 
 
-def _place_shared(worker, shards_by_rank: list[list[SharedShard]]) -> None:
+def _place_shared(worker, shards_by_rank: list[list[Shared]]) -> None:
     """Runs inside each vLLM worker: write every weight, read in place from the training ranks'
-    shared memory (mapped on the first sync, whose handles are the only ones sent)."""
+    memory (mapped on the first sync, whose handles are the only ones sent)."""
     if not hasattr(worker, "rlsys_shared"):
         worker.rlsys_shared = shared_pieces(shards_by_rank)
     _place(worker, worker.rlsys_shared)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the trainer's next step rewrites the shards these copies read
 
 
 def _place(worker, pieces: Pieces) -> None:
@@ -155,9 +157,9 @@ class RolloutWorker:
         15 to 18 ms.)"""
         self._load(_place_weights, list(buckets), first, last)
 
-    def load_shared(self, *shards_by_rank: list[SharedShard]) -> None:
-        """Load every weight, read in place from the shared memory of the training ranks on this
-        machine (`WeightSync`'s shared path): one call per sync, nothing through the object store.
+    def load_shared(self, *shards_by_rank: list[Shared]) -> None:
+        """Load every weight, read in place from the memory of the training ranks on this
+        machine (`WeightSync`'s in-place path): one call per sync, nothing through the object store.
         The first sync brings every rank's handles; later ones bring none (the handles never
         change and the engine keeps their mapping). Frees nothing, so no trim after it."""
         self._load(_place_shared, list(shards_by_rank), first=True, last=True)

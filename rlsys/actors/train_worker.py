@@ -24,7 +24,7 @@ from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
 from rlsys.parallel.dims import ParallelDims
-from rlsys.parallel.weight_shards import SharedShard, ShardBucket, pack
+from rlsys.parallel.weight_shards import Shared, ShardBucket, pack
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class TrainWorker:
         shards = self.policy.local_shards(names)
         return pack(shards) if shards else None
 
-    def share_shards(self, names: list[str]) -> list[SharedShard]:
+    def share_shards(self, names: list[str]) -> list[Shared]:
         """Handles to this rank's shards of `names`, moved into shared memory, for engines on this
         machine to read in place at every sync (none of them: this rank holds only replicas)."""
         return self.policy.share_shards(names)

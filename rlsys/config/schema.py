@@ -217,9 +217,10 @@ class RolloutConfig:
     sync_bucket_mb: float = Field(default=64.0, gt=0)
     """Weight-sync bucket size: decoder blocks are gathered and sent this many MB at a time."""
     sync_shared_memory: bool = True
-    """Training on CPU with the engines on the same machine (and room in /dev/shm, a free file descriptor
-    per shard): the engines read the training ranks' shards in place from shared memory at every sync.
-    False, or else: every sync sends the shards bucket by bucket through Ray's object store."""
+    """With the engines on the training ranks' machine, they read the ranks' shards in place at every sync:
+    on CPU from shared memory (given room in /dev/shm and a free file descriptor per shard), on GPU through
+    CUDA IPC (where every engine sees the ranks' GPUs, as colocated engines do). False, or else: every sync
+    sends the shards bucket by bucket through Ray's object store."""
 
 
 @dataclass(config=STRICT)

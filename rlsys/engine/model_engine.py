@@ -51,7 +51,7 @@ from rlsys.engine.loading import load_parallel_model
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.pipeline_schedule import run_schedule
 from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
-from rlsys.parallel.weight_shards import SharedShard, share
+from rlsys.parallel.weight_shards import Shared, share
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,8 @@ class ModelEngine:
             scheduler.step()
         self.zero_grad()
         self._check_shared()
+        if self.shared_storages and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the engines read the shards outside this process's streams
         return {"grad_norm": grad_norm, "lr": lr}
 
     def zero_grad(self) -> None:
@@ -278,9 +280,9 @@ class ModelEngine:
                 shards.append((name, param.to_local(), tuple(param.shape), self.shard_offsets[name]))
         return shards
 
-    def share_shards(self, names: list[str]) -> list[SharedShard]:
-        """`local_shards` of `names` moved into shared memory, as handles for an engine on this
-        machine to read them in place on every sync (`weight_shards.share`)."""
+    def share_shards(self, names: list[str]) -> list[Shared]:
+        """Handles to the `local_shards` of `names` for an engine on this machine to read in place
+        on every sync: moved into shared memory on CPU, where they are on a GPU (`weight_shards.share`)."""
         shards = self.local_shards(names)
         shared = share(shards)
         self.shared_storages.update((name, local.untyped_storage().data_ptr()) for name, local, _, _ in shards)

@@ -8,8 +8,9 @@ needs full tensors, places them into a staging buffer (`Assembler`). No
 collective runs among the training ranks: on gloo, gathering the full tensors of
 a Qwen2.5-0.5B-shaped model (1.9 GB) over 2 ranks took 14 s by itself; the whole
 sync through the object store now takes 2.3-4 s. An engine on the training ranks'
-machine reads their shards in shared memory instead (`share`, `shared_pieces`):
-the same pieces, with no copy before the engine's own.
+machine reads their shards in place instead (`share`, `shared_pieces`): in shared
+memory on CPU, through CUDA IPC on a GPU; the same pieces, with no copy before the
+engine's own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 
 @dataclass(frozen=True)
@@ -65,20 +67,65 @@ class SharedShard:
     storage_offset: int
     stride: tuple[int, ...]
 
+    def open(self, storages: dict) -> torch.Tensor:
+        """The shard, on its storage mapped through /proc/<pid>/fd (once per storage: `storages`)."""
+        key = (self.pid, self.fd)
+        if key not in storages:
+            fd = os.open(f"/proc/{self.pid}/fd/{self.fd}", os.O_RDWR)
+            try:
+                storages[key] = torch.UntypedStorage._new_shared_fd_cpu(fd, self.storage_bytes)
+            finally:
+                os.close(fd)  # the mapping keeps its own duplicate
+        return torch.empty(0, dtype=self.entry.dtype).set_(storages[key], self.storage_offset, self.entry.shape,
+                                                           self.stride)
 
-def share(shards: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> list[SharedShard]:
-    """Move each shard's storage into shared memory and return handles to it. The move is in
-    place: every tensor on that storage (FSDP2's padded shard, the parameter the optimizer
-    steps) reads and writes the shared pages from then on, so the handles stay valid as long
-    as nothing gives the parameter a new storage. The memory is an unlinked file that this
-    process holds open (torch's file-descriptor sharing): it goes when the last process
-    mapping it ends, however it ends, and never outlives the run in /dev/shm."""
-    shared = []
-    for name, local, full_shape, offset in shards:
-        fd, storage_bytes = local.untyped_storage()._share_fd_cpu_()
-        shared.append(SharedShard(_entry(name, local, full_shape, offset), os.getpid(), fd, storage_bytes,
-                                  local.storage_offset(), local.stride()))
-    return shared
+
+@dataclass(frozen=True)
+class CudaSharedShard:
+    """A training rank's shard on a GPU, which an engine on the same machine reads in place
+    through CUDA IPC: the tensor as `torch.multiprocessing` sends one (its allocation's IPC
+    handle, its view and the producer's reference count), and the GPU's UUID, since the
+    engine's processes number their visible GPUs their own way."""
+
+    entry: ShardEntry
+    device_uuid: str
+    rebuild_args: tuple
+
+    def open(self, storages: dict) -> torch.Tensor:
+        """The shard on this process's index of its GPU (torch maps each allocation once)."""
+        device = _device_index(self.device_uuid)
+        args = self.rebuild_args
+        return rebuild_cuda_tensor(*args[:6], device, *args[7:])
+
+
+Shared = SharedShard | CudaSharedShard
+
+
+def share(shards: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> list[Shared]:
+    """Handles to each shard for an engine on this machine to read in place. A shard on a GPU is
+    shared where it is (CUDA IPC). A shard in host memory is moved into shared memory, in place:
+    every tensor on its storage (FSDP2's padded shard, the parameter the optimizer steps) reads
+    and writes the shared pages from then on, so the handles stay valid as long as nothing gives
+    the parameter a new storage. That memory is an unlinked file that this process holds open
+    (torch's file-descriptor sharing): it goes when the last process mapping it ends, however it
+    ends, and never outlives the run in /dev/shm."""
+    return [_share(name, local.detach(), full_shape, offset) for name, local, full_shape, offset in shards]
+
+
+def _share(name: str, local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...]) -> Shared:
+    entry = _entry(name, local, full_shape, offset)
+    if local.is_cuda:
+        _, args = reduce_tensor(local)
+        return CudaSharedShard(entry, str(torch.cuda.get_device_properties(local.device).uuid), args)
+    fd, storage_bytes = local.untyped_storage()._share_fd_cpu_()
+    return SharedShard(entry, os.getpid(), fd, storage_bytes, local.storage_offset(), local.stride())
+
+
+def _device_index(uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise RuntimeError(f"GPU {uuid} holds training shards but is not visible to this rollout process")
 
 
 def _entry(name: str, local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...]) -> ShardEntry:
@@ -101,24 +148,14 @@ def shard_pieces(buckets: list[ShardBucket | None]) -> Pieces:
     return pieces
 
 
-def shared_pieces(shards_by_rank: list[list[SharedShard]]) -> Pieces:
+def shared_pieces(shards_by_rank: list[list[Shared]]) -> Pieces:
     """Tensors on the training ranks' shared shards, grouped by name as `shard_pieces` groups
-    a sync's buckets: reading them reads the trainer's current weights. Each storage is opened
-    through /proc/<pid>/fd of the rank holding it (the ranks must be alive) and mapped once."""
-    storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+    a sync's buckets: reading them reads the trainer's current weights (the ranks must be alive)."""
+    storages: dict = {}
     pieces: Pieces = {}
     for shards in shards_by_rank:
         for shard in shards:
-            key = (shard.pid, shard.fd)
-            if key not in storages:
-                fd = os.open(f"/proc/{shard.pid}/fd/{shard.fd}", os.O_RDWR)
-                try:
-                    storages[key] = torch.UntypedStorage._new_shared_fd_cpu(fd, shard.storage_bytes)
-                finally:
-                    os.close(fd)  # the mapping keeps its own duplicate
-            tensor = torch.empty(0, dtype=shard.entry.dtype).set_(storages[key], shard.storage_offset,
-                                                                  shard.entry.shape, shard.stride)
-            pieces.setdefault(shard.entry.name, []).append((shard.entry, tensor))
+            pieces.setdefault(shard.entry.name, []).append((shard.entry, shard.open(storages)))
     return pieces
 
 

@@ -11,13 +11,13 @@ block's q/k/v and gate/up (fused into one tensor by vLLM) arrive together. No
 process holds more than two buckets of the model at a time (one being packed,
 one being loaded); the driver holds none.
 
-Training on CPU with the engines on the same machine, the engines instead read
-the ranks' shards in place: the first sync moves each rank's shards into shared
-memory (`weight_shards.share`, where the optimizer then keeps stepping them) and
-hands the engines their file descriptors; every sync is then one call to each engine,
-which copies from the mapped shards straight into its parameters. Nothing is
-packed or copied on the trainer's side and nothing goes through the object
-store. (On GPU the same would take CUDA IPC handles, not built: untested.)
+With the engines on the ranks' machine (and, on GPU, seeing the ranks' GPUs),
+the engines instead read the ranks' shards in place: the first sync hands the
+engines handles to each rank's shards (`weight_shards.share`: on CPU the shards
+move into shared memory, where the optimizer then keeps stepping them; on a GPU
+they are CUDA IPC handles); every sync is then one call to each engine, which
+copies from the mapped shards straight into its parameters. Nothing is packed or
+copied on the trainer's side and nothing goes through the object store.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import re
 import resource
 import shutil
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -107,36 +108,62 @@ class WeightSync:
         self.shards_shared = True
 
     def _can_share(self) -> bool:
-        """Whether the engines can read the training ranks' memory: CPU training, every rank and
-        engine on one Ray node, room for the shards in its /dev/shm (a container's is often
-        64 MB), and a file descriptor free for each shared storage in every rank and engine."""
+        """Whether the engines can read the training ranks' memory: every rank and engine on one
+        Ray node; on GPU, every rank's GPU visible to every engine (CUDA IPC opens an allocation
+        only on a GPU the process sees, as a colocated engine sees its rank's); on CPU, room for
+        the shards in its /dev/shm (a container's is often 64 MB) and a file descriptor free for
+        each shared storage in every rank and engine."""
         train, rollout = self.train_group, self.rollout_group
-        if train.on_gpu:
-            return False
-        facts = wait_all([actor.__ray_call__.remote(_node_and_room) for actor in train.workers + rollout.engines],
+        rooms = wait_all([actor.__ray_call__.remote(_room) for actor in train.workers + rollout.engines],
                          train.names + rollout.names)
-        if len({node for node, _, _ in facts}) > 1:
+        if len({room.node for room in rooms}) > 1:
             return False
-        shm_free = min(shm for _, shm, _ in facts)
-        rank_fds = [len(self.stage_names[rank]) for rank in range(len(train.workers))]
-        fds_needed = rank_fds + [sum(rank_fds)] * len(rollout.engines)
-        fds_free = [fds for _, _, fds in facts]
+        ranks, engines = rooms[:len(train.workers)], rooms[len(train.workers):]
+        reason = _gpus_unseen(ranks, engines) if train.on_gpu else self._no_room(ranks, engines)
+        if reason:
+            log.info("weight sync through Ray's object store, not in place: %s", reason)
+        return not reason
+
+    def _no_room(self, ranks: list[_Room], engines: list[_Room]) -> str:
+        """Why the shards cannot be shared in host memory, or "" if they can."""
+        shm_free = min(room.shm_free for room in ranks + engines)
+        rank_fds = [len(self.stage_names[rank]) for rank in range(len(ranks))]
+        fds_needed = rank_fds + [sum(rank_fds)] * len(engines)
+        fds_free = [room.fds_free for room in ranks + engines]
         if shm_free <= self.total_bytes:
-            reason = f"/dev/shm has {shm_free / 2**20:.0f} MB free for {self.total_bytes / 2**20:.0f} MB of weights"
-        elif any(free < needed + _SPARE_FDS for free, needed in zip(fds_free, fds_needed)):
-            reason = (f"an actor has {min(fds_free)} file descriptors free for up to {max(fds_needed)} shared "
-                      f"shards (raise `ulimit -n`)")
-        else:
-            return True
-        log.info("weight sync through Ray's object store, not in place: %s", reason)
-        return False
+            return f"/dev/shm has {shm_free / 2**20:.0f} MB free for {self.total_bytes / 2**20:.0f} MB of weights"
+        if any(free < needed + _SPARE_FDS for free, needed in zip(fds_free, fds_needed)):
+            return (f"an actor has {min(fds_free)} file descriptors free for up to {max(fds_needed)} shared "
+                    f"shards (raise `ulimit -n`)")
+        return ""
 
 
-def _node_and_room(actor) -> tuple[str, int, int]:
-    """This actor's node, free bytes in /dev/shm and free file descriptors (none without Linux's
-    /dev/shm and /proc, which the engines open the shards through)."""
-    node = ray.get_runtime_context().get_node_id()
+def _gpus_unseen(ranks: list[_Room], engines: list[_Room]) -> str:
+    """Why the engines cannot open the ranks' shards on their GPUs, or "" if they can."""
+    rank_gpus = set().union(*(room.gpus for room in ranks))
+    if all(rank_gpus <= set(room.gpus) for room in engines):
+        return ""
+    return (f"the training ranks' GPUs {sorted(rank_gpus)} are not all visible to every engine "
+            f"({[list(room.gpus) for room in engines]}); colocate the engines with the ranks")
+
+
+@dataclass(frozen=True)
+class _Room:
+    """Where an actor runs and what it has free for shards shared in place."""
+
+    node: str
+    gpus: tuple[str, ...]
+    """Ray's ids of the GPUs the actor sees."""
+    shm_free: int
+    fds_free: int
+
+
+def _room(actor) -> _Room:
+    """This actor's node and GPUs, free bytes in /dev/shm and free file descriptors (none without
+    Linux's /dev/shm and /proc, which the engines open host-memory shards through)."""
+    context = ray.get_runtime_context()
+    node, gpus = context.get_node_id(), tuple(str(gpu) for gpu in ray.get_gpu_ids())
     if not (os.path.isdir("/dev/shm") and os.path.isdir("/proc/self/fd")):
-        return node, 0, 0
+        return _Room(node, gpus, 0, 0)
     fds_free = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - len(os.listdir("/proc/self/fd"))
-    return node, shutil.disk_usage("/dev/shm").free, fds_free
+    return _Room(node, gpus, shutil.disk_usage("/dev/shm").free, fds_free)

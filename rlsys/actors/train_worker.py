@@ -168,8 +168,8 @@ class TrainWorker:
         return pack(shards) if shards else None
 
     def share_shards(self, names: list[str]) -> list[Shared]:
-        """Handles to this rank's shards of `names`, moved into shared memory, for engines on this
-        machine to read in place at every sync (none of them: this rank holds only replicas)."""
+        """Handles to this rank's shards of `names` (moved into shared memory on CPU) for engines on
+        this machine to read in place at every sync (none of them: this rank holds only replicas)."""
         return self.policy.share_shards(names)
 
     # -- inspection (tests) ---------------------------------------------------

@@ -143,3 +143,28 @@ def test_resources_the_cluster_lacks_are_a_config_error(ray_cluster, sft_config)
     with pytest.raises(ConfigError, match=r"^ray\.cpus_per_worker: 2 workers x 64 CPUs = 128 CPUs, "
                                           r"but the Ray cluster has \d+$"):
         run_lm_training(sft_config("ray.cpus_per_worker=64"), "sft")
+
+
+def test_a_resumed_run_follows_its_own_schedule():
+    """Resumed with more steps, the next step takes the new schedule's lr at the restored step, not
+    the saved run's; resumed unchanged, exactly the lr the uninterrupted run had."""
+    import torch
+
+    from rlsys.engine.model_engine import follow_schedule, lr_multiplier
+
+    def scheduler(total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, 2, total_steps, 0.1))
+
+    saved = scheduler(10)
+    for _ in range(10):
+        saved.optimizer.step()
+        saved.step()
+    for total_steps in (10, 15):
+        resumed = scheduler(total_steps)
+        resumed.optimizer.load_state_dict(saved.optimizer.state_dict())
+        resumed.load_state_dict(saved.state_dict())
+        follow_schedule(resumed, 3e-3)
+        expected = saved.optimizer.param_groups[0]["lr"] if total_steps == 10 else 3e-3 * lr_multiplier(10, 2, 15, 0.1)
+        assert resumed.optimizer.param_groups[0]["lr"] == expected == resumed.get_last_lr()[0]
+    assert expected > 2 * saved.optimizer.param_groups[0]["lr"]  # the saved run had decayed to its floor

@@ -76,6 +76,17 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def follow_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """Set a restored scheduler's optimizer to this run's schedule (peak `lr`) at the restored
+    step. The checkpoint holds the saved run's lr, which its next step would still take when the
+    schedule changed on resume (a larger `train.steps`, say); an unchanged one gives the same lr."""
+    scheduler.base_lrs = [lr] * len(scheduler.optimizer.param_groups)
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, group_lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = group_lr
+    scheduler._last_lr = lrs
+
+
 class ModelEngine:
     def __init__(self, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, trainable: bool = True):
         self.spec, self.mesh, self.device = spec, mesh, device
@@ -332,6 +343,7 @@ class ModelEngine:
         extra = torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=False)
         for scheduler, scheduler_state in zip(self.schedulers, extra["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
+            follow_schedule(scheduler, self.spec.optim.lr)
         torch.set_rng_state(extra["rng"])
 
     def export_hf(self, out_dir: str, writes_stage: bool, writes_config: bool) -> None:

@@ -73,8 +73,9 @@ if "$py" -c "import ray" 2>/dev/null; then
   { pretrain train.steps=200 && pretrain train.steps=300 && "$py" - "$out/pretrain" <<'PY'; } || status=1
 import json, sys
 run = sys.argv[1]
-loss = {row["step"]: row["loss"] for row in map(json.loads, open(f"{run}/metrics.jsonl"))}
-times = sorted(row["step_time_s"] for row in map(json.loads, open(f"{run}/metrics.jsonl")))
+rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+loss = {row["step"]: row["loss"] for row in rows}
+times = sorted(row["step_time_s"] for row in rows)
 resumed = json.load(open(f"{run}/summary.json"))["resumed_from_step"]
 ok = resumed == 200 and sorted(loss) == list(range(1, 301)) and loss[300] < loss[1] / 2
 print(f"[ray pretrain] {'ok  ' if ok else 'FAIL'} 1 rank through Ray: loss {loss[1]:.3f} -> {loss[200]:.3f} at step 200, "

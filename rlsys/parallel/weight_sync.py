@@ -73,7 +73,7 @@ class WeightSync:
                             for rank in ranks}
         self.in_place = shared_memory and self._can_share()
         self.shards_shared = False
-        """Whether the ranks' shards are in shared memory and the engines hold their handles (`in_place`)."""
+        """Whether the engines hold handles to the ranks' shards (`in_place`, from the first sync on)."""
 
     def run(self) -> dict[str, float]:
         started = time.perf_counter()
@@ -99,9 +99,9 @@ class WeightSync:
 
     def _load_in_place(self) -> None:
         """The engines read the ranks' shards where the optimizer keeps them: the first sync
-        moves them into shared memory (one call to each rank) and sends the engines their
-        handles; every sync is then one call to each engine, with no copy on the trainer's side
-        and none through the object store."""
+        asks each rank for handles to them (on CPU moving them into shared memory) and sends
+        them to the engines; every sync is then one call to each engine, with no copy on the
+        trainer's side and none through the object store."""
         train, rollout = self.train_group, self.rollout_group
         handles = [] if self.shards_shared else train.run_all_ranks("share_shards", self.stage_names)
         wait_all([call(engine.load_shared, *handles) for engine in rollout.engines], rollout.names)

@@ -80,23 +80,44 @@ def local_bytes(tensors) -> int:
     return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
 
 
+class CudaPeak:
+    """torch's allocated-bytes high-water mark on this process's GPU over a window."""
+
+    @staticmethod
+    def rss() -> int:
+        return torch.cuda.memory_allocated()
+
+    def __enter__(self):
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated()
+
+
 def run_rank(rank: int, layout: dict, model_dir: str, port: int, args, results) -> None:
     torch.set_num_threads(1)
     parallel = ParallelConfig(**layout)
     dims = ParallelDims.of(parallel)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dims.world_size)
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=dims.world_size)
     spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel,
                       micro_batch_size=args.micro_batch or args.rows, total_steps=10, param_dtype=None)
-    baseline = PeakSampler.rss()
-    with PeakSampler() as load:
-        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+    Peak = CudaPeak if on_gpu else PeakSampler
+    baseline = Peak.rss()
+    with Peak() as load:
+        engine = ModelEngine(spec, dims.build_mesh(args.device), torch.device(args.device, rank if on_gpu else None))
     ids = torch.randint(0, 1000, (args.rows * dims.dp_size, args.seq_len), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     shard = {k: v.tensor_split(dims.dp_size)[dims.coordinates(rank).dp_rank] for k, v in batch.items()}
     loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
     for _ in range(args.steps):  # the last step is measured: from the second on, AdamW's state is held
         started = time.perf_counter()
-        with PeakSampler() as step:
+        with Peak() as step:
             engine.forward_backward(shard, loss_fn)
             grads = local_bytes(p.grad for _, p in engine.named_parameters())
             engine.optimizer_step()
@@ -146,6 +167,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=0, help="rows per micro-batch (default: --rows)")
     parser.add_argument("--tied", action="store_true", help="tie the embedding and the LM head")
     parser.add_argument("--steps", type=int, default=1, help="training steps; the last one is measured")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one GPU per rank, nccl")
     parser.add_argument("--mmap-threshold-kb", type=int, default=0,
                         help="MALLOC_MMAP_THRESHOLD_ of the rank processes: glibc maps every block of this "
                              "size or more on its own and unmaps it when freed (0: glibc's default)")

@@ -11,7 +11,8 @@
 # 2026-11-25. vLLM's CUDA wheel is hundreds of MB: the rollout engine cannot be carried.
 # Always: the training engine on CUDA (nccl; fp32 and bf16 mixed precision) against one plain
 # HF process, the in-place weight sync's CUDA IPC reads of a rank's shards, and the engine's
-# throughput beside HF's (scripts/gpu_check.py, tests/test_weight_placement.py).
+# throughput beside HF's (scripts/gpu_check.py, tests/test_weight_placement.py), and the memory one
+# 0.5B-shaped rank holds through a training step (benchmarks/memory.py).
 # Where Ray imports: the pretrain stage through Ray, its rank on the GPU, then resumed from its
 # checkpoint. Where CUDA vLLM imports as well: a short RLVR run with a colocated engine (sleep
 # mode, the weight sync) and the weight-sync benchmark on the GPU.
@@ -60,6 +61,10 @@ gpus="$("$py" -c "import torch; print(int(torch.cuda.is_available()))")"
 status=0
 "$py" scripts/gpu_check.py || status=1
 "$py" -m pytest -q -p no:cacheprovider tests/test_weight_placement.py || status=1
+if [ "$gpus" = 1 ]; then  # a 0.5B-shaped model (Qwen2.5-0.5B's config, random init), one rank
+  "$py" benchmarks/memory.py --device cuda --layout dp_shard=1 --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
+    --intermediate 4864 --vocab 151936 --tied --rows 4 --seq-len 512 --steps 2 || status=1
+fi
 
 out="$(mktemp -d)"
 "$py" examples/arith/prepare.py --out "$out/arith" >/dev/null

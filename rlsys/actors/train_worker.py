@@ -22,7 +22,7 @@ from rlsys.algorithms.value_loss import token_values
 from rlsys.config.schema import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
 from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
-from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
+from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine, full_tensor, local_tensor
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.weight_shards import Shared, ShardBucket, pack
 
@@ -176,11 +176,11 @@ class TrainWorker:
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients by parameter name (gathers: every rank must call)."""
-        return {name: p.grad.full_tensor().cpu() for name, p in self.policy.named_parameters()}
+        return {name: full_tensor(p.grad).cpu() for name, p in self.policy.named_parameters()}
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of this rank's shard of each parameter."""
-        return {name: tuple(p.to_local().shape) for name, p in self.policy.named_parameters()}
+        return {name: tuple(local_tensor(p).shape) for name, p in self.policy.named_parameters()}
 
     # -- state --------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsys.config.schema import ModelConfig, ParallelConfig
@@ -46,13 +47,36 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
         parts = [build()]
     for part in parts:
         parallelize(part, dims, mesh, parallel, param_dtype, value_head)
-        part.to_empty(device=device)
+        _materialize(part, device)
         _load_weights(part, model_cfg.path, new={"lm_head.weight"} if value_head else set())
         if value_head and _has_lm_head(part):
             with torch.no_grad():
                 part.lm_head.weight.zero_()
         _init_rotary_buffers(part, device)
     return parts
+
+
+def _materialize(part: nn.Module, device: torch.device) -> None:
+    """Empty storage on `device` for the meta-device `part`. `to_empty` gives every module a
+    parameter of its own, so weights tied across modules (an LM head tied to the embedding)
+    are tied again; FSDP2 keeps its units' ties itself."""
+    ties = [] if isinstance(part, FSDPModule) else _ties(part)
+    part.to_empty(device=device)
+    for module, name, owner, owner_name in ties:
+        setattr(module, name, getattr(owner, owner_name))
+
+
+def _ties(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, owner, owner's name) for each parameter registered again after its first module."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in first:
+                ties.append((module, name, *first[id(param)]))
+            else:
+                first[id(param)] = (module, name)
+    return ties
 
 
 def _has_lm_head(part: nn.Module) -> bool:

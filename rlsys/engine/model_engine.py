@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
@@ -98,6 +99,7 @@ class ModelEngine:
         self.pp_rank = mesh["pp"].get_local_rank()
         self.sequence_multiple = spec.dims.tp if spec.parallel.sequence_parallel else 1
         self.fsdp_size = spec.dims.fsdp_mesh(mesh).size()
+        self.fsdp_parts = [part for part in self.parts if isinstance(part, FSDPModule)]
         self.optimizers, self.schedulers = [], []
         self.shard_offsets: dict[str, tuple[int, ...] | None] = {}
         self.shared_storages: dict[str, int] = {}
@@ -141,7 +143,7 @@ class ModelEngine:
             sums, rows = self._pipelined(shard, loss_fn, forward_only)
         else:
             sums, rows = self._micro_batched(shard, loss_fn, forward_only)
-        for part in self.parts:
+        for part in self.fsdp_parts:
             part.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
         return self._sum_metrics(sums), rows
 
@@ -184,15 +186,16 @@ class ModelEngine:
         return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
 
     def _defer_gradient_reduction(self, defer: bool) -> None:
-        """On a data-parallel mesh of one rank FSDP2 shards nothing, yet every backward copies
-        all gradients out to reduce them and every forward gathers the parameters again. There the
-        micro-batches before the last accumulate unreduced gradients and keep the parameters
-        gathered: 3% of the arithmetic RL update, the same gradients, the same peak memory (each
-        backward holds both anyway). On more ranks each micro-batch's gradients are reduced as
-        they come, so no rank holds the whole model's."""
+        """FSDP2 on a data-parallel mesh of one rank (there for bf16 mixed precision or tensor parallel,
+        `parallelize.needs_fsdp`) shards nothing, yet every backward copies all gradients out
+        to reduce them and every forward gathers the parameters again. There the micro-batches
+        before the last accumulate unreduced gradients and keep the parameters gathered: the
+        same gradients, the same peak memory (each backward holds both anyway). On more ranks
+        each micro-batch's gradients are reduced as they come, so no rank holds the whole
+        model's."""
         if self.fsdp_size > 1:
             return
-        for part in self.parts:
+        for part in self.fsdp_parts:
             part.set_requires_gradient_sync(not defer)
             part.set_reshard_after_backward(not defer)
 
@@ -263,23 +266,22 @@ class ModelEngine:
     def full_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of `names`, gathered from every mesh axis but pp (a collective
         over the ranks of this pipeline stage: each iterates in the same order)."""
-        for part in self.parts:
+        for part in self.fsdp_parts:
             part.reshard()
         params = dict(self.named_parameters())
         for name in names:
             param = params[name]
-            yield name, (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+            yield name, full_tensor(param).detach()
 
     @torch.no_grad()
     def local_shards(self, names: list[str]) -> list[tuple[str, torch.Tensor, tuple, tuple]]:
         """This rank's shard of each of `names` as (name, shard, full shape, offset of the shard
         in the full tensor): no collective. A rank holding a replica of a shard (a Replicate
         placement at a coordinate other than 0: another data-parallel replica, a tensor-parallel
-        peer's copy of a norm) yields nothing for it, so each element is sent once. Every
-        parameter is a DTensor: FSDP2 always wraps the model, on a mesh of one rank too. (Without
+        peer's copy of a norm) yields nothing for it, so each element is sent once. (Without
         grad mode `to_local` needs no `detach`, whose dispatch through DTensor took 0.7 of the
         0.9 ms this took for the arithmetic model's 51 tensors.)"""
-        for part in self.parts:
+        for part in self.fsdp_parts:
             part.reshard()
         params = dict(self.named_parameters())
         shards = []
@@ -288,7 +290,7 @@ class ModelEngine:
             if name not in self.shard_offsets:  # fixed by the layout: worked out on the first sync
                 self.shard_offsets[name] = _shard_offset(param)
             if self.shard_offsets[name] is not None:
-                shards.append((name, param.to_local(), tuple(param.shape), self.shard_offsets[name]))
+                shards.append((name, local_tensor(param), tuple(param.shape), self.shard_offsets[name]))
         return shards
 
     def share_shards(self, names: list[str]) -> list[Shared]:
@@ -305,7 +307,7 @@ class ModelEngine:
             return
         params = dict(self.named_parameters())
         for name, address in self.shared_storages.items():
-            if params[name].to_local().untyped_storage().data_ptr() != address:
+            if local_tensor(params[name]).untyped_storage().data_ptr() != address:
                 raise RuntimeError(f"{name}: its shard moved out of the shared memory the rollout engines read")
 
     def perturb_parameters(self, scale: float, seed: int) -> None:
@@ -381,9 +383,21 @@ class ModelEngine:
                 json.dump(index, f, indent=2)
 
 
-def _shard_offset(param: DTensor) -> tuple[int, ...] | None:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or gradient: a DTensor's local shard, else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a parameter or gradient (a collective for a DTensor)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _shard_offset(param: torch.Tensor) -> tuple[int, ...] | None:
     """Where this rank's shard of `param` starts in the full tensor; None for a replica that
     another rank sends."""
+    if not isinstance(param, DTensor):  # one rank without FSDP holds it whole
+        return (0,) * param.dim()
     coordinate = param.device_mesh.get_coordinate()
     if any(c and placement.is_replicate() for c, placement in zip(coordinate, param.placements)):
         return None

@@ -2,7 +2,8 @@
 (with sequence and loss parallel), context parallel attention, then activation checkpointing, then FSDP2
 over the data-parallel submesh. Each step is one small function in its own
 module; FSDP comes last because it shards whatever the steps before left,
-plain tensors or tensor-parallel DTensors alike."""
+plain tensors or tensor-parallel DTensors alike. As in torchtitan, a data-parallel
+mesh of one rank gets no FSDP where it holds plain tensors in their own dtype (`needs_fsdp`)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,25 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel
         apply_cp(model, mesh["cp"])
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
-    # a pipeline stage runs several micro-batches forward before their backward: keep it gathered
-    apply_fsdp(model, dims.fsdp_mesh(mesh), param_dtype, reshard_after_forward=dims.pp == 1)
+    fsdp_mesh = dims.fsdp_mesh(mesh)
+    if needs_fsdp(fsdp_mesh, param_dtype, dims.tp):
+        # a pipeline stage runs several micro-batches forward before their backward: keep it gathered
+        apply_fsdp(model, fsdp_mesh, param_dtype, reshard_after_forward=dims.pp == 1)
+    else:
+        log.info("one data-parallel rank computing in the weights' dtype: no FSDP")
     return model
+
+
+def needs_fsdp(fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None, tp: int) -> bool:
+    """FSDP2 on a mesh of one rank shards nothing, yet it gathers each unit's weights into a
+    copy and copies its gradients out to reduce them. Whole-model units made those copies
+    the bulk of a 0.5B-shaped model's step memory on one CPU rank (peak 15.5-17.1 GiB against
+    11.7 per block; `benchmarks/memory.py`), and units per block made its RL update 14-26%
+    slower. Without FSDP the rank computes on its parameters themselves. It stays for bf16
+    mixed precision (on a GPU by default), whose casts FSDP2 makes, and under tensor
+    parallel, where it makes the parameters the plan leaves whole (norms, a value head)
+    DTensors like the rest: AdamW's fused step takes no mix of the two."""
+    return fsdp_mesh.size() > 1 or param_dtype is not None or tp > 1
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

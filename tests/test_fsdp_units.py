@@ -1,0 +1,84 @@
+"""A data-parallel rank of one in full precision gets no FSDP (`rlsys.parallel.parallelize.
+needs_fsdp`): it computes on its parameters themselves, ties kept, with the gradients FSDP2
+gives the same rank, and the same again when it recomputes its activations."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+
+def _one_rank_steps(model_dir: str, store: str, conn) -> None:
+    """A two-micro-batch step without FSDP (compute in the weights' dtype), with it (a float32
+    compute dtype: FSDP2 makes the cast) and with activation checkpointing: wrapping, ties
+    and gradients of each."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from rlsys.algorithms.lm_loss import nll_loss
+    from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from rlsys.engine.model_engine import EngineSpec, ModelEngine, full_tensor
+    from rlsys.parallel.dims import ParallelDims
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    results = {}
+    for wrapping, param_dtype, checkpointing in (("plain", None, False), ("fsdp", torch.float32, False),
+                                                 ("recomputed", None, True)):
+        parallel = ParallelConfig(activation_checkpointing=checkpointing)
+        dims = ParallelDims.of(parallel)
+        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=2,
+                          total_steps=1, param_dtype=param_dtype)
+        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        model = engine.parts[0]
+        sums, _ = engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
+        results[wrapping] = {
+            "fsdp": isinstance(model, FSDPModule),
+            "dtensors": any(isinstance(p, DTensor) for p in model.parameters()),
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "recomputes": model.is_gradient_checkpointing,
+            "loss": sums["loss"],
+            # numpy: sent by value (a tensor would be shared through this process's file descriptors)
+            "grads": {name: full_tensor(p.grad).numpy() for name, p in engine.named_parameters()},
+        }
+    conn.send(results)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory) -> str:
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, tie_word_embeddings=True)
+    return write_tiny_model(str(tmp_path_factory.mktemp("tied")), spec)
+
+
+def test_one_cpu_rank_trains_its_own_parameters_with_fsdps_gradients(tied_model_dir, tmp_path):
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    rank = context.Process(target=_one_rank_steps, args=(tied_model_dir, str(tmp_path / "store"), child_conn),
+                           daemon=True)
+    rank.start()
+    try:
+        while rank.is_alive() and not conn.poll(1):
+            pass
+        assert conn.poll(), "the rank died before sending its results"
+        results = conn.recv()
+    finally:
+        rank.join(timeout=30)
+    plain, fsdp, recomputed = results["plain"], results["fsdp"], results["recomputed"]
+    assert (plain["fsdp"], plain["dtensors"]) == (False, False) and (fsdp["fsdp"], fsdp["dtensors"]) == (True, True)
+    assert plain["tied"] and fsdp["tied"] and recomputed["tied"]
+    assert recomputed["recomputes"] and not plain["recomputes"]
+    for other in (fsdp, recomputed):
+        assert plain["loss"] == pytest.approx(other["loss"], rel=1e-6)
+        assert plain["grads"].keys() == other["grads"].keys()
+        for name, grad in other["grads"].items():
+            assert abs(grad).sum() > 0, name
+            torch.testing.assert_close(torch.from_numpy(plain["grads"][name]), torch.from_numpy(grad), rtol=1e-5,
+                                       atol=1e-7, msg=name)

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from rlsys.actors.host_memory import release_freed_memory
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
-from rlsys.engine.model_engine import EngineSpec, ModelEngine
+from rlsys.engine.model_engine import EngineSpec, ModelEngine, local_tensor
 from rlsys.parallel.dims import ParallelDims
 
 GIB = 2**30
@@ -77,7 +77,7 @@ class PeakSampler:
 
 
 def local_bytes(tensors) -> int:
-    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
 class CudaPeak:

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss, token_logprobs
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
-from rlsys.engine.model_engine import EngineSpec, ModelEngine
+from rlsys.engine.model_engine import EngineSpec, ModelEngine, full_tensor
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.weight_shards import shared_pieces
@@ -104,7 +104,7 @@ def engine_rank(rank: int, world: int, port: int, layout: dict, precision: str, 
         result = {}
         for name, loss_fn in loss_fns(batch).items():
             metrics, _ = engine.forward_backward(shard, loss_fn)
-            grads = {n: p.grad.full_tensor().float().cpu() for n, p in engine.named_parameters()}
+            grads = {n: full_tensor(p.grad).float().cpu() for n, p in engine.named_parameters()}
             result[name] = (metrics.get("loss"), grads)
             engine.zero_grad()
         _, rows = engine.forward_backward(shard, token_logprobs(), forward_only=True)
@@ -292,7 +292,7 @@ def sharing_rank(conn, port: int, model_dir: str, batch) -> None:
 
 def full_parameters(engine: ModelEngine) -> dict[str, torch.Tensor]:
     """Copies (a CPU tensor sent through a pipe would share the parameter's own memory)."""
-    return {name: p.full_tensor().detach().to("cpu", copy=True) for name, p in engine.named_parameters()}
+    return {name: full_tensor(p).detach().to("cpu", copy=True) for name, p in engine.named_parameters()}
 
 
 def copy_times(sources: dict[str, torch.Tensor]) -> tuple[float, float]:

@@ -186,13 +186,13 @@ class ModelEngine:
         return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
 
     def _defer_gradient_reduction(self, defer: bool) -> None:
-        """FSDP2 on a data-parallel mesh of one rank (there for bf16 mixed precision or tensor parallel,
-        `parallelize.needs_fsdp`) shards nothing, yet every backward copies all gradients out
-        to reduce them and every forward gathers the parameters again. There the micro-batches
-        before the last accumulate unreduced gradients and keep the parameters gathered: the
-        same gradients, the same peak memory (each backward holds both anyway). On more ranks
-        each micro-batch's gradients are reduced as they come, so no rank holds the whole
-        model's."""
+        """FSDP2 on a data-parallel mesh of one rank (there for bf16 mixed precision or tensor
+        parallel, `parallelize.needs_fsdp`) shards nothing, yet every backward copies all
+        gradients out to reduce them and every forward gathers the parameters again. There the
+        micro-batches before the last accumulate unreduced gradients and keep the parameters
+        gathered: the same gradients, the same peak memory (each backward holds both anyway).
+        On more ranks each micro-batch's gradients are reduced as they come, so no rank holds
+        the whole model's."""
         if self.fsdp_size > 1:
             return
         for part in self.fsdp_parts:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: tiny model + arithmetic data, then the pretrain -> SFT -> RLVR -> eval pipeline
-# (2 FSDP2 ranks and a vLLM engine on a local Ray cluster). Re-running skips finished stages
-# and resumes an interrupted one.
+# (pretrain and SFT on 2 FSDP2 ranks, RL on one rank beside a vLLM engine, on a local Ray
+# cluster). Re-running skips finished stages and resumes an interrupted one.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 bash "$repo/scripts/setup_env.sh"

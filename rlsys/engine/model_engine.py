@@ -419,7 +419,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group) 
     norms = [torch.zeros(())]
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).cpu())
+        norms.append(full_tensor(norm).cpu())
     squared = torch.linalg.vector_norm(torch.stack(norms)) ** 2
     if dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squared, group=pp_group)

@@ -83,9 +83,8 @@ def reference(model_dir: str, batch, device: torch.device) -> dict:
     return result
 
 
-def engine_rank(rank: int, world: int, port: int, layout: dict, precision: str, model_dir: str, batch,
-                out_path: str) -> None:
-    """One rank: the engine in `layout`; rank 0 saves loss, full gradients and log-probs."""
+def start_rank(rank: int, world: int, port: int) -> torch.device:
+    """Joins the process group (nccl for CUDA tensors, gloo beside it) and returns the rank's device."""
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     if on_gpu:
@@ -93,12 +92,24 @@ def engine_rank(rank: int, world: int, port: int, layout: dict, precision: str, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
+    return device
+
+
+def build_engine(model_dir: str, device: torch.device, layout: dict, precision: str, micro_batch_size: int,
+                 optim: OptimConfig = OptimConfig()) -> tuple[ModelEngine, ParallelDims]:
+    parallel = ParallelConfig(**layout)
+    dims = ParallelDims.of(parallel)
+    spec = EngineSpec(ModelConfig(path=model_dir), optim, dims, parallel, micro_batch_size=micro_batch_size,
+                      total_steps=1, param_dtype=torch.bfloat16 if precision == "bf16" else None)
+    return ModelEngine(spec, dims.build_mesh(device.type), device), dims
+
+
+def engine_rank(rank: int, world: int, port: int, layout: dict, precision: str, model_dir: str, batch,
+                out_path: str) -> None:
+    """One rank: the engine in `layout`; rank 0 saves loss, full gradients and log-probs."""
+    device = start_rank(rank, world, port)
     try:
-        parallel = ParallelConfig(**layout)
-        dims = ParallelDims.of(parallel)
-        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=4,
-                          total_steps=1, param_dtype=torch.bfloat16 if precision == "bf16" else None)
-        engine = ModelEngine(spec, dims.build_mesh(device.type), device)
+        engine, dims = build_engine(model_dir, device, layout, precision, micro_batch_size=4)
         where = dims.coordinates(rank)
         shard = {k: v[where.dp_rank::dims.dp_size] for k, v in batch.items()}
         result = {}
@@ -207,15 +218,9 @@ def hf_step_s(model_dir: str, batch, steps: int) -> float:
 
 
 def engine_throughput(rank: int, port: int, model_dir: str, batch, steps: int, out_path: str) -> None:
-    torch.cuda.set_device(0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    device = start_rank(rank, 1, port)
     try:
-        parallel = ParallelConfig(dp_shard=1)
-        dims = ParallelDims.of(parallel)
-        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel,
-                          micro_batch_size=len(batch["input_ids"]), total_steps=1, param_dtype=torch.bfloat16)
-        engine = ModelEngine(spec, dims.build_mesh("cuda"), torch.device("cuda", 0))
+        engine, _ = build_engine(model_dir, device, {"dp_shard": 1}, "bf16", micro_batch_size=len(batch["input_ids"]))
         loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
 
         def step():
@@ -268,17 +273,10 @@ def check_in_place_sync(model_dir: str, batch) -> bool:
 def sharing_rank(conn, port: int, model_dir: str, batch) -> None:
     """One engine rank (bf16 mixed precision) that shares its shards, sends its full parameters,
     takes an optimizer step when asked and sends them again."""
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    device = start_rank(0, 1, port)
     try:
-        parallel = ParallelConfig(dp_shard=1)
-        dims = ParallelDims.of(parallel)
-        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(lr=1e-3), dims, parallel,
-                          micro_batch_size=len(batch["input_ids"]), total_steps=1, param_dtype=torch.bfloat16)
-        engine = ModelEngine(spec, dims.build_mesh(device.type), device)
+        engine, _ = build_engine(model_dir, device, {"dp_shard": 1}, "bf16", micro_batch_size=len(batch["input_ids"]),
+                                 optim=OptimConfig(lr=1e-3))
         conn.send(engine.share_shards(list(engine.parameter_nbytes())))
         conn.send(full_parameters(engine))
         conn.recv()

@@ -10,7 +10,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.algorithms.lm_loss import logprobs_of_labels, masked_nll_sum
 from rlsys.config.schema import DataConfig
-from rlsys.data.batching import EpochSampler, collate, collate_rollouts, micro_batches, split_rows
+from rlsys.data.batching import (
+    EpochSampler,
+    collate,
+    collate_rollouts,
+    cut_rows,
+    micro_batches,
+    split_rows,
+    split_to_count,
+    token_budget_sizes,
+)
 from rlsys.data.examples import load_pretrain_examples, load_sft_examples, sft_example
 from rlsys.data.files import DataError
 from rlsys.data.rl import load_prompts, prompt_budget
@@ -164,6 +173,18 @@ def test_split_and_micro_batches_trim_padding(tokenizer):
     assert [s["input_ids"].shape[0] for s in shards] == [2, 2]
     micro = micro_batches(shards[0], 1)
     assert [m["input_ids"].shape[1] for m in micro] == [len(rows[0].input_ids), len(rows[1].input_ids)]
+
+
+def test_token_budget_cuts_consecutive_rows_and_splits_the_heaviest():
+    lengths = [4, 4, 4, 9, 3, 3, 1]
+    sizes = token_budget_sizes(lengths, 8)
+    assert sizes == [2, 1, 1, 3]  # 4 + 4 | 4 | 9 alone, over the budget | 3 + 3 + 1
+    assert split_to_count(sizes, lengths, 5) == [1, 1, 1, 1, 3]  # the heaviest, 4 + 4, halved first
+    assert split_to_count(sizes, lengths, 6) == [1, 1, 1, 1, 1, 2]
+    assert split_to_count(sizes, lengths, 9) == [1] * 7  # no more than a row each
+    rows = collate_rollouts([[5] * n for n in lengths], [[6]] * len(lengths), pad_id=0)
+    chunks = cut_rows(rows, [2, 1, 4])
+    assert [tuple(c["input_ids"].shape) for c in chunks] == [(2, 5), (1, 5), (4, 10)]
 
 
 def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):

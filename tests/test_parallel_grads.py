@@ -17,7 +17,14 @@ from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
 from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.schema import AlgorithmConfig, DataConfig
-from rlsys.data.batching import collate, collate_rollouts, micro_batches, num_targets
+from rlsys.data.batching import (
+    collate,
+    collate_rollouts,
+    micro_batches,
+    num_targets,
+    split_rows,
+    token_budget_sizes,
+)
 from rlsys.data.examples import load_sft_examples
 from rlsys.data.packing import pack_rows
 
@@ -151,3 +158,36 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
     shards = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp  # FSDP2 shards over dp_shard x cp
     q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
     assert local_shapes[0]["model.layers.0.self_attn.q_proj.weight"][0] == q_rows // shards  # sharded, not copied
+
+
+@pytest.mark.timeout(600)
+def test_token_budget_evens_the_micro_batches_of_the_ranks(ray_cluster, sft_config, tiny_model_dir, batches):
+    """Micro-batches cut by a token budget on 2 FSDP2 ranks: where one rank's shard needs fewer
+    than the other's, it splits its own (the SFT batch) or, out of rows, runs a pass that adds
+    nothing (3 RL rows: 2 on one rank, 1 on the other); the single-process gradients either way."""
+    sft, rl, counts = batches
+    budget = 21
+    few = {k: v[3:6] for k, v in rl.items()}  # one prompt's 3 responses of 12 tokens: 2 passes against 1
+    few_counts = {"tokens": num_targets(few), "sequences": 3}
+    lengths = lambda shard: shard["attention_mask"].sum(1).tolist()  # noqa: E731
+    assert [len(token_budget_sizes(lengths(s), budget)) for s in split_rows(sft, 2)] == [3, 2]
+    assert [len(token_budget_sizes(lengths(s), budget)) for s in split_rows(few, 2)] == [2, 1]
+    _, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
+    _, few_grads = reference_gradients(tiny_model_dir, few, policy_loss(few_counts, ALGO))
+
+    cfg = sft_config("parallel.dp_shard=2", f"train.micro_batch_tokens={budget}")
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+    try:
+        group.run_data_parallel("forward_backward", sft, loss_fn=nll_loss(num_targets(sft)))
+        got_sft = group.run_all("full_gradients")
+        group.run_all("zero_grad")
+        group.run_data_parallel("forward_backward", few, loss_fn=policy_loss(few_counts, ALGO))
+        got_few = group.run_all("full_gradients")
+        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", few))
+    finally:
+        group.shutdown()
+
+    assert_gradients_match(merge_stages(got_sft), sft_grads)
+    assert_gradients_match(merge_stages(got_few), few_grads)
+    expected = reference_logprobs(tiny_model_dir, few) * few["attention_mask"]
+    assert logprobs.shape == expected.shape and (logprobs * few["attention_mask"] - expected).abs().max() < 1e-5

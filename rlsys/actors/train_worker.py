@@ -44,6 +44,7 @@ class TrainWorkerSpec:
     critic: CriticConfig | None = None
     """Also hold a critic (PPO with GAE)."""
     collective_timeout_s: float = 600.0
+    micro_batch_tokens: int | None = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -53,7 +54,8 @@ class TrainWorkerSpec:
         mixed = self.parallel.mixed_precision
         use_bf16 = mixed == "bf16" or (mixed == "auto" and self.use_gpu)
         return EngineSpec(self.model, self.optim, self.dims, self.parallel, self.micro_batch_size,
-                          self.total_steps, torch.bfloat16 if use_bf16 else None)
+                          self.total_steps, torch.bfloat16 if use_bf16 else None,
+                          micro_batch_tokens=self.micro_batch_tokens)
 
     def critic_engine_spec(self) -> EngineSpec:
         """The policy's layout with the critic's optimizer; no loss parallel (a value is one number)."""
@@ -77,6 +79,7 @@ def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_referen
         with_reference=with_reference,
         critic=critic,
         collective_timeout_s=cfg.train.collective_timeout_s,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
     )
 
 

@@ -82,6 +82,9 @@ class TrainConfig(LoopConfig):
     """Sequences per optimizer step; must equal micro_batch_size x grad-accumulation x data-parallel size."""
     micro_batch_size: int = Field(default=16, gt=0)
     """Sequences per forward/backward on one rank."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Tokens per forward/backward on one rank, in place of micro_batch_size (VeRL's use_dynamic_bsz
+    with ppo_max_token_len_per_gpu): consecutive sequences up to this many tokens; one longer goes alone."""
     log_every: int = Field(default=1, gt=0)
     """Console progress-bar refresh period in steps (metrics.jsonl gets every step)."""
 
@@ -358,6 +361,10 @@ class RLTrainConfig(LoopConfig):
     """Prompts sampled per step; responses per step = prompts_per_step x rollout.n."""
     micro_batch_size: int = Field(default=16, gt=0)
     """Responses per forward/backward on one rank."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Tokens (prompt and response) per forward/backward on one rank, in place of micro_batch_size
+    (VeRL's use_dynamic_bsz with ppo_max_token_len_per_gpu): consecutive responses up to this many
+    tokens, so a group shares its prompt; one longer goes alone. Packed sequences keep the padding out."""
     val_every: int = Field(default=10, ge=0)
     """Validate on `eval.files` every N steps (0: only before and after training)."""
 

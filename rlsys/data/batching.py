@@ -63,12 +63,47 @@ def split_rows(batch: Batch, parts: int) -> list[Batch]:
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
     """Chunks of `size` rows, each trimmed to its longest row."""
+    rows = batch["input_ids"].shape[0]
+    return cut_rows(batch, [min(size, rows - start) for start in range(0, rows, size)])
+
+
+def cut_rows(batch: Batch, sizes: list[int]) -> list[Batch]:
+    """Consecutive chunks of `sizes` rows, each trimmed to its longest row."""
     chunks = []
-    for start in range(0, batch["input_ids"].shape[0], size):
-        chunk = {k: v[start:start + size] for k, v in batch.items()}
+    for values in zip(*(t.split(sizes) for t in batch.values())):
+        chunk = dict(zip(batch, values))
         length = int(chunk["attention_mask"].sum(1).max().item())
         chunks.append({k: v[:, :length] for k, v in chunk.items()})
     return chunks
+
+
+def token_budget_sizes(lengths: list[int], max_tokens: int) -> list[int]:
+    """Rows per micro-batch when each takes consecutive rows up to `max_tokens` tokens (a row
+    longer than that goes alone). Consecutive, so a prompt's samples stay together and share it."""
+    sizes, tokens = [], 0
+    for length in lengths:
+        if sizes and tokens + length <= max_tokens:
+            sizes[-1] += 1
+            tokens += length
+        else:
+            sizes.append(1)
+            tokens = length
+    return sizes
+
+
+def split_to_count(sizes: list[int], lengths: list[int], count: int) -> list[int]:
+    """`sizes` with the micro-batch of most tokens halved, again and again, until there are
+    `count` of them or every one is a single row."""
+    sizes = list(sizes)
+    while len(sizes) < count:
+        starts = np.cumsum([0, *sizes[:-1]])
+        tokens = [sum(lengths[start:start + size]) if size > 1 else -1 for start, size in zip(starts, sizes)]
+        heaviest = int(np.argmax(tokens))
+        if sizes[heaviest] == 1:
+            break
+        half = sizes[heaviest] // 2
+        sizes[heaviest:heaviest + 1] = [half, sizes[heaviest] - half]
+    return sizes
 
 
 def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Batch:

@@ -46,7 +46,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from rlsys.algorithms.lm_loss import LossFn, is_token_level
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
-from rlsys.data.batching import Batch, micro_batches
+from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.loading import load_parallel_model
 from rlsys.parallel.dims import ParallelDims
@@ -67,6 +67,8 @@ class EngineSpec:
     """Compute dtype under FSDP2 mixed precision (None: the model's own)."""
     value_head: bool = False
     """A critic: a one-output value head in place of the LM head (`engine.loading`)."""
+    micro_batch_tokens: int | None = None
+    """Cut micro-batches by this token budget instead of by micro_batch_size rows."""
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -152,15 +154,20 @@ class ModelEngine:
         rows: dict[str, list[torch.Tensor]] = {}
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         packs = self._packs(loss_fn)
-        micros = micro_batches(shard, self.spec.micro_batch_size)
+        micros, fillers = self._micro_batches(shard)
+        passes = len(micros) + fillers
         with grad, self._loss_context():
-            for index, micro in enumerate(micros):
-                self._defer_gradient_reduction(not forward_only and index < len(micros) - 1)
+            for index in range(passes):
+                self._defer_gradient_reduction(not forward_only and index < passes - 1)
+                filler = index >= len(micros)
+                micro = {k: v[:1] for k, v in micros[0].items()} if filler else micros[index]
                 packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 out = loss_fn(loss_logits(self._forward(seq), seq), seq.fields)
                 if not forward_only:
-                    out.loss.backward()
+                    (out.loss * 0 if filler else out.loss).backward()
+                if filler:
+                    continue
                 for name, value in out.metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
                 for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
@@ -170,6 +177,22 @@ class ModelEngine:
                     width = shard["input_ids"].shape[1] - value.shape[1]
                     rows.setdefault(name, []).append(F.pad(value.cpu(), (0, width)))
         return sums, {name: torch.cat(parts) for name, parts in rows.items()}
+
+    def _micro_batches(self, shard: Batch) -> tuple[list[Batch], int]:
+        """The shard's micro-batches, and how many passes that add nothing to run after them.
+        Under a token budget (VeRL's dynamic batch size) the data-parallel ranks may need
+        different numbers of micro-batches, while each pass's FSDP collectives pair up across
+        them: every rank runs as many passes as the rank that needs most, splitting its largest
+        micro-batches first and, once each is a single row, padding with zero-loss passes."""
+        if self.spec.micro_batch_tokens is None:
+            return micro_batches(shard, self.spec.micro_batch_size), 0
+        lengths = shard["attention_mask"].sum(1).tolist()
+        sizes = token_budget_sizes(lengths, self.spec.micro_batch_tokens)
+        count = torch.tensor(len(sizes))
+        if dist.get_world_size(self.metric_group) > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.metric_group)
+        sizes = split_to_count(sizes, lengths, int(count))
+        return cut_rows(shard, sizes), int(count) - len(sizes)
 
     def _pipelined(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
         parallel = self.spec.parallel

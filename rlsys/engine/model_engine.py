@@ -188,7 +188,7 @@ class ModelEngine:
             return micro_batches(shard, self.spec.micro_batch_size), 0
         lengths = shard["attention_mask"].sum(1).tolist()
         sizes = token_budget_sizes(lengths, self.spec.micro_batch_tokens)
-        count = torch.tensor(len(sizes))
+        count = torch.tensor(len(sizes), device=self.device)  # the group may be nccl
         if dist.get_world_size(self.metric_group) > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.metric_group)
         sizes = split_to_count(sizes, lengths, int(count))

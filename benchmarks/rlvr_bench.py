@@ -35,7 +35,7 @@ def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
     overrides = [
         f"output_dir={args.out}", f"model.path={args.model}", f"data.train_files=[{args.data}]",
         f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.engine_memory_gib=0.25",
-        f"train.steps={args.steps}", f"train.prompts_per_step={args.prompts}", "train.micro_batch_size=128",
+        f"train.steps={args.steps}", f"train.prompts_per_step={args.prompts}", "train.micro_batch_tokens=16384",
         "train.save_every=0", "train.resume=false", f"parallel.dp_shard={args.dp}", "ray.include_dashboard=false",
         "tracking.backends=[jsonl]", f"algorithm.kl_coef={args.kl_coef}", *extra,
     ]

@@ -31,6 +31,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 def check_train_job(cfg: TrainJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     dims = check_layout(cfg.parallel, check_model_dir(cfg.model, "model.path"))
+    _check_token_budget(cfg.train.micro_batch_tokens, cfg.parallel)
     _check_files(cfg.data.train_files, "data.train_files")
     train, dp = cfg.train, dims.dp_size
     if train.micro_batch_tokens is not None and train.global_batch_size % dp:
@@ -52,6 +53,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
     dims = check_layout(cfg.parallel, model_config)
+    _check_token_budget(cfg.train.micro_batch_tokens, cfg.parallel)
     _check_files(cfg.data.train_files, "data.train_files")
     _check_heads_split(model_config, cfg.rollout.tensor_parallel_size, "rollout.tensor_parallel_size")
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
@@ -162,6 +164,12 @@ def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     return dims
+
+
+def _check_token_budget(micro_batch_tokens: int | None, parallel: ParallelConfig) -> None:
+    if micro_batch_tokens is not None and parallel.pp > 1:
+        raise ConfigError("train.micro_batch_tokens: under pipeline parallel each shard is split into "
+                          "parallel.pp_microbatches micro-batches instead; leave it unset")
 
 
 def _tp_option(parallel: ParallelConfig) -> str | None:

@@ -161,21 +161,28 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
 
 
 @pytest.mark.timeout(600)
-def test_token_budget_evens_the_micro_batches_of_the_ranks(ray_cluster, sft_config, tiny_model_dir, batches):
+@pytest.mark.parametrize(("layout", "budget", "sft_passes"), [
+    (["parallel.dp_shard=2"], 21, [3, 2]),
+    # each context-parallel rank holds half of every sequence: a budget of 11 takes 22 tokens of sequences
+    (["parallel.dp_shard=2", "parallel.cp=2"], 11, [2, 2]),
+], ids=["fsdp2", "cp2xfsdp2"])
+def test_token_budget_evens_the_micro_batches_of_the_ranks(ray_cluster, sft_config, tiny_model_dir, batches,
+                                                           layout, budget, sft_passes):
     """Micro-batches cut by a token budget on 2 FSDP2 ranks: where one rank's shard needs fewer
-    than the other's, it splits its own (the SFT batch) or, out of rows, runs a pass that adds
-    nothing (3 RL rows: 2 on one rank, 1 on the other); the single-process gradients either way."""
+    than the other's, it splits its own (the SFT batch on fsdp2) or, out of rows, runs a pass
+    that adds nothing (3 RL rows: 2 on one rank, 1 on the other); the single-process gradients
+    either way."""
     sft, rl, counts = batches
-    budget = 21
+    cp = 2 if "parallel.cp=2" in layout else 1
     few = {k: v[3:6] for k, v in rl.items()}  # one prompt's 3 responses of 12 tokens: 2 passes against 1
     few_counts = {"tokens": num_targets(few), "sequences": 3}
     lengths = lambda shard: shard["attention_mask"].sum(1).tolist()  # noqa: E731
-    assert [len(token_budget_sizes(lengths(s), budget)) for s in split_rows(sft, 2)] == [3, 2]
-    assert [len(token_budget_sizes(lengths(s), budget)) for s in split_rows(few, 2)] == [2, 1]
+    assert [len(token_budget_sizes(lengths(s), budget * cp)) for s in split_rows(sft, 2)] == sft_passes
+    assert [len(token_budget_sizes(lengths(s), budget * cp)) for s in split_rows(few, 2)] == [2, 1]
     _, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
     _, few_grads = reference_gradients(tiny_model_dir, few, policy_loss(few_counts, ALGO))
 
-    cfg = sft_config("parallel.dp_shard=2", f"train.micro_batch_tokens={budget}")
+    cfg = sft_config(*layout, f"train.micro_batch_tokens={budget}")
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         group.run_data_parallel("forward_backward", sft, loss_fn=nll_loss(num_targets(sft)))

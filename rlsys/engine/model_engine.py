@@ -68,7 +68,8 @@ class EngineSpec:
     value_head: bool = False
     """A critic: a one-output value head in place of the LM head (`engine.loading`)."""
     micro_batch_tokens: int | None = None
-    """Cut micro-batches by this token budget instead of by micro_batch_size rows."""
+    """Cut micro-batches by this token budget instead of by micro_batch_size rows: a rank's
+    tokens, so under context parallel cp times as many of whole sequences (as VeRL's Ulysses)."""
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -187,7 +188,7 @@ class ModelEngine:
         if self.spec.micro_batch_tokens is None:
             return micro_batches(shard, self.spec.micro_batch_size), 0
         lengths = shard["attention_mask"].sum(1).tolist()
-        sizes = token_budget_sizes(lengths, self.spec.micro_batch_tokens)
+        sizes = token_budget_sizes(lengths, self.spec.micro_batch_tokens * self.spec.dims.cp)
         count = torch.tensor(len(sizes), device=self.device)  # the group may be nccl
         if dist.get_world_size(self.metric_group) > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.metric_group)

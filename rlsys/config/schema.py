@@ -85,7 +85,8 @@ class TrainConfig(LoopConfig):
     micro_batch_tokens: int | None = Field(default=None, gt=0)
     """Tokens per forward/backward on one rank, in place of micro_batch_size (VeRL's use_dynamic_bsz
     with ppo_max_token_len_per_gpu): consecutive sequences up to this many tokens; one longer goes alone.
-    Under context parallel, each rank's share of the sequences. Not with parallel.pp > 1, where parallel.pp_microbatches splits each shard."""
+    Under context parallel, each rank's share of the sequences. Not with parallel.pp > 1, where
+    parallel.pp_microbatches splits each shard."""
     log_every: int = Field(default=1, gt=0)
     """Console progress-bar refresh period in steps (metrics.jsonl gets every step)."""
 
@@ -366,7 +367,8 @@ class RLTrainConfig(LoopConfig):
     """Tokens (prompt and response) per forward/backward on one rank, in place of micro_batch_size
     (VeRL's use_dynamic_bsz with ppo_max_token_len_per_gpu): consecutive responses up to this many
     tokens, so a group shares its prompt; one longer goes alone. Packed sequences keep the padding out.
-    Under context parallel, each rank's share of the sequences. Not with parallel.pp > 1, where parallel.pp_microbatches splits each shard."""
+    Under context parallel, each rank's share of the sequences. Not with parallel.pp > 1, where
+    parallel.pp_microbatches splits each shard."""
     val_every: int = Field(default=10, ge=0)
     """Validate on `eval.files` every N steps (0: only before and after training)."""
 

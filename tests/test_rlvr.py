@@ -100,6 +100,7 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     layout's syncs are checked by the uninterrupted run's `rollout/logprob_abs_diff`.)"""
     cfg = rl_config(*layout)
     through_object_store = "rollout.sync_shared_memory=false" in layout
+    queues_before = set(glob.glob("/dev/shm/psm_*"))
     trainer = RLVRTrainer(cfg)
     try:
         if through_object_store:
@@ -130,6 +131,8 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
             trainer.train.run_all("perturb_parameters", 0.05, cfg.seed + 1)
     finally:
         trainer.shutdown()
+    # a tensor-parallel engine's shared-memory queues are gone with it (a killed actor left them)
+    assert set(glob.glob("/dev/shm/psm_*")) <= queues_before
 
 
 def _assert_too_few_file_descriptors_keep_shards_private(trainer) -> None:

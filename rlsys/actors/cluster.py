@@ -164,6 +164,14 @@ def name_of(actor_id: str | None) -> str | None:
     return _actor_names.get(actor_id or "")
 
 
+def shut_down(actors: list, names: list[str], timeout_s: float = 10.0) -> None:
+    """Let the actors that still answer release what outlives a killed process (a rank's
+    process group, vLLM's shared-memory queues in /dev/shm), then kill them all."""
+    if actors:
+        ray.wait([actor.shutdown.remote() for actor in actors], num_returns=len(actors), timeout=timeout_s)
+    kill_named(actors, names)
+
+
 def kill_named(actors: list, names: list[str], timeout_s: float = 30.0) -> None:
     """Kill actors (dead ones too) and wait until their names are free, so the next group
     (the next pipeline stage, a restart, a replaced worker) can take the same names."""

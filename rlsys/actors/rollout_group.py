@@ -6,7 +6,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, kill_named, spawn, wait_placed
+from rlsys.actors.cluster import actor_name, check_resources, shut_down, spawn, wait_placed
 from rlsys.actors.failures import wait_all
 from rlsys.actors.rollout_worker import RolloutWorker, Sample
 from rlsys.config.schema import RolloutConfig
@@ -77,7 +77,7 @@ class RolloutGroup:
         return wait_all([call(getattr(engine, method), *args) for engine in self.engines], self.names)
 
     def shutdown(self) -> None:
-        kill_named(self.engines, self.names)
+        shut_down(self.engines, self.names)
         if self.own_placement is not None:
             remove_placement_group(self.own_placement)
 

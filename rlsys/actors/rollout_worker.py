@@ -173,6 +173,11 @@ class RolloutWorker:
             self.memory.confirm_rewritten()
             self.llm.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop vLLM's engine: with tensor-parallel workers its executor unlinks their
+        shared-memory queues, which a killed actor leaves in /dev/shm."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     @releases_freed_memory
     def release_memory(self) -> int:
         """Free the weights, the KV cache (on GPU) and the sync's staging buffer for the

@@ -9,7 +9,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, kill_named, spawn, wait_placed
+from rlsys.actors.cluster import actor_name, check_resources, shut_down, spawn, wait_placed
 from rlsys.actors.failures import wait_all
 from rlsys.actors.train_worker import TrainWorker, TrainWorkerSpec
 from rlsys.config.schema import RayConfig
@@ -72,7 +72,5 @@ class TrainGroup:
 
     def shutdown(self) -> None:
         """Leave the process group where the ranks still answer, then kill them all."""
-        if self.workers:
-            ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
-        kill_named(self.workers, self.names)
+        shut_down(self.workers, self.names)
         remove_placement_group(self.placement)

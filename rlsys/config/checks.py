@@ -34,10 +34,11 @@ def check_train_job(cfg: TrainJobConfig) -> None:
     _check_token_budget(cfg.train.micro_batch_tokens, cfg.parallel)
     _check_files(cfg.data.train_files, "data.train_files")
     train, dp = cfg.train, dims.dp_size
-    if train.micro_batch_tokens is not None and train.global_batch_size % dp:
-        raise ConfigError(f"train.global_batch_size: {train.global_batch_size} is not divisible by the "
-                          f"data-parallel size ({dp})")
-    if train.micro_batch_tokens is None and train.global_batch_size % (train.micro_batch_size * dp):
+    if train.micro_batch_tokens is not None:
+        if train.global_batch_size % dp:
+            raise ConfigError(f"train.global_batch_size: {train.global_batch_size} is not divisible by the "
+                              f"data-parallel size ({dp})")
+    elif train.global_batch_size % (train.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size: {train.global_batch_size} is not divisible by "
             f"train.micro_batch_size ({train.micro_batch_size}) x data-parallel size ({dp})"

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlsys.actors.host_memory import release_freed_memory
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.engine.model_engine import EngineSpec, ModelEngine, local_tensor
+from rlsys.host_memory import release_freed_memory
 from rlsys.parallel.dims import ParallelDims
 
 GIB = 2**30

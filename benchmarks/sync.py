@@ -39,9 +39,9 @@ def ensure_model(path: str) -> None:
 def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[float], dict[str, float]]:
     from rlsys.actors.cluster import ensure_ray
     from rlsys.actors.rollout_group import RolloutGroup
+    from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
-    from rlsys.actors.worker_group import TrainGroup
-    from rlsys.parallel.weight_sync import WeightSync
+    from rlsys.sync.weight_sync import WeightSync
 
     ensure_ray(cfg.ray)
     train = TrainGroup(build_worker_spec(cfg, 1, 1), cfg.ray)

@@ -25,8 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from rlvr_bench import bench_config, bare_vllm_generate, rlsys_steps
+from rlvr_bench import bare_vllm_generate, bench_config, rlsys_steps
 
 WORKLOADS = {
     # the example's SFT model: short answers, many prompts

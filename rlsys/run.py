@@ -28,7 +28,7 @@ def _sft(config: str, overrides: list[str]) -> dict:
 
 
 def _eval(config: str, overrides: list[str]) -> dict:
-    from rlsys.eval import run_eval
+    from rlsys.trainers.eval import run_eval
 
     return run_eval(load_config(EvalJobConfig, config, overrides))
 
@@ -40,7 +40,7 @@ def _rlvr(config: str, overrides: list[str]) -> dict:
 
 
 def _pipeline(config: str, overrides: list[str]) -> dict:
-    from rlsys.pipeline import run_pipeline
+    from rlsys.trainers.chain import run_pipeline
 
     return run_pipeline(load_config(PipelineConfig, config, overrides))
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlsys.run",
         description="Ray-based post-training: pretrain, SFT, RLVR and eval of causal language models.",
-        epilog="Config keys are documented in README.md. Example: "
+        epilog="Config keys are documented in docs/configuration.md. Example: "
                "python -m rlsys.run sft --config examples/arith/sft.yaml train.steps=50",
     )
     verbose = "show Ray's, vLLM's and the libraries' logs on the console (they go to output_dir/logs/ otherwise)"

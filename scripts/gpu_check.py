@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss, token_logprobs
-from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
 from rlsys.engine.model_engine import EngineSpec, ModelEngine, full_tensor
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 from rlsys.parallel.dims import ParallelDims
-from rlsys.parallel.weight_shards import shared_pieces
+from rlsys.sync.shards import shared_pieces
 
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
 TOLERANCE = {"float32": 1e-4, "bf16": 3e-2}
@@ -60,7 +60,7 @@ def make_batch(vocab: int, rows: int, width: int, seed: int = 0) -> dict[str, to
 
 def loss_fns(batch) -> dict:
     targets = int(batch["loss_mask"][:, 1:].sum())
-    return {"sft": nll_loss(targets), "rl": policy_loss({"tokens": targets, "sequences": len(batch["input_ids"])},
+    return {"sft": nll_loss(targets), "rl": actor_loss({"tokens": targets, "sequences": len(batch["input_ids"])},
                                                          ALGO)}
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
-from rlsys.algorithms.policy_loss import aggregate, gspo_loss, kl_penalty, ppo_clip_loss
+from rlsys.algorithms.aggregation import aggregate
+from rlsys.algorithms.kl import kl_penalty
+from rlsys.algorithms.policy_loss import gspo_loss, ppo_clip_loss
 from rlsys.config.schema import AlgorithmConfig
 
 SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7]
@@ -174,14 +176,14 @@ def rl_batch():
 
 @pytest.mark.parametrize("loss", ["vanilla", "gspo"])
 def test_nan_in_padding_never_reaches_the_loss(loss):
-    from rlsys.algorithms.rl_step import policy_loss
+    from rlsys.algorithms.actor_loss import actor_loss
 
     torch.manual_seed(0)
     batch = rl_batch()
     logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
     old = torch.randn(batch["input_ids"].shape) * 0.1
     algo = AlgorithmConfig(policy_loss=loss, kl_coef=0.1)
-    loss_fn = policy_loss({"tokens": 4, "sequences": 2}, algo)
+    loss_fn = actor_loss({"tokens": 4, "sequences": 2}, algo)
     clean = {**batch, "old_logprobs": old * batch["loss_mask"], "ref_logprobs": old * batch["loss_mask"]}
     padding = batch["loss_mask"] == 0
     dirty = {name: value.masked_fill(padding, float("nan")) if name in ("advantages", "old_logprobs", "ref_logprobs")
@@ -196,14 +198,14 @@ def test_nan_in_padding_never_reaches_the_loss(loss):
 def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
     """With no old_logprobs the policy loss takes the current ones, detached: the loss,
     gradient and log-prob rows equal those of a separate pass's old log-probs."""
+    from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.algorithms.lm_loss import logprobs_of_labels
-    from rlsys.algorithms.rl_step import policy_loss
     from rlsys.data.batching import on_last_response_token, on_response_tokens
 
     torch.manual_seed(0)
     batch = rl_batch()
     logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
-    loss_fn = policy_loss({"tokens": 4, "sequences": 2}, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28))
+    loss_fn = actor_loss({"tokens": 4, "sequences": 2}, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28))
 
     on_policy = loss_fn(logits, batch)
     (grad_on_policy,) = torch.autograd.grad(on_policy.loss, logits)
@@ -224,10 +226,10 @@ def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
 
 
 def test_estimators_and_losses_registered_from_a_file(tmp_path):
-    from rlsys.algorithms.rl_step import policy_loss
-    from rlsys.config.checks import check_algorithm
+    from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.config.loader import ConfigError
     from rlsys.config.schema import ParallelConfig
+    from rlsys.trainers.preflight import check_algorithm
 
     extension = tmp_path / "my_algos.py"
     extension.write_text(
@@ -247,7 +249,7 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
     logits = torch.zeros(1, 3, 4, requires_grad=True)
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "loss_mask": torch.tensor([[0, 1, 1]]),
              "advantages": torch.tensor([[0.0, 1.0, 1.0]])}
-    assert policy_loss({"tokens": 2, "sequences": 1}, algo)(logits, batch).loss.item() == pytest.approx(math.log(4))
+    assert actor_loss({"tokens": 2, "sequences": 1}, algo)(logits, batch).loss.item() == pytest.approx(math.log(4))
     with pytest.raises(ConfigError, match="algorithm.adv_estimator: unknown advantage estimator 'nope'"):
         check_algorithm(AlgorithmConfig(adv_estimator="nope"), ParallelConfig())
     with pytest.raises(ConfigError, match="algorithm.extensions.0.: file not found"):
@@ -277,8 +279,8 @@ def test_truncated_importance_weights_by_token_and_by_sequence():
 def test_rollout_is_weights_each_tokens_policy_gradient():
     """With rollout log-probs the loss and its gradient are the per-token loss times the
     truncated weights, and the weights are logged."""
+    from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.algorithms.lm_loss import logprobs_of_labels
-    from rlsys.algorithms.rl_step import policy_loss
 
     torch.manual_seed(0)
     batch = rl_batch()
@@ -288,8 +290,8 @@ def test_rollout_is_weights_each_tokens_policy_gradient():
     rollout = current - torch.tensor([[0.0, 0.0, 0.0, math.log(3.0), math.log(0.5)], [0.0] * 5])
     algo = AlgorithmConfig(rollout_is="token", rollout_is_threshold=2.0)
     counts = {"tokens": 4, "sequences": 2}
-    out = policy_loss(counts, algo)(logits, {**batch, "rollout_logprobs": rollout})
-    plain = policy_loss(counts, AlgorithmConfig())(logits, batch)
+    out = actor_loss(counts, algo)(logits, {**batch, "rollout_logprobs": rollout})
+    plain = actor_loss(counts, AlgorithmConfig())(logits, batch)
     # on-policy: the ratio is 1, so each token's loss is -A; row 0's three tokens weigh 1, 2 and 0.5
     assert plain.loss.item() == pytest.approx((-1.0 * 3 + 2.0) / 4)
     assert out.loss.item() == pytest.approx((-1.0 * (1 + 2 + 0.5) + 2.0) / 4)
@@ -298,8 +300,8 @@ def test_rollout_is_weights_each_tokens_policy_gradient():
 
 
 def test_log_probs_and_entropy_are_those_of_the_sampling_temperature():
+    from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.algorithms.lm_loss import token_logprobs
-    from rlsys.algorithms.rl_step import policy_loss
 
     torch.manual_seed(0)
     batch = rl_batch()
@@ -310,8 +312,8 @@ def test_log_probs_and_entropy_are_those_of_the_sampling_temperature():
     assert torch.equal(token_logprobs(0.0)(logits, batch).rows["logprobs"],
                        token_logprobs(1.0)(logits, batch).rows["logprobs"])  # greedy: the raw logits
     counts = {"tokens": 4, "sequences": 2}
-    scaled = policy_loss(counts, AlgorithmConfig(), temperature=0.7)(logits, batch)
-    reference = policy_loss(counts, AlgorithmConfig())(logits / 0.7, batch)
+    scaled = actor_loss(counts, AlgorithmConfig(), temperature=0.7)(logits, batch)
+    reference = actor_loss(counts, AlgorithmConfig())(logits / 0.7, batch)
     assert scaled.metrics["actor/entropy"].item() == pytest.approx(reference.metrics["actor/entropy"].item())
     assert torch.equal(scaled.rows["logprobs"], reference.rows["logprobs"])
 
@@ -328,7 +330,7 @@ def test_dapo_mixed_groups_and_overlong_penalty():
 
 
 def test_kl_in_reward_with_fixed_and_adaptive_coefficients():
-    from rlsys.algorithms.kl_control import KLController, kl_in_reward
+    from rlsys.algorithms.kl import KLController, kl_in_reward
     from rlsys.config.schema import KLControlConfig
 
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])

@@ -36,8 +36,6 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
         (["train.micro_batch_tokens=64", "train.global_batch_size=15"],
          "train.global_batch_size: 15 is not divisible by the data-parallel size (2)"),
         (["train.micro_batch_tokens=0"], "train.micro_batch_tokens: Input should be greater than 0"),
-        (["train.micro_batch_tokens=64", "parallel.dp_shard=1", "parallel.pp=2"],
-         "train.micro_batch_tokens: under pipeline parallel each shard is split into parallel.pp_microbatches"),
         (["eval.files=[]"], "eval.files: at least one file is required"),
         (["optim.lr"], "override 'optim.lr': expected dotted.key=value"),
     ],

@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from rlsys.actors.host_memory import freed_bytes_held
+from rlsys.host_memory import freed_bytes_held
 
 # Frees 64 MiB in 64 KiB blocks (below glibc's mmap threshold, so they stay in the arena)
 # below a block still held (so free() cannot shrink the heap's top), then asks for a trim.
 CHURN = """
 import sys, torch
-from rlsys.actors.host_memory import release_freed_memory
+from rlsys.host_memory import release_freed_memory
 def resident(): return int(open("/proc/self/statm").read().split()[1]) * 4096
 blocks = [torch.ones(16 * 1024) for _ in range(1024)]
 held = torch.ones(16 * 1024)

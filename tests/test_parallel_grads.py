@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import worker_probes as probes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
-from rlsys.actors.worker_group import TrainGroup
+from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
-from rlsys.algorithms.rl_step import policy_loss
 from rlsys.config.schema import AlgorithmConfig, DataConfig
 from rlsys.data.batching import (
     collate,
@@ -58,7 +59,7 @@ def four_layer_model_dir(tmp_path_factory) -> str:
     from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=4)
+                         num_key_value_heads=4, vocab_size=103)
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny4")), spec)
 
 
@@ -121,6 +122,17 @@ def merge_stages(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return merged
 
 
+def trained_gradients(group, *batches_and_losses) -> list[tuple[dict[str, float], dict[str, torch.Tensor]]]:
+    """For each (batch, loss function): the group's metrics and full gradients of one forward and
+    backward pass over the batch from zero gradients, with no optimizer step."""
+    results = []
+    for batch, loss_fn in batches_and_losses:
+        group.on_each(probes.zero_grad)
+        [metrics, *_] = probes.forward_backward(group, batch, loss_fn)
+        results.append((metrics, merge_stages(group.on_each(probes.full_gradients))))
+    return results
+
+
 def assert_gradients_match(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name, ref in expected.items():
@@ -136,23 +148,20 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
     model_dir = four_layer_model_dir if layout.startswith("pp") else tiny_model_dir
     cfg = sft_config(*LAYOUTS[layout], f"train.micro_batch_size={MICRO_BATCH}", f"model.path={model_dir}")
     sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
-    _, rl_grads = reference_gradients(model_dir, rl, policy_loss(counts, ALGO))
+    _, rl_grads = reference_gradients(model_dir, rl, actor_loss(counts, ALGO))
 
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
-        [metrics, *_] = group.run_data_parallel("forward_backward", sft, loss_fn=nll_loss(num_targets(sft)))
-        got_sft = group.run_all("full_gradients")
-        group.run_all("zero_grad")
-        group.run_data_parallel("forward_backward", rl, loss_fn=policy_loss(counts, ALGO))
-        got_rl = group.run_all("full_gradients")
+        (metrics, got_sft), (_, got_rl) = trained_gradients(
+            group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
         logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
-        local_shapes = group.run_all("local_shapes")
+        local_shapes = group.on_each(probes.local_shapes)
     finally:
         group.shutdown()
 
     assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
-    assert_gradients_match(merge_stages(got_sft), sft_grads)
-    assert_gradients_match(merge_stages(got_rl), rl_grads)
+    assert_gradients_match(got_sft, sft_grads)
+    assert_gradients_match(got_rl, rl_grads)
     expected = reference_logprobs(model_dir, sft) * sft["attention_mask"]
     assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
     shards = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp  # FSDP2 shards over dp_shard x cp
@@ -180,21 +189,47 @@ def test_token_budget_evens_the_micro_batches_of_the_ranks(ray_cluster, sft_conf
     assert [len(token_budget_sizes(lengths(s), budget * cp)) for s in split_rows(sft, 2)] == sft_passes
     assert [len(token_budget_sizes(lengths(s), budget * cp)) for s in split_rows(few, 2)] == [2, 1]
     _, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
-    _, few_grads = reference_gradients(tiny_model_dir, few, policy_loss(few_counts, ALGO))
+    _, few_grads = reference_gradients(tiny_model_dir, few, actor_loss(few_counts, ALGO))
 
     cfg = sft_config(*layout, f"train.micro_batch_tokens={budget}")
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
-        group.run_data_parallel("forward_backward", sft, loss_fn=nll_loss(num_targets(sft)))
-        got_sft = group.run_all("full_gradients")
-        group.run_all("zero_grad")
-        group.run_data_parallel("forward_backward", few, loss_fn=policy_loss(few_counts, ALGO))
-        got_few = group.run_all("full_gradients")
+        (_, got_sft), (_, got_few) = trained_gradients(
+            group, (sft, nll_loss(num_targets(sft))), (few, actor_loss(few_counts, ALGO)))
         logprobs = torch.cat(group.run_data_parallel("compute_logprobs", few))
     finally:
         group.shutdown()
 
-    assert_gradients_match(merge_stages(got_sft), sft_grads)
-    assert_gradients_match(merge_stages(got_few), few_grads)
+    assert_gradients_match(got_sft, sft_grads)
+    assert_gradients_match(got_few, few_grads)
     expected = reference_logprobs(tiny_model_dir, few) * few["attention_mask"]
     assert logprobs.shape == expected.shape and (logprobs * few["attention_mask"] - expected).abs().max() < 1e-5
+
+
+@pytest.mark.timeout(600)
+def test_token_budget_sets_the_pipeline_micro_batches(ray_cluster, sft_config, tiny_model_dir, batches):
+    """Under pipeline parallel a token budget sets how many micro-batches the schedule runs: more
+    than parallel.pp_microbatches (4) here, where the budget needs them; the single-process
+    gradients and log-probs either way."""
+    sft, rl, counts = batches
+    budget = 21
+    needed = len(token_budget_sizes(sft["attention_mask"].sum(1).tolist(), budget))
+    assert needed > 4
+    _, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
+    _, rl_grads = reference_gradients(tiny_model_dir, rl, actor_loss(counts, ALGO))
+
+    cfg = sft_config("parallel.dp_shard=1", "parallel.pp=2", f"train.micro_batch_tokens={budget}")
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+    try:
+        passes = group.on_each(probes.pipeline_micro_batches, sft)
+        (_, got_sft), (_, got_rl) = trained_gradients(
+            group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
+        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
+    finally:
+        group.shutdown()
+
+    assert passes == [needed, needed]
+    assert_gradients_match(got_sft, sft_grads)
+    assert_gradients_match(got_rl, rl_grads)
+    expected = reference_logprobs(tiny_model_dir, sft) * sft["attention_mask"]
+    assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5

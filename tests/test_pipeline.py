@@ -16,7 +16,7 @@ import yaml
 
 from rlsys.config.loader import ConfigError, build_config
 from rlsys.config.schema import PipelineConfig
-from rlsys.pipeline import plan_jobs
+from rlsys.trainers.chain import plan_jobs
 
 TIMEOUT_S = 300
 

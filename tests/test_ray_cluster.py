@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from test_rlvr import rl_raw
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")

@@ -15,12 +15,13 @@ from dataclasses import replace
 import pytest
 import ray
 import torch
+import worker_probes as probes
 import yaml
 
 from rlsys.config.loader import build_config, load_config
 from rlsys.config.schema import RLJobConfig, TrackingConfig
 from rlsys.data.batching import collate_rollouts
-from rlsys.parallel.weight_sync import _gpus_unseen, _Room, plan_buckets
+from rlsys.sync.weight_sync import _gpus_unseen, _Room, plan_buckets
 from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
 
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
@@ -72,7 +73,7 @@ def test_buckets_keep_decoder_blocks_whole():
 def test_shards_of_uneven_and_whole_tensors_reassemble():
     """Rank shards (uneven rows, a column split, bf16, a tensor sent whole by one rank)
     come back as the full tensors, through the same buffers the object store carries."""
-    from rlsys.parallel.weight_shards import Assembler, pack, shard_pieces
+    from rlsys.sync.shards import Assembler, pack, shard_pieces
 
     weight, head, norm = torch.randn(5, 3), torch.randn(3, 5).to(torch.bfloat16), torch.randn(3)
     rank0 = pack([("head", head[:, :2], (3, 5), (0, 0)), ("w", weight[:3], (5, 3), (0, 0)), ("norm", norm, (3,), (0,))])
@@ -106,7 +107,7 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
         if through_object_store:
             assert trainer.sync._can_share() and not trainer.sync.in_place
             _assert_too_few_file_descriptors_keep_shards_private(trainer)
-        trainer.train.run_all("perturb_parameters", 0.05, cfg.seed)
+        trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed)
         prompts = [(i, trainer.prompts[i].ids) for i in range(8)]
 
         def gap() -> float:
@@ -121,14 +122,14 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
         for sync in range(2):  # vLLM's loaders place the first sync; the second replays their copies
             assert gap() > 1e-2
             # as in a step: the colocated engine frees its weights for the update
-            freed = ray.get(trainer.rollout.engines[0].release_memory.remote())
+            freed = ray.get(trainer.rollout.actors[0].release_memory.remote())
             assert freed >= trainer.sync.total_bytes or torch.cuda.is_available()  # vLLM logs it on GPU
             stats = trainer.sync.run()
             assert gap() < 1e-4
             assert stats["sync/in_place"] == (not through_object_store)
             if through_object_store:
                 assert stats["sync/buckets"] > 2  # streamed, not one whole-model transfer
-            trainer.train.run_all("perturb_parameters", 0.05, cfg.seed + 1)
+            trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
     finally:
         trainer.shutdown()
     # a tensor-parallel engine's shared-memory queues are gone with it (a killed actor left them)
@@ -143,7 +144,7 @@ def _assert_too_few_file_descriptors_keep_shards_private(trainer) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft or len(os.listdir("/proc/self/fd")) + 64, hard))
         return old
 
-    rank = trainer.train.workers[-1]
+    rank = trainer.train.actors[-1]
     old = ray.get(rank.__ray_call__.remote(set_soft_limit, None))
     try:
         assert not trainer.sync._can_share()
@@ -329,7 +330,7 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
 def test_dynamic_sampling_trains_only_on_groups_of_mixed_rewards(ray_cluster, rl_config):
     """With a coin-flip reward, each 2-response group is uniform half the time: DAPO's dynamic
     sampling draws prompt batches until all 8 groups of the step have mixed rewards."""
-    from rlsys.tracking.phases import PhaseTimer
+    from rlsys.actors.phases import PhaseTimer
 
     cfg = rl_config("algorithm.filter_groups=true", "rollout.n=2", f"reward.terms=[{{path: {COIN}}}]",
                     "reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=0.5")

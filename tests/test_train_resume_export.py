@@ -102,6 +102,9 @@ def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
     got = [list(o.outputs[0].token_ids) for o in outputs]
     assert got == expected
     assert all(len(tokens) > 0 for tokens in got)
+    # the HF shapes, whatever the layout split (tp=2 splits the 103-token vocabulary 52 + 51)
+    original = AutoModelForCausalLM.from_pretrained(straight_run[0].model.path)
+    assert {n: p.shape for n, p in model.named_parameters()} == {n: p.shape for n, p in original.named_parameters()}
 
 
 def test_tensorboard_has_the_jsonl_metric_names(straight_run):
@@ -141,7 +144,7 @@ def test_resources_the_cluster_lacks_are_a_config_error(ray_cluster, sft_config)
     from rlsys.config.loader import ConfigError
 
     with pytest.raises(ConfigError, match=r"^ray\.cpus_per_worker: 2 workers x 64 CPUs = 128 CPUs, "
-                                          r"but the Ray cluster has \d+$"):
+                                          r"but the Ray cluster has \d+; set ray\.num_cpus=128 "):
         run_lm_training(sft_config("ray.cpus_per_worker=64"), "sft")
 
 

@@ -9,8 +9,8 @@ import multiprocessing
 import pytest
 import torch
 
-from rlsys.parallel.weight_shards import pack, share, shard_pieces, shared_pieces
-from rlsys.rollout.weight_placement import WeightPlacer
+from rlsys.sync.placement import WeightPlacer
+from rlsys.sync.shards import pack, shard_pieces, share, shared_pieces
 
 
 class FusingModel(torch.nn.Module):

@@ -19,9 +19,8 @@ log = logging.getLogger(__name__)
 
 # Run-time environment of every actor: no hub access, quiet tokenizers.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-# Every actor keeps OpenMP's default wait policy: a spin, then sleep. PASSIVE turns the spin
-# between a multi-threaded rank's many small kernels into sleeps and wake-ups (README, "Speed
-# beside TRL"); the default's spin after a rank's last kernel costs about 10 ms of one core.
+# Every actor keeps OpenMP's default wait policy (a spin, then sleep): PASSIVE would turn the
+# spin between a multi-threaded rank's many small kernels into sleeps and wake-ups.
 
 _log_dir = ""
 _actor_names: dict[str, str] = {}
@@ -85,19 +84,37 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def check_resources(num_workers: int, cpus: float, gpus: float, key: str, local_cpus: int | None = None) -> None:
-    """Fail fast, naming the config key, when the cluster cannot place `num_workers`
-    bundles of `cpus` CPUs and `gpus` GPUs (each bundle on a single node). Before Ray
-    starts a local cluster, the cluster is this machine (with `local_cpus` logical CPUs)."""
+    """Fail fast, naming the config key and the remedy, when the cluster cannot place
+    `num_workers` bundles of `cpus` CPUs and `gpus` GPUs (each bundle on a single node).
+    Before Ray starts a local cluster, the cluster is this machine (with `local_cpus`
+    logical CPUs)."""
     for resource, per_worker in (("CPU", cpus), ("GPU", gpus)):
         nodes = _node_resources(resource, local_cpus)
         total, largest = sum(nodes), max(nodes, default=0)
-        if num_workers * per_worker > total:
+        needed = num_workers * per_worker
+        if needed > total:
             workers = f"{num_workers} worker{'s' if num_workers != 1 else ''}"
-            raise ConfigError(f"{key}: {workers} x {per_worker:g} {resource}s = "
-                              f"{num_workers * per_worker:g} {resource}s, but the Ray cluster has {total:g}")
+            raise ConfigError(f"{key}: {workers} x {per_worker:g} {resource}s = {needed:g} {resource}s, but the "
+                              f"Ray cluster has {total:g}; {_remedy(resource, key, needed)}")
         if per_worker > largest:
             raise ConfigError(f"{key}: a worker needs {per_worker:g} {resource}s on one node, but the largest of "
-                              f"the cluster's {len(nodes)} nodes has {largest:g}")
+                              f"the cluster's {len(nodes)} nodes has {largest:g}; lower {key}")
+
+
+def _remedy(resource: str, key: str, needed: float) -> str:
+    """What makes a group that does not fit the cluster fit."""
+    fewer = "lower the parallel degrees" if key == "ray.cpus_per_worker" else "lower rollout.num_engines"
+    if resource == "GPU":
+        gpu_key = "ray.gpus_per_worker" if key == "ray.cpus_per_worker" else "rollout.gpus_per_engine"
+        return f"lower {gpu_key} or {fewer.removeprefix('lower ')}"
+    if _joins_a_cluster():
+        return f"add nodes to the cluster, lower {key} or {fewer.removeprefix('lower ')}"
+    return (f"set ray.num_cpus={needed:g} to run them on this machine's cores, sharing them (slowly), "
+            f"or lower {key} or {fewer.removeprefix('lower ')}")
+
+
+def _joins_a_cluster() -> bool:
+    return bool(os.environ.get("RAY_ADDRESS")) or (ray.is_initialized() and len(ray.nodes()) > 1)
 
 
 def _node_resources(resource: str, local_cpus: int | None) -> list[float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ray
 
 from rlsys.actors.cluster import name_of
-from rlsys.tracking.phases import current_phase
+from rlsys.actors.phases import current_phase
 
 # Messages of torch.distributed errors that mean a peer is gone or a collective hung.
 _COMMUNICATION_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",

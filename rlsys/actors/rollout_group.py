@@ -6,25 +6,23 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, shut_down, spawn, wait_placed
-from rlsys.actors.failures import wait_all
+from rlsys.actors.cluster import actor_name, check_resources, spawn, wait_placed
+from rlsys.actors.group import ActorGroup
 from rlsys.actors.rollout_worker import RolloutWorker, Sample
 from rlsys.config.schema import RolloutConfig
-from rlsys.tracking.phases import call
 
-
-# Transparent huge pages for torch's CPU allocations of 2 MiB and more in the engines: a
-# colocated engine's weights are freed in every update and grown back for the sync, and
-# faulting them in 2 MiB pages instead of 4 KiB ones took the sync of a 494 M-parameter
-# model from 1.91 to 1.64 s (medians; README, "Speed beside TRL"). No effect on GPU memory.
 ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+"""Transparent huge pages for torch's CPU allocations of 2 MiB and more in the engines: a
+colocated engine's weights are freed in every update and grown back for the sync, and 2 MiB
+pages fault in faster than 4 KiB ones. No effect on GPU memory."""
 
 
-class RolloutGroup:
+class RolloutGroup(ActorGroup):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0):
         """colocated: engine i sits in bundle i of the training group's placement group and takes
         no extra CPUs (generation and training alternate); separate: a placement group of its own."""
+        super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
         self.own_placement = None
         if cfg.placement == "colocated":
@@ -41,17 +39,15 @@ class RolloutGroup:
             threads = max(1, int(cfg.cpus_per_engine))
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update
         actor_cls = ray.remote(RolloutWorker)
-        self.names = [actor_name("rollout", i) for i in range(cfg.num_engines)]
-        self.engines = []
         try:
-            self.engines = [
+            self.actors = [
                 spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory,
                       env=ENGINE_ENV, num_cpus=num_cpus, num_gpus=num_gpus,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(
                           placement, placement_group_bundle_index=i % bundles))
                 for i in range(cfg.num_engines)
             ]
-            wait_all([engine.__ray_ready__.remote() for engine in self.engines], self.names)
+            self.wait([engine.__ray_ready__.remote() for engine in self.actors])
         except BaseException:
             self.shutdown()
             raise
@@ -59,25 +55,20 @@ class RolloutGroup:
     def generate(self, prompts: list[tuple[int, list[int]]], seed: int, n: int, temperature: float,
                  max_new_tokens: int) -> list[Sample]:
         """Split the prompts across engines (contiguous shares) and return samples in prompt order."""
-        engines = len(self.engines)
+        engines = len(self.actors)
         shares = [prompts[i * len(prompts) // engines:(i + 1) * len(prompts) // engines] for i in range(engines)]
         busy = [i for i in range(engines) if shares[i]]
-        refs = [call(self.engines[i].generate, shares[i], n, temperature, self.cfg.top_p, max_new_tokens, seed)
+        refs = [self.submit(i, "generate", shares[i], n, temperature, self.cfg.top_p, max_new_tokens, seed)
                 for i in busy]
         prompt_ids = dict(prompts)
-        return [sample for generated in wait_all(refs, [self.names[i] for i in busy])
-                for sample in generated.samples(prompt_ids)]
+        return [sample for generated in self.wait(refs, busy) for sample in generated.samples(prompt_ids)]
 
     def release_memory(self) -> None:
         """The trainer's turn: colocated engines free their weights (and KV cache, on GPU)."""
         if self.releases_memory:
-            self.call_all("release_memory")
-
-    def call_all(self, method: str, *args) -> list:
-        return wait_all([call(getattr(engine, method), *args) for engine in self.engines], self.names)
+            self.run_all("release_memory")
 
     def shutdown(self) -> None:
-        shut_down(self.engines, self.names)
+        super().shutdown()
         if self.own_placement is not None:
             remove_placement_group(self.own_placement)
-

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.config.schema import RolloutConfig
 from rlsys.console import redirect_actor_output
-from rlsys.parallel.weight_shards import Pieces, Shared, ShardBucket, shard_pieces, shared_pieces
+from rlsys.host_memory import releases_freed_memory
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
-from rlsys.rollout.weight_placement import WeightPlacer
+from rlsys.sync.placement import WeightPlacer
+from rlsys.sync.shards import Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
 
 
 @dataclass
@@ -37,9 +37,9 @@ class Sample:
 def vllm_requests(prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
                   max_new_tokens: int, seed: int, stop: list[str]) -> tuple[list, list]:
     """vLLM prompts and sampling parameters for `RolloutWorker.generate`: each request's seed
-    comes from `seed` and its prompt index. vLLM detokenizes only to find stop strings: its
-    token-by-token detokenization, and the decoding of every log-prob's token, took 14% of an
-    arithmetic rollout; `RolloutWorker.generate` decodes the responses in one batch instead.
+    comes from `seed` and its prompt index. vLLM detokenizes only to find stop strings (its
+    token-by-token detokenization, and the decoding of every log-prob's token, are a large
+    share of a short rollout); `RolloutWorker.generate` decodes the responses in one batch instead.
     Log-probs come flat (a few lists per response, not a dict per token)."""
     from vllm import SamplingParams, TokensPrompt
 
@@ -53,9 +53,8 @@ def vllm_requests(prompts: list[tuple[int, list[int]]], n: int, temperature: flo
 
 @dataclass
 class Generated:
-    """One engine's samples as columns, in request order. Ray sends a few arrays far faster
-    than as many small objects as samples: 512 `Sample`s took 3.6 ms from actor to driver, their
-    columns 1.0 ms (2-core machine), against a 240 ms arithmetic rollout."""
+    """One engine's samples as columns, in request order: Ray sends a few arrays far faster
+    than as many small objects as samples."""
 
     prompt_index: np.ndarray
     lengths: np.ndarray
@@ -79,7 +78,7 @@ class Generated:
 
 def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
     """Runs inside each vLLM worker: write one bucket, given as every training rank's shards,
-    into the engine's parameters (`weight_placement`)."""
+    into the engine's parameters (`rlsys.sync.placement`)."""
     _place(worker, shard_pieces(buckets))
 
 
@@ -152,9 +151,8 @@ class RolloutWorker:
     def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False) -> None:
         """Load one bucket, given as every training rank's shards of it. The sync's first
         bucket allocates released weights again; its last checks that every weight freed was
-        rewritten and drops the prefix cache, computed under the old weights. (Here rather than
-        in calls of their own: those two round trips took the arithmetic example's sync from
-        15 to 18 ms.)"""
+        rewritten and drops the prefix cache, computed under the old weights (here rather than
+        in calls of their own, which would add two round trips to every sync)."""
         self._load(_place_weights, list(buckets), first, last)
 
     def load_shared(self, *shards_by_rank: list[Shared]) -> None:

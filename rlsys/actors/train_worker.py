@@ -2,7 +2,7 @@
 engine. The policy role is an engine with its optimizer, the reference role
 (for a KL penalty) an engine without one, the critic role (PPO) an engine with
 a value head and its own optimizer. The driver calls its methods on
-every rank at once (see `worker_group.TrainGroup`)."""
+every rank at once (see `train_group.TrainGroup`)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from rlsys.actors.host_memory import releases_freed_memory
 from rlsys.algorithms.lm_loss import token_logprobs
 from rlsys.algorithms.value_loss import token_values
 from rlsys.config.schema import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
 from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
-from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine, full_tensor, local_tensor
+from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
+from rlsys.host_memory import releases_freed_memory
 from rlsys.parallel.dims import ParallelDims
-from rlsys.parallel.weight_shards import Shared, ShardBucket, pack
+from rlsys.sync.shards import ShardBucket, Shared, pack
 
 
 @dataclass(frozen=True)
@@ -119,21 +119,11 @@ class TrainWorker:
     # -- training -----------------------------------------------------------
 
     @releases_freed_memory
-    def forward_backward(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """Accumulate the gradients of `loss_fn` (from `rlsys.algorithms`, sent by the driver)
-        over this rank's shard; returns its global metrics."""
-        metrics, _ = self.policy.forward_backward(shard, loss_fn)
-        return metrics
-
-    @releases_freed_memory
     def train_step(self, shard: Batch, loss_fn: LossFn) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """forward_backward, then one optimizer step: metrics plus grad_norm and lr, and the
         loss function's per-row outputs from before the step (empty off the last pipeline stage)."""
         metrics, rows = self.policy.forward_backward(shard, loss_fn)
         return {**metrics, **self.policy.optimizer_step()}, rows
-
-    def zero_grad(self) -> None:
-        self.policy.zero_grad()
 
     @releases_freed_memory
     def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor | None:
@@ -155,10 +145,6 @@ class TrainWorker:
         metrics, _ = self.critic.forward_backward(shard, loss_fn)
         return {**metrics, **{f"critic/{k}": v for k, v in self.critic.optimizer_step().items()}}
 
-    def perturb_parameters(self, scale: float, seed: int) -> None:
-        """Tests use it to make the policy differ from the engines'."""
-        self.policy.perturb_parameters(scale, seed)
-
     # -- weights for the rollout engines ------------------------------------
 
     def parameter_nbytes(self) -> dict[str, int]:
@@ -174,16 +160,6 @@ class TrainWorker:
         """Handles to this rank's shards of `names` (moved into shared memory on CPU) for engines on
         this machine to read in place at every sync (none of them: this rank holds only replicas)."""
         return self.policy.share_shards(names)
-
-    # -- inspection (tests) ---------------------------------------------------
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Unsharded gradients by parameter name (gathers: every rank must call)."""
-        return {name: full_tensor(p.grad).cpu() for name, p in self.policy.named_parameters()}
-
-    def local_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shape of this rank's shard of each parameter."""
-        return {name: tuple(local_tensor(p).shape) for name, p in self.policy.named_parameters()}
 
     # -- state --------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-Batch = dict[str, torch.Tensor]
+from rlsys.data.batching import Batch
 
 
 @dataclass
@@ -63,6 +63,19 @@ def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     (and VeRL's trainer), so log-probs, ratios and entropy are those of the sampling policy.
     Greedy decoding (temperature 0) leaves them as they are."""
     return logits / temperature if temperature not in (0.0, 1.0) else logits
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_elements: int = 1 << 24) -> torch.Tensor:
+    """Per-token entropy [B, T], over rows of at most `chunk_elements` logits at a time (at
+    least one row): the softmax temporaries of a whole micro-batch over a 150k vocabulary
+    outweigh the model's activations, while a small vocabulary is best done in one piece."""
+    rows = max(1, chunk_elements // max(1, logits[0].numel()))
+    return torch.cat([_entropy(chunk) for chunk in logits.split(rows)])
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return -(logprobs.exp() * logprobs).sum(-1)
 
 
 def masked_nll_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,6 @@
-"""Per-token policy-gradient losses, chosen by name (`algorithm.policy_loss`), KL
-estimators and the aggregation of per-token terms, with VeRL's semantics.
-
-Token tensors are [B, T] aligned with the targets; `mask` is 1 on response
-tokens. Aggregations divide by global counts (all ranks, all micro-batches of
-the mini-batch) so that summing the per-micro-batch losses gives the loss of
-the whole mini-batch, as in the SFT loss. Padding never reaches a loss: masked
-sums select (`torch.where`) instead of multiplying, so a NaN or inf outside the
-mask stays out.
+"""Per-token policy-gradient losses, chosen by name (`algorithm.policy_loss`), with
+VeRL's semantics. Token tensors are [B, T] aligned with the targets; `mask` is 1 on
+response tokens. How per-token terms become the loss: `rlsys.algorithms.aggregation`.
 
 A user's own loss registers with `@register_policy_loss("name")` in a file listed
 under `algorithm.extensions`: `fn(logprobs, old_logprobs, advantages, mask, algo)
@@ -21,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsys.algorithms.aggregation import masked
+from rlsys.algorithms.kl import LOG_RATIO_LIMIT
 from rlsys.config.schema import AlgorithmConfig
 from rlsys.registry import Registry
-
-LOG_RATIO_LIMIT = 20.0
-"""VeRL clamps log-ratios to +-20 before `exp`."""
 
 
 @dataclass(frozen=True)
@@ -90,80 +83,3 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - algo.clip_ratio_low, 1 + algo.clip_ratio_high)
     return PolicyLossTerms(torch.maximum(unclipped, clipped), (clipped > unclipped).float())
-
-
-KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
-"""Accepted names (VeRL's included) -> the estimator."""
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy.
-
-    k1 (VeRL: kl) = log(p/q); abs = |log(p/q)|; k2 (mse) = log(p/q)^2 / 2;
-    k3 (low_var_kl) = q/p - 1 - log(q/p), non-negative and unbiased, with VeRL's
-    clamps: log(q/p) to +-20, the estimate to [-10, 10].
-    """
-    log_ratio = logprobs - ref_logprobs
-    kind = KL_ESTIMATORS.get(estimator)
-    if kind == "k1":
-        return log_ratio
-    if kind == "abs":
-        return log_ratio.abs()
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind == "k3":
-        reverse = (-log_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-        return (torch.exp(reverse) - reverse - 1).clamp(-10, 10)
-    raise ValueError(f"unknown KL estimator {estimator!r}")
-
-
-def masked(values: torch.Tensor, mask: torch.Tensor, elsewhere: torch.Tensor | float = 0.0) -> torch.Tensor:
-    """`values` on the mask, `elsewhere` outside it, whatever (NaN, inf) `values` hold there."""
-    return torch.where(mask.bool(), values, elsewhere)
-
-
-def token_share(values: torch.Tensor, mask: torch.Tensor, counts: dict[str, int]) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch's mean of `values` over response tokens
-    (a metric: the shares of every micro-batch and rank add up to the mean)."""
-    return masked(values, mask).sum() / counts["tokens"]
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, counts: dict[str, int]) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss. `counts`: the mini-batch's global
-    response "tokens" and "sequences", and the "horizon" (generation budget per response).
-
-    token-mean: every response token weighs the same.
-    seq-mean-token-mean: each response's token mean, averaged over responses.
-    seq-mean-token-sum: each response's token sum, averaged over responses.
-    seq-mean-token-sum-norm: each response's token sum over the horizon, averaged over
-    responses (Dr. GRPO's constant normaliser; VeRL divides by the padded response length).
-    """
-    values = masked(per_token, mask)
-    if mode == "token-mean":
-        return values.sum() / counts["tokens"]
-    if mode == "seq-mean-token-mean":
-        return (values.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / counts["sequences"]
-    if mode == "seq-mean-token-sum":
-        return values.sum() / counts["sequences"]
-    if mode == "seq-mean-token-sum-norm":
-        return values.sum() / (counts["sequences"] * counts["horizon"])
-    raise ValueError(f"unknown loss aggregation {mode!r}")
-
-
-def aggregates_per_sequence(mode: str) -> bool:
-    """Whether `aggregate` in this mode reads each row as one sequence (a per-row mean), which
-    packing several sequences into a row would break."""
-    return mode == "seq-mean-token-mean"
-
-
-def entropy_from_logits(logits: torch.Tensor, chunk_elements: int = 1 << 24) -> torch.Tensor:
-    """Per-token entropy [B, T], over rows of at most `chunk_elements` logits at a time (at
-    least one row): the softmax temporaries of a whole micro-batch over a 150k vocabulary
-    outweigh the model's activations, while a small vocabulary is best done in one piece."""
-    rows = max(1, chunk_elements // max(1, logits[0].numel()))
-    return torch.cat([_entropy(chunk) for chunk in logits.split(rows)])
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return -(logprobs.exp() * logprobs).sum(-1)

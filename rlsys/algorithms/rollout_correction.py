@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from rlsys.algorithms.policy_loss import masked
+from rlsys.algorithms.aggregation import masked
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,

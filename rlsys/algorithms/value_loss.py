@@ -14,8 +14,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from rlsys.algorithms.lm_loss import Batch, LossOutput, token_level
-from rlsys.algorithms.policy_loss import aggregate, aggregates_per_sequence, masked, token_share
+from rlsys.algorithms.aggregation import aggregate, aggregates_per_sequence, masked, token_share
+from rlsys.algorithms.lm_loss import LossOutput, token_level
+from rlsys.data.batching import Batch
 
 
 @token_level

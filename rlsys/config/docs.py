@@ -1,6 +1,6 @@
 """Markdown tables of every config key, generated from the field docstrings.
 
-    python -m rlsys.config.docs     # the tables the README embeds
+    python -m rlsys.config.docs     # the tables docs/configuration.md embeds
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ class ConfigError(ValueError):
     """A config problem, phrased as one line that names the key."""
 
 
+def first_line(err: Exception) -> str:
+    """The first line of an exception's message (its type when it has none), for one-line errors."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def load_config(schema: type[T], path: str | None, overrides: list[str] = ()) -> T:
     raw = _read_yaml(path) if path else {}
     for item in overrides:
@@ -45,20 +51,18 @@ def build_config(schema: type[T], raw: dict) -> T:
 def default_cpus_per_worker(cfg: Any) -> int:
     """A local cluster's share of this machine's cores per training rank: the cores this process
     may run on (at most ray.num_cpus, which may exceed them), less separate rollout engines'
-    CPUs, over the world size. One rank with all the cores trains a small model faster than
-    ranks of one thread each (README, "Speed beside TRL"). A cluster joined through RAY_ADDRESS
-    is not known before it is joined: 1."""
+    CPUs, over the world size: one rank with all the cores trains a small model faster than
+    ranks of one thread each (docs/performance.md). A cluster joined through RAY_ADDRESS is
+    not known before it is joined: 1."""
     if os.environ.get("RAY_ADDRESS"):
         return 1
-    from rlsys.parallel.dims import ParallelDims
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cores = min(cores, cfg.ray.num_cpus or cores)
     rollout = getattr(cfg, "rollout", None)
     if rollout is not None and rollout.placement == "separate":
         cores -= int(rollout.num_engines * rollout.cpus_per_engine)
     parallel = getattr(cfg, "parallel", None)
-    world_size = ParallelDims.of(parallel).world_size if parallel is not None else 1
+    world_size = parallel.world_size if parallel is not None else 1
     return max(1, cores // world_size)
 
 

@@ -1,7 +1,7 @@
 """Typed configuration for every stage.
 
 Each dataclass field carries its documentation as an attribute docstring; the
-README's key tables are generated from them (`python -m rlsys.config.docs`).
+key tables of docs/configuration.md are generated from them (`python -m rlsys.config.docs`).
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ class TrainConfig(LoopConfig):
     micro_batch_tokens: int | None = Field(default=None, gt=0)
     """Tokens per forward/backward on one rank, in place of micro_batch_size (VeRL's use_dynamic_bsz
     with ppo_max_token_len_per_gpu): consecutive sequences up to this many tokens; one longer goes alone.
-    Under context parallel, each rank's share of the sequences. Not with parallel.pp > 1, where
-    parallel.pp_microbatches splits each shard."""
+    Under context parallel, each rank's share of the sequences. Under pipeline parallel, the number of
+    equal micro-batches each shard is split into: as many as the budget needs, at least
+    parallel.pp_microbatches."""
     log_every: int = Field(default=1, gt=0)
     """Console progress-bar refresh period in steps (metrics.jsonl gets every step)."""
 
@@ -107,8 +108,8 @@ class ParallelConfig:
     """With pp > 1: all forwards then all backwards (gpipe), one forward one backward (1f1b), or 1f1b
     over several smaller stages per rank (interleaved_1f1b), which shrinks the pipeline bubble."""
     pp_microbatches: int = Field(default=4, gt=0)
-    """With pp > 1: micro-batches each data-parallel shard is split into (replaces train.micro_batch_size);
-    at least pp for 1f1b; a multiple of pp for interleaved_1f1b."""
+    """With pp > 1: micro-batches each data-parallel shard is split into (replaces train.micro_batch_size;
+    with train.micro_batch_tokens, the fewest); at least pp for 1f1b; a multiple of pp for interleaved_1f1b."""
     pp_stages_per_rank: int = Field(default=2, gt=1)
     """With interleaved_1f1b: stages each pipeline rank holds (rank r runs stages r, r + pp, ...)."""
     cp: int = Field(default=1, gt=0)
@@ -130,6 +131,11 @@ class ParallelConfig:
     is the same."""
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
+
+    @property
+    def world_size(self) -> int:
+        """Training ranks the layout takes."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
 @dataclass(config=STRICT)
@@ -231,7 +237,7 @@ class RolloutConfig:
 @dataclass(config=STRICT)
 class RewardTerm:
     name: str = ""
-    """A registered reward (see README); or leave empty and give `path`."""
+    """A registered reward (docs/rewards.md); or leave empty and give `path`."""
     path: str = ""
     """A Python file defining the reward function (VeRL's compute_score signature works unchanged)."""
     function: str = "compute_score"
@@ -367,8 +373,9 @@ class RLTrainConfig(LoopConfig):
     """Tokens (prompt and response) per forward/backward on one rank, in place of micro_batch_size
     (VeRL's use_dynamic_bsz with ppo_max_token_len_per_gpu): consecutive responses up to this many
     tokens, so a group shares its prompt; one longer goes alone. Packed sequences keep the padding out.
-    Under context parallel, each rank's share of the sequences. Not with parallel.pp > 1, where
-    parallel.pp_microbatches splits each shard."""
+    Under context parallel, each rank's share of the sequences. Under pipeline parallel, the number of
+    equal micro-batches each shard is split into: as many as the budget needs, at least
+    parallel.pp_microbatches."""
     val_every: int = Field(default=10, ge=0)
     """Validate on `eval.files` every N steps (0: only before and after training)."""
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-Batch = dict[str, torch.Tensor]
+from rlsys.data.batching import Batch
 
 MIN_SHARED_FRACTION = 0.25
 """Share a group's prompt only if that drops at least this fraction of the group's tokens."""

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlsys.config.schema import ModelConfig, ParallelConfig
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import parallelize
-from rlsys.parallel.pipeline import split_into_stages, stages_per_rank
+from rlsys.parallel.pipeline_stages import split_into_stages, stages_per_rank
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

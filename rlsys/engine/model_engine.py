@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -52,7 +51,7 @@ from rlsys.engine.loading import load_parallel_model
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.pipeline_schedule import run_schedule
 from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
-from rlsys.parallel.weight_shards import Shared, share
+from rlsys.sync.shards import Shared, share
 
 
 @dataclass(frozen=True)
@@ -188,15 +187,43 @@ class ModelEngine:
         if self.spec.micro_batch_tokens is None:
             return micro_batches(shard, self.spec.micro_batch_size), 0
         lengths = shard["attention_mask"].sum(1).tolist()
-        sizes = token_budget_sizes(lengths, self.spec.micro_batch_tokens * self.spec.dims.cp)
-        count = torch.tensor(len(sizes), device=self.device)  # the group may be nccl
-        if dist.get_world_size(self.metric_group) > 1:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.metric_group)
-        sizes = split_to_count(sizes, lengths, int(count))
-        return cut_rows(shard, sizes), int(count) - len(sizes)
+        sizes = self._token_budget_sizes(lengths)
+        count = self._most_over_data_parallel(len(sizes))
+        sizes = split_to_count(sizes, lengths, count)
+        return cut_rows(shard, sizes), count - len(sizes)
+
+    def _token_budget_sizes(self, lengths: list[int]) -> list[int]:
+        """Rows per micro-batch under the token budget: a rank's tokens, so under context
+        parallel cp times as many of whole sequences."""
+        return token_budget_sizes(lengths, self.spec.micro_batch_tokens * self.spec.dims.cp)
+
+    def _most_over_data_parallel(self, count: int) -> int:
+        """The largest `count` of the data-parallel (and context-parallel) ranks."""
+        if dist.get_world_size(self.metric_group) == 1:
+            return count
+        largest = torch.tensor(count, device=self.device)  # the group may be nccl
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.metric_group)
+        return int(largest)
+
+    def _pipeline_micro_batches(self, shard: Batch) -> int:
+        """Micro-batches the pipeline schedule splits this shard into: parallel.pp_microbatches,
+        or under a token budget as many as the budget needs, at least pp_microbatches (which
+        keeps the bubble small), a multiple of pp for the interleaved schedule, and the same on
+        every data-parallel rank (their FSDP collectives pair up pass by pass). The schedule's
+        micro-batches are equal in rows and as wide as the shard, so the budget bounds them
+        only roughly."""
+        parallel = self.spec.parallel
+        if self.spec.micro_batch_tokens is None:
+            return parallel.pp_microbatches
+        needed = len(self._token_budget_sizes(shard["attention_mask"].sum(1).tolist()))
+        count = self._most_over_data_parallel(max(needed, parallel.pp_microbatches))
+        if parallel.pp_schedule == "interleaved_1f1b":
+            count = -(-count // parallel.pp) * parallel.pp
+        return count
 
     def _pipelined(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
         parallel = self.spec.parallel
+        num_microbatches = self._pipeline_micro_batches(shard)
         seq = self._rank_sequence(shard)
         for stage in self.parts:
             stage.positions = seq.positions.to(self.device)
@@ -205,7 +232,7 @@ class ModelEngine:
             sums, rows = run_schedule(
                 self.parts, self.pp_group, seq.input_ids, seq.fields,
                 lambda logits, micro: loss_fn(loss_logits(logits, seq), micro),
-                parallel.pp_schedule, parallel.pp_microbatches, activation_dtype, forward_only,
+                parallel.pp_schedule, num_microbatches, activation_dtype, forward_only,
                 self.sequence_multiple)
         return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
 
@@ -303,8 +330,8 @@ class ModelEngine:
         in the full tensor): no collective. A rank holding a replica of a shard (a Replicate
         placement at a coordinate other than 0: another data-parallel replica, a tensor-parallel
         peer's copy of a norm) yields nothing for it, so each element is sent once. (Without
-        grad mode `to_local` needs no `detach`, whose dispatch through DTensor took 0.7 of the
-        0.9 ms this took for the arithmetic model's 51 tensors.)"""
+        grad mode `to_local` needs no `detach`, whose dispatch through DTensor is most of the
+        cost here.)"""
         for part in self.fsdp_parts:
             part.reshard()
         params = dict(self.named_parameters())
@@ -319,7 +346,7 @@ class ModelEngine:
 
     def share_shards(self, names: list[str]) -> list[Shared]:
         """Handles to the `local_shards` of `names` for an engine on this machine to read in place
-        on every sync: moved into shared memory on CPU, where they are on a GPU (`weight_shards.share`)."""
+        on every sync: moved into shared memory on CPU, where they are on a GPU (`rlsys.sync.shards.share`)."""
         shards = self.local_shards(names)
         shared = share(shards)
         self.shared_storages.update((name, local.untyped_storage().data_ptr()) for name, local, _, _ in shards)
@@ -333,14 +360,6 @@ class ModelEngine:
         for name, address in self.shared_storages.items():
             if local_tensor(params[name]).untyped_storage().data_ptr() != address:
                 raise RuntimeError(f"{name}: its shard moved out of the shared memory the rollout engines read")
-
-    def perturb_parameters(self, scale: float, seed: int) -> None:
-        """Add seeded noise to every parameter, the same in any layout (seeded by name)."""
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                noise = (torch.randn(p.shape, generator=generator) * scale).to(p.device)
-                p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
 
     # -- state ----------------------------------------------------------------
 

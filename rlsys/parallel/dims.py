@@ -89,13 +89,13 @@ class ParallelDims:
         return [range(stage * size, (stage + 1) * size) for stage in range(self.pp)]
 
     def check_model(self, model_config, stages_per_rank: int = 1) -> None:
-        """Degrees the model can take: tp splits heads, KV heads, the MLP and the vocabulary;
+        """Degrees the model can take: tp splits heads, KV heads and the MLP evenly (the
+        vocabulary may split unevenly: DTensor gives the first ranks one row more);
         pp needs untied embeddings and a decoder layer per stage."""
         if self.tp > 1:
             heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
             for what, size in (("attention heads", heads), ("key/value heads", kv_heads),
-                               ("intermediate size", model_config.intermediate_size),
-                               ("vocabulary", model_config.vocab_size)):
+                               ("intermediate size", model_config.intermediate_size)):
                 if size % self.tp:
                     raise LayoutError(f"parallel.tp: {self.tp} does not divide the model's {what} ({size})")
             if getattr(model_config, "tie_word_embeddings", False):

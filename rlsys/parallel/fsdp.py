@@ -19,10 +19,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     issue 162338).
 
     On a mesh of one rank nothing is sharded, so the root is the only unit: a unit per block
-    would only add a copy-in, a cast and a reduction per block and step, which left a 0.5B
-    model's forward/backward bound by kernel launches on an H100 (0.20 s against 0.14-0.15 s
-    as one unit, 16 x 512 tokens; scripts/gpu_check.py). The cost is the whole model's
-    bf16 copy living through the step instead of one block's.
+    would only add a copy-in, a cast and a reduction per block and step, which leaves a
+    small model's forward/backward on a GPU bound by kernel launches. The cost is the whole
+    model's bf16 copy living through the step instead of one block's.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in decoder_blocks(model) if mesh.size() > 1 else []:

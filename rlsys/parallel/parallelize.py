@@ -43,11 +43,9 @@ def needs_fsdp(fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None, tp: int) 
     """FSDP2 on a mesh of one rank shards nothing, yet it gathers each unit's weights into a
     copy and copies its gradients out to reduce them. As one unit those copies lived through
     the step; a unit per block made them block by block and micro-batch by micro-batch.
-    Without FSDP the rank computes on its parameters themselves: 2 RLVR steps of a
-    0.5B-shaped model on one CPU rank peaked at 18.5 GiB used as one unit, 14.5 per block
-    and 13.3 without, with second updates of 56.8, 71.4 and 43.8 s (the README's one-rank
-    table). It stays for bf16 mixed precision (on a GPU by default), whose casts FSDP2
-    makes, and under tensor parallel, where it makes the parameters the plan leaves whole
+    Without FSDP the rank computes on its parameters themselves, with a lower peak and a
+    faster update (docs/performance.md). It stays for bf16 mixed precision (on a GPU by
+    default), whose casts FSDP2 makes, and under tensor parallel, where it makes the parameters the plan leaves whole
     (norms, a value head) DTensors like the rest: AdamW's fused step takes no mix of the two."""
     return fsdp_mesh.size() > 1 or param_dtype is not None or tp > 1
 

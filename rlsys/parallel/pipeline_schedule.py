@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from rlsys.algorithms.lm_loss import Batch, LossOutput
-from rlsys.parallel.pipeline import DecoderStage
+from rlsys.algorithms.lm_loss import LossOutput
+from rlsys.data.batching import Batch
+from rlsys.parallel.pipeline_stages import DecoderStage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-Batch = dict[str, torch.Tensor]
+from rlsys.data.batching import Batch
 
 
 @dataclass
@@ -56,9 +56,11 @@ def loss_logits(logits: torch.Tensor, seq: RankSequence) -> torch.Tensor:
     (padded on the local shard when loss parallel leaves them vocabulary-sharded)."""
     if not seq.chunked:
         return logits
-    if isinstance(logits, DTensor):
+    if isinstance(logits, DTensor):  # the global shape given: the vocabulary may split unevenly
         local = F.pad(logits.to_local(), (0, 0, 0, 1))
-        return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False)
+        rows, length, vocab = logits.shape
+        return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False,
+                                  shape=(rows, length + 1, vocab), stride=((length + 1) * vocab, vocab, 1))
     return F.pad(logits, (0, 0, 0, 1))
 
 

@@ -3,7 +3,9 @@
 Megatron's pairing inside every block: q/k/v and gate/up are split by output
 columns, o and down by input rows, so each attention and each MLP needs one
 all-reduce. The embedding is split by vocabulary rows, the LM head by
-vocabulary columns. HF attention reshapes with `view(..., -1, head_dim)`, so
+vocabulary columns, unevenly where tp does not divide the vocabulary (DTensor's
+uneven shards: the first ranks hold one row more), so checkpoints, exports and
+the weight sync see the model's own shapes. HF attention reshapes with `view(..., -1, head_dim)`, so
 each rank runs its own heads without patching the model.
 
 Sequence parallel (optional) keeps the norms and the residual stream split

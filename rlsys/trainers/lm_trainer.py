@@ -13,20 +13,21 @@ import time
 from typing import Literal
 
 from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.phases import set_phase
+from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
-from rlsys.actors.worker_group import TrainGroup
 from rlsys.algorithms.lm_loss import nll_loss
-from rlsys.config.checks import check_train_job, load_tokenizer
 from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
 from rlsys.data.files import DataError
+from rlsys.data.tokenizer import load_tokenizer
 from rlsys.parallel.dims import ParallelDims
+from rlsys.tracking.tracker import Tracker
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
+from rlsys.trainers.preflight import check_train_job
 from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
-from rlsys.tracking.phases import set_phase
-from rlsys.tracking.tracker import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         raise DataError(f"data.train_files: {err}") from None
     evaluator = None
     if cfg.eval is not None:
-        from rlsys.eval import Evaluator
+        from rlsys.trainers.eval import Evaluator
 
         evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path)
     log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
@@ -61,7 +62,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
                "final_loss": last.get("loss"), "restarts": last.get("restarts", 0),
                "skipped_rows": row_stats.skipped, "hf_model": hf_dir}
     if evaluator is not None:
-        from rlsys.eval import evaluate_model
+        from rlsys.trainers.eval import evaluate_model
 
         set_phase(f"{stage}: eval")
         cpus = cfg.ray.cpus_per_worker * ParallelDims.of(cfg.parallel).world_size

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.phases import PhaseTimer, set_phase
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.rollout_worker import Sample
+from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
-from rlsys.actors.worker_group import TrainGroup
+from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae_advantages_and_returns
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
-from rlsys.algorithms.kl_control import KLController, kl_in_reward
-from rlsys.algorithms.rl_step import policy_loss
+from rlsys.algorithms.kl import KLController, kl_in_reward
 from rlsys.algorithms.value_loss import value_loss
-from rlsys.config.checks import check_rl_job, load_tokenizer
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import (
     Batch,
@@ -41,14 +41,15 @@ from rlsys.data.batching import (
 )
 from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
-from rlsys.eval import Evaluator
-from rlsys.parallel.weight_sync import WeightSync
+from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.runner import RewardRunner, ScoredSample, reward_inputs
+from rlsys.sync.weight_sync import WeightSync
+from rlsys.tracking.tracker import Tracker
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
+from rlsys.trainers.eval import Evaluator
+from rlsys.trainers.preflight import check_rl_job
 from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
-from rlsys.tracking.phases import PhaseTimer, set_phase
-from rlsys.tracking.tracker import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class RLVRTrainer:
                     metrics.update(self.train.run_data_parallel("critic_step", mini, loss_fn=loss_fn)[0])
                 if train_actor:
                     wants_rows = sampler_logprobs is None  # only the first mini-batch's, and only once
-                    loss_fn = policy_loss(counts, algo, self.cfg.rollout.temperature, with_logprobs=wants_rows)
+                    loss_fn = actor_loss(counts, algo, self.cfg.rollout.temperature, with_logprobs=wants_rows)
                     outputs = self.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
                     if wants_rows:
                         sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])

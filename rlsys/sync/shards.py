@@ -5,10 +5,9 @@ bytes as numpy arrays, which Ray's object store hands to a reader on the same
 node without a copy, plus where each shard lies in the full tensor. The rollout
 engine groups the shards of all ranks by tensor (`shard_pieces`) and, where it
 needs full tensors, places them into a staging buffer (`Assembler`). No
-collective runs among the training ranks: on gloo, gathering the full tensors of
-a Qwen2.5-0.5B-shaped model (1.9 GB) over 2 ranks took 14 s by itself; the whole
-sync through the object store now takes 2.3-4 s. An engine on the training ranks'
-machine reads their shards in place instead (`share`, `shared_pieces`): in shared
+collective runs among the training ranks (gloo's all-gather is far slower than the
+object store's copies). An engine on the training ranks' machine reads their shards
+in place instead (`share`, `shared_pieces`): in shared
 memory on CPU, through CUDA IPC on a GPU; the same pieces, with no copy before the
 engine's own.
 """
@@ -161,8 +160,8 @@ def shared_pieces(shards_by_rank: list[list[Shared]]) -> Pieces:
 
 class Assembler:
     """Places all ranks' shards of tensors into full tensors. The full tensors are views of
-    one staging buffer kept across buckets and syncs: fresh memory for every bucket cost
-    more in page faults than the copies themselves (1.9 s for 1.9 GB on the 2-core machine)."""
+    one staging buffer kept across buckets and syncs: fresh memory for every bucket costs
+    more in page faults than the copies themselves."""
 
     def __init__(self):
         self.staging = torch.empty(0, dtype=torch.uint8)

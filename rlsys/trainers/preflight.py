@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import os
 
-from rlsys.config.loader import ConfigError
+from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.schema import (
     AlgorithmConfig,
     EvalConfig,
@@ -21,7 +21,7 @@ from rlsys.config.schema import (
     TrainJobConfig,
 )
 from rlsys.parallel.dims import LayoutError, ParallelDims
-from rlsys.parallel.pipeline import stages_per_rank
+from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
@@ -31,7 +31,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 def check_train_job(cfg: TrainJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     dims = check_layout(cfg.parallel, check_model_dir(cfg.model, "model.path"))
-    _check_token_budget(cfg.train.micro_batch_tokens, cfg.parallel)
     _check_files(cfg.data.train_files, "data.train_files")
     train, dp = cfg.train, dims.dp_size
     if train.micro_batch_tokens is not None:
@@ -54,7 +53,6 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
     dims = check_layout(cfg.parallel, model_config)
-    _check_token_budget(cfg.train.micro_batch_tokens, cfg.parallel)
     _check_files(cfg.data.train_files, "data.train_files")
     _check_heads_split(model_config, cfg.rollout.tensor_parallel_size, "rollout.tensor_parallel_size")
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
@@ -141,7 +139,7 @@ def check_model_dir(model: ModelConfig, key: str):
     try:
         config = AutoConfig.from_pretrained(model.path)
     except Exception as err:  # transformers raises several types for unreadable configs
-        raise ConfigError(f"{key}: {model.path}/config.json cannot be read by transformers: {_first_line(err)}") \
+        raise ConfigError(f"{key}: {model.path}/config.json cannot be read by transformers: {first_line(err)}") \
             from None
     if not any(glob.glob(os.path.join(model.path, pattern)) for pattern in _WEIGHT_FILES):
         raise ConfigError(f"{key}: no weights in {model.path} (expected *.safetensors or pytorch_model*.bin)")
@@ -167,12 +165,6 @@ def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     return dims
 
 
-def _check_token_budget(micro_batch_tokens: int | None, parallel: ParallelConfig) -> None:
-    if micro_batch_tokens is not None and parallel.pp > 1:
-        raise ConfigError("train.micro_batch_tokens: under pipeline parallel each shard is split into "
-                          "parallel.pp_microbatches micro-batches instead; leave it unset")
-
-
 def _tp_option(parallel: ParallelConfig) -> str | None:
     """The first tensor-parallel option switched on (sequence or loss parallel), if any."""
     return next((key for key in ("sequence_parallel", "loss_parallel") if getattr(parallel, key)), None)
@@ -194,21 +186,6 @@ def _check_heads_split(model_config, degree: int, key: str) -> None:
     if heads and degree > 1 and (heads % degree or (kv_heads % degree and degree % kv_heads)):
         raise ConfigError(f"{key}: {degree} does not split the model's {heads} attention heads "
                           f"({kv_heads} key/value heads) evenly")
-
-
-def load_tokenizer(path: str, key: str):
-    """The model directory's tokenizer, or a ConfigError naming `key`."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as err:  # missing or broken tokenizer files
-        raise ConfigError(f"{key}: the tokenizer in {path} cannot be loaded: {_first_line(err)}") from None
-    if len(tokenizer) == 0:
-        raise ConfigError(f"{key}: the tokenizer in {path} has an empty vocabulary")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def _check_eval(cfg: EvalConfig) -> None:
@@ -241,8 +218,3 @@ def _check_files(paths: list[str], key: str) -> None:
 def _require(value: str, key: str) -> None:
     if not value:
         raise ConfigError(f"{key}: is required")
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -4,10 +4,8 @@ vLLM's `load_weights` maps each HF-named full tensor onto the engine's
 parameters: it fuses q/k/v and gate/up and slices for the engine's
 tensor-parallel rank. Going through it on every sync costs a full tensor per
 weight (the training ranks' shards assembled in a staging buffer, which the
-loader then copies again) and the loader's Python work per tensor. The engine's
-side of a 494 M-parameter model's sync was 26% assembling and 29% loaders; the
-arithmetic model's 51 tensors took 1.7 ms in the loaders, against 0.3 ms for
-the copies they make.
+loader then copies again) and the loader's Python work per tensor, several
+times the cost of the copies it makes.
 
 So the first time a weight arrives, vLLM's loader places it and every copy it
 makes from the weight into a parameter is recorded: the parameter's view
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.parallel.weight_shards import Assembler, Pieces
+from rlsys.sync.shards import Assembler, Pieces
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,12 @@ import time
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.rollout_group import RolloutGroup
-from rlsys.config.checks import check_eval_job, load_tokenizer
 from rlsys.config.schema import EvalConfig, EvalJobConfig, RewardConfig, RolloutConfig
 from rlsys.data.rl import load_prompts, prompt_budget
+from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.loading import eval_term
 from rlsys.rewards.runner import RewardRunner, reward_inputs
+from rlsys.trainers.preflight import check_eval_job
 from rlsys.trainers.run_dir import prepare_run_dir, write_summary
 
 log = logging.getLogger(__name__)

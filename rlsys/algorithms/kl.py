@@ -1,7 +1,7 @@
-"""KL to the reference policy as a penalty in the reward (VeRL's `use_kl_in_reward`),
-with a fixed or adaptive coefficient.
+"""KL to the reference policy: the per-token estimators (for the KL loss, `algorithm.kl_coef`)
+and the penalty in the reward (VeRL's `use_kl_in_reward`) with a fixed or adaptive coefficient.
 
-Each response token's reward becomes score - beta x KL(token), KL estimated from
+In the reward, each response token's reward becomes score - beta x KL(token), KL estimated from
 the policy's log-probs at sampling time and the reference's; the advantage
 estimator then sees the penalty, unlike the KL loss (`algorithm.kl_coef`), which
 only enters the gradient. The adaptive controller (Ziegler et al. 2019) moves beta
@@ -13,8 +13,35 @@ from __future__ import annotations
 
 import torch
 
-from rlsys.algorithms.policy_loss import kl_penalty, masked
+from rlsys.algorithms.aggregation import masked
 from rlsys.config.schema import KLControlConfig
+
+LOG_RATIO_LIMIT = 20.0
+"""VeRL clamps log-ratios to +-20 before `exp`."""
+
+KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
+"""Accepted names (VeRL's included) -> the estimator."""
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+
+    k1 (VeRL: kl) = log(p/q); abs = |log(p/q)|; k2 (mse) = log(p/q)^2 / 2;
+    k3 (low_var_kl) = q/p - 1 - log(q/p), non-negative and unbiased, with VeRL's
+    clamps: log(q/p) to +-20, the estimate to [-10, 10].
+    """
+    log_ratio = logprobs - ref_logprobs
+    kind = KL_ESTIMATORS.get(estimator)
+    if kind == "k1":
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        reverse = (-log_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        return (torch.exp(reverse) - reverse - 1).clamp(-10, 10)
+    raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
 class KLController:

@@ -1,6 +1,7 @@
-"""The policy loss of one micro-batch: the configured policy loss (`algorithm.policy_loss`)
-on the batch's advantages, plus an optional KL term, as a pure loss function for the model
-engine."""
+"""The actor's loss of one micro-batch, as a pure loss function for the model engine: the
+configured policy-gradient loss (`algorithm.policy_loss`) on the batch's advantages, weighted
+by rollout importance sampling where it is on, plus an optional KL term, aggregated by
+`algorithm.loss_agg`."""
 
 from __future__ import annotations
 
@@ -11,23 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from rlsys.algorithms.lm_loss import Batch, LossOutput, logprobs_of_labels, sampling_logits, token_level
-from rlsys.algorithms.policy_loss import (
-    POLICY_LOSSES,
-    PolicyLoss,
-    aggregate,
-    aggregates_per_sequence,
-    entropy_from_logits,
-    kl_penalty,
-    masked,
-    token_share,
-)
+from rlsys.algorithms.aggregation import aggregate, aggregates_per_sequence, masked, token_share
+from rlsys.algorithms.kl import kl_penalty
+from rlsys.algorithms.lm_loss import LossOutput, entropy_from_logits, logprobs_of_labels, sampling_logits, token_level
+from rlsys.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss
 from rlsys.algorithms.rollout_correction import truncated_is_weights
 from rlsys.config.schema import AlgorithmConfig
+from rlsys.data.batching import Batch
 
 
-def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float = 1.0,
-                with_logprobs: bool = True) -> Callable[[torch.Tensor, Batch], LossOutput]:
+def actor_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float = 1.0,
+               with_logprobs: bool = True) -> Callable[[torch.Tensor, Batch], LossOutput]:
     """`counts`: the mini-batch's global response "tokens" and "sequences", and the "horizon"
     (generation budget per response); `temperature`: the rollout's (`sampling_logits`).
 
@@ -40,13 +35,13 @@ def policy_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: floa
     (A partial, see `rlsys.algorithms.lm_loss`.)"""
     loss_kind = POLICY_LOSSES[algo.policy_loss]
     loss_agg = loss_kind.loss_agg or algo.loss_agg
-    loss_fn = partial(_policy_loss, loss_kind=loss_kind, loss_agg=loss_agg, counts=counts, algo=algo,
+    loss_fn = partial(_actor_loss, loss_kind=loss_kind, loss_agg=loss_agg, counts=counts, algo=algo,
                       temperature=temperature, with_logprobs=with_logprobs)
     per_row = aggregates_per_sequence(loss_agg) or algo.rollout_is == "sequence"
     return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn
 
 
-def _policy_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, loss_agg: str,
+def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, loss_agg: str,
                  counts: dict[str, int], algo: AlgorithmConfig, temperature: float, with_logprobs: bool
                  ) -> LossOutput:
     micro = {k: v.to(logits.device) for k, v in micro.items()}

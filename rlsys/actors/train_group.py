@@ -9,31 +9,28 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, shut_down, spawn, wait_placed
-from rlsys.actors.failures import wait_all
+from rlsys.actors.cluster import actor_name, check_resources, spawn, wait_placed
+from rlsys.actors.group import ActorGroup
 from rlsys.actors.train_worker import TrainWorker, TrainWorkerSpec
 from rlsys.config.schema import RayConfig
 from rlsys.data.batching import Batch, split_rows
-from rlsys.tracking.phases import call
 
 
-class TrainGroup:
+class TrainGroup(ActorGroup):
     def __init__(self, spec: TrainWorkerSpec, ray_cfg: RayConfig, gpu_share: float | None = None):
         """`gpu_share`: GPUs each rank's actor takes of its bundle (default all of
         ray.gpus_per_worker; less when a colocated rollout engine takes the rest)."""
         world_size = spec.dims.world_size
+        super().__init__([actor_name("train", rank) for rank in range(world_size)], spec.collective_timeout_s)
         check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
         self.placement = placement_group([bundle] * world_size, strategy="PACK")
         self.dims = spec.dims
         self.on_gpu = spec.use_gpu
-        self.straggler_timeout_s = spec.collective_timeout_s
-        self.names = [actor_name("train", rank) for rank in range(world_size)]
-        self.workers = []
         try:
             wait_placed(self.placement, f"training group ({world_size} x {bundle})")
             actor_cls = ray.remote(TrainWorker)
-            self.workers = [
+            self.actors = [
                 spawn(actor_cls, "train", rank, rank, spec,
                       num_cpus=ray_cfg.cpus_per_worker,
                       num_gpus=(ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0,
@@ -41,7 +38,7 @@ class TrainGroup:
                                                                            placement_group_bundle_index=rank))
                 for rank in range(world_size)
             ]
-            master_addr, master_port = self._wait([self.workers[0].master_address.remote()])[0]
+            master_addr, master_port = self.wait([self.submit(0, "master_address")], [0])[0]
             placement = self.run_all("setup", master_addr, master_port)
             self.dp_ranks = [dp_rank for dp_rank, _ in placement]
             self.collected = sorted((dp_rank, rank) for rank, (dp_rank, collected) in enumerate(placement)
@@ -50,27 +47,21 @@ class TrainGroup:
             self.shutdown()
             raise
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
-        """Call `method` with the same arguments on every rank; results by rank."""
-        return self._wait([call(getattr(w, method), *args, **kwargs) for w in self.workers])
-
     def run_all_ranks(self, method: str, args_by_rank: dict[int, Any]) -> list:
         """Call `method` on every rank with its own argument; results by rank."""
-        return self._wait([call(getattr(w, method), args_by_rank[rank]) for rank, w in enumerate(self.workers)])
+        return self.wait([self.submit(rank, method, args_by_rank[rank]) for rank in range(len(self.actors))])
 
     def run_data_parallel(self, method: str, batch: Batch, **kwargs: Any) -> list:
         """Split `batch` by rows into one shard per data-parallel rank; every rank of a
         data-parallel group (its tensor-parallel peers) gets the same shard. Returns the
         outputs of the collected ranks, one per shard, in data-parallel order."""
         shards = [ray.put(shard) for shard in split_rows(batch, self.dims.dp_size)]
-        outputs = self._wait([call(getattr(w, method), shards[self.dp_ranks[rank]], **kwargs)
-                              for rank, w in enumerate(self.workers)])
+        outputs = self.wait([self.submit(rank, method, shards[self.dp_ranks[rank]], **kwargs)
+                             for rank in range(len(self.actors))])
         return [outputs[rank] for _, rank in self.collected]
-
-    def _wait(self, refs: list) -> list:
-        return wait_all(refs, self.names, self.straggler_timeout_s)
 
     def shutdown(self) -> None:
         """Leave the process group where the ranks still answer, then kill them all."""
-        shut_down(self.workers, self.names)
+        super().shutdown()
         remove_placement_group(self.placement)
+

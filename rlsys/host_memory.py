@@ -1,17 +1,15 @@
 """Giving the host memory a phase freed back to the system.
 
 glibc keeps the blocks a phase frees (logits over the vocabulary, unsharded
-layers and their gradients, gathered sync buckets) in its arenas, too
-fragmented for the next phase to reuse, so a long-lived actor's resident
-memory grows by about its largest phase on top of what it holds. On a
-494 M-parameter model (dp_shard=2) a rank kept 1.7 GiB of such blocks between
-phases; `malloc_trim` after each phase returns them in a few milliseconds.
+layers and their gradients, sync buckets) in its arenas, too fragmented for
+the next phase to reuse, so a long-lived actor's resident memory grows by about
+its largest phase on top of what it holds. `malloc_trim` after a phase returns
+them in a few milliseconds.
 
-Trimming has a price: the next phase faults those pages in again (the
-arithmetic model's forward/backward took 0.381 instead of 0.336 s right after a
-trim). So an actor method trims only when its arenas hold at least
-`TRIM_ABOVE_BYTES` free, which bounds what it keeps.
-Without glibc (macOS) this does nothing.
+Trimming has a price: the next phase faults those pages in again. So an actor
+method trims only when its arenas hold at least `TRIM_ABOVE_BYTES` free, which
+bounds what it keeps (docs/performance.md has the measurements). Without glibc
+(macOS) this does nothing.
 """
 
 from __future__ import annotations

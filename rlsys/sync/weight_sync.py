@@ -1,10 +1,15 @@
-"""Trainer -> rollout weight sync: full tensors under HF names, bucket by bucket.
+"""Trainer -> rollout weight sync, as the driver runs it: full tensors under HF names,
+bucket by bucket, or read in place.
+
+The driver calls the two groups (`rlsys.actors`); each group's actors call the rest of
+this package: a training rank packs or shares its shards (`shards`), an engine writes
+them into its parameters (`placement`).
 
 Each pipeline stage sends its own layers (one stage without pipelining). For
 each bucket every rank of the stage packs its own FSDP / tensor-parallel shards
-(`weight_shards.pack`, no collective among the ranks), each engine takes all
+(`shards.pack`, no collective among the ranks), each engine takes all
 ranks' buffers from Ray's object store and writes them into its parameters
-(`rollout.weight_placement`): through vLLM's weight loaders, which re-shard and
+(`placement`): through vLLM's weight loaders, which re-shard and
 fuse them for the engine's own layout, the first time, then by replaying the
 copies those loaders made. Buckets are filled with whole decoder blocks, so a
 block's q/k/v and gate/up (fused into one tensor by vLLM) arrive together. No
@@ -13,7 +18,7 @@ one being loaded); the driver holds none.
 
 With the engines on the ranks' machine (and, on GPU, seeing the ranks' GPUs),
 the engines instead read the ranks' shards in place: the first sync hands the
-engines handles to each rank's shards (`weight_shards.share`: on CPU the shards
+engines handles to each rank's shards (`shards.share`: on CPU the shards
 move into shared memory, where the optimizer then keeps stepping them; on a GPU
 they are CUDA IPC handles); every sync is then one call to each engine, which
 copies from the mapped shards straight into its parameters. Nothing is packed or
@@ -31,9 +36,6 @@ import time
 from dataclasses import dataclass
 
 import ray
-
-from rlsys.actors.failures import wait_all
-from rlsys.tracking.phases import call
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +65,19 @@ def plan_buckets(nbytes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
 
 
 class WeightSync:
+    """Streams the training group's policy to every engine of the rollout group. The groups
+    are `rlsys.actors`' TrainGroup and RolloutGroup: this class calls their actors' sync
+    methods (`parameter_nbytes`, `sync_shards`, `share_shards`; `load_weights`,
+    `load_shared`) and nothing else of them."""
+
     def __init__(self, train_group, rollout_group, bucket_mb: float, shared_memory: bool = True):
         self.train_group, self.rollout_group = train_group, rollout_group
         nbytes = train_group.run_all("parameter_nbytes")
-        self.buckets = [(ranks, names) for ranks in train_group.dims.stage_ranks()
+        stages = train_group.dims.stage_ranks()
+        self.buckets = [(ranks, names) for ranks in stages
                         for names in plan_buckets(nbytes[ranks[0]], int(bucket_mb * 2**20))]
-        self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks in train_group.dims.stage_ranks())
-        self.stage_names = {rank: list(nbytes[ranks[0]]) for ranks in train_group.dims.stage_ranks()
-                            for rank in ranks}
+        self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks in stages)
+        self.stage_names = {rank: list(nbytes[ranks[0]]) for ranks in stages for rank in ranks}
         self.in_place = shared_memory and self._can_share()
         self.shards_shared = False
         """Whether the engines hold handles to the ranks' shards (`in_place`, from the first sync on)."""
@@ -91,20 +98,19 @@ class WeightSync:
         train, rollout = self.train_group, self.rollout_group
         loading: list = []
         for index, (ranks, names) in enumerate(self.buckets):
-            shards = [call(train.workers[rank].sync_shards, names) for rank in ranks]
-            wait_all(loading, rollout.names)
-            loading = [call(engine.load_weights, *shards, first=index == 0, last=index == len(self.buckets) - 1)
-                       for engine in rollout.engines]
-        wait_all(loading, rollout.names)
+            shards = [train.submit(rank, "sync_shards", names) for rank in ranks]
+            rollout.wait(loading)
+            loading = rollout.submit_all("load_weights", *shards, first=index == 0,
+                                         last=index == len(self.buckets) - 1)
+        rollout.wait(loading)
 
     def _load_in_place(self) -> None:
         """The engines read the ranks' shards where the optimizer keeps them: the first sync
         asks each rank for handles to them (on CPU moving them into shared memory) and sends
         them to the engines; every sync is then one call to each engine, with no copy on the
         trainer's side and none through the object store."""
-        train, rollout = self.train_group, self.rollout_group
-        handles = [] if self.shards_shared else train.run_all_ranks("share_shards", self.stage_names)
-        wait_all([call(engine.load_shared, *handles) for engine in rollout.engines], rollout.names)
+        handles = [] if self.shards_shared else self.train_group.run_all_ranks("share_shards", self.stage_names)
+        self.rollout_group.run_all("load_shared", *handles)
         self.shards_shared = True
 
     def _can_share(self) -> bool:
@@ -113,13 +119,10 @@ class WeightSync:
         only on a GPU the process sees, as a colocated engine sees its rank's); on CPU, room for
         the shards in its /dev/shm (a container's is often 64 MB) and a file descriptor free for
         each shared storage in every rank and engine."""
-        train, rollout = self.train_group, self.rollout_group
-        rooms = wait_all([actor.__ray_call__.remote(_room) for actor in train.workers + rollout.engines],
-                         train.names + rollout.names)
-        if len({room.node for room in rooms}) > 1:
+        ranks, engines = self.train_group.on_each(_room), self.rollout_group.on_each(_room)
+        if len({room.node for room in ranks + engines}) > 1:
             return False
-        ranks, engines = rooms[:len(train.workers)], rooms[len(train.workers):]
-        reason = _gpus_unseen(ranks, engines) if train.on_gpu else self._no_room(ranks, engines)
+        reason = _gpus_unseen(ranks, engines) if self.train_group.on_gpu else self._no_room(ranks, engines)
         if reason:
             log.info("weight sync through Ray's object store, not in place: %s", reason)
         return not reason

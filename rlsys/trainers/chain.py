@@ -136,7 +136,7 @@ def _run_stage(stage: str, job) -> dict:
 
         return run_rlvr(job)
     if stage == "eval":
-        from rlsys.eval import run_eval
+        from rlsys.trainers.eval import run_eval
 
         return run_eval(job)
     from rlsys.trainers.lm_trainer import run_lm_training

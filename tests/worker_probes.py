@@ -1,0 +1,74 @@
+"""What tests do inside the training ranks that a run never does: run a loss's forward and
+backward without stepping, read the full gradients and shard shapes, perturb the policy.
+Each is a function of the worker, run on every rank through `ActorGroup.on_each`; this module
+travels to the actors by value (they cannot import the tests)."""
+
+from __future__ import annotations
+
+import sys
+import zlib
+
+import ray
+import torch
+from ray import cloudpickle
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from rlsys.data.batching import split_rows
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def forward_backward(group, batch, loss_fn) -> list[dict[str, float]]:
+    """Accumulate `loss_fn`'s gradients over `batch`, split as the group splits a training batch
+    (without an optimizer step); the collected ranks' metrics, in data-parallel order."""
+    shards = [ray.put(shard) for shard in split_rows(batch, group.dims.dp_size)]
+    refs = [actor.__ray_call__.remote(_forward_backward, shards[group.dp_ranks[rank]], loss_fn)
+            for rank, actor in enumerate(group.actors)]
+    metrics = group.wait(refs)
+    return [metrics[rank] for _, rank in group.collected]
+
+
+def _forward_backward(worker, shard, loss_fn) -> dict[str, float]:
+    metrics, _ = worker.policy.forward_backward(shard, loss_fn)
+    return metrics
+
+
+def full_gradients(worker) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by parameter name (gathers: run it on every rank)."""
+    return {name: _full(p.grad).cpu() for name, p in worker.policy.named_parameters()}
+
+
+def zero_grad(worker) -> None:
+    worker.policy.zero_grad()
+
+
+def local_shapes(worker) -> dict[str, tuple[int, ...]]:
+    """The shape of this rank's shard of each parameter."""
+    return {name: tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+            for name, p in worker.policy.named_parameters()}
+
+
+def perturb_parameters(worker, scale: float, seed: int) -> None:
+    """Add seeded noise to every parameter of the policy, the same in any layout (seeded by name),
+    so that it differs from the rollout engines' weights. Each rank adds its shard's region of
+    the full noise (the region the weight sync sends it as)."""
+    with torch.no_grad():
+        for name, p in worker.policy.named_parameters():
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            noise = torch.randn(p.shape, generator=generator) * scale
+            if isinstance(p, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                noise = noise[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                p.to_local().add_(noise.to(p.device))
+            else:
+                p.add_(noise.to(p.device))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def pipeline_micro_batches(worker, shard) -> int:
+    """How many micro-batches the pipeline schedule splits `shard` into on this rank."""
+    return worker.policy._pipeline_micro_batches(shard)

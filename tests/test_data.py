@@ -131,7 +131,7 @@ def test_prompts_too_long_for_the_models_context_are_skipped_and_counted(tmp_pat
     rows = [{"prompt": text, "reward_model": {"ground_truth": "2"}, "data_source": "arith"}
             for text in ("1+1=", "1" * 250, "2+0=", "1" * 300)]
     path = write_jsonl(tmp_path / "rl.jsonl", rows)
-    prompts, stats = load_prompts([path], tokenizer, prompt_budget(tiny_model_dir, max_new_tokens=16))
+    prompts, stats = load_prompts([path], tokenizer, prompt_budget(tiny_model_dir, response_tokens=16))
     assert [p.text for p in prompts] == ["1+1=", "2+0="] and (stats.kept, stats.skipped) == (2, 2)
     assert stats.first_reason == f"{path} row 2: prompt of 250 tokens, over the 240 that leave room for the response " \
                                  "in the model's context"

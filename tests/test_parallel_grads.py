@@ -59,7 +59,7 @@ def four_layer_model_dir(tmp_path_factory) -> str:
     from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=103)
+                         num_key_value_heads=4, vocab_size=105)
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny4")), spec)
 
 

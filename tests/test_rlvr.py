@@ -108,11 +108,11 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
             assert trainer.sync._can_share() and not trainer.sync.in_place
             _assert_too_few_file_descriptors_keep_shards_private(trainer)
         trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed)
-        prompts = [(i, trainer.prompts[i].ids) for i in range(8)]
+        prompts = [(i, trainer.prompts[i].ids, {}) for i in range(8)]
 
         def gap() -> float:
-            samples = trainer.rollout.generate(prompts, seed=1, n=2, temperature=cfg.rollout.temperature,
-                                               max_new_tokens=6)
+            samples, _ = trainer.rollout.rollout(prompts, "single_turn", 2, trainer.rollout.sampling(max_new_tokens=6),
+                                                 seed=1)
             batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                      trainer.tokenizer.pad_token_id)
             ours = trainer._logprobs(batch)
@@ -258,8 +258,8 @@ def test_rlvr_resume_reproduces_the_metrics(straight_rl, tmp_path):
 
 def sampled_batch(trainer: RLVRTrainer) -> dict[str, torch.Tensor]:
     """2 responses to each of the first 8 prompts, from the trainer's engines, collated."""
-    samples = trainer.rollout.generate([(i, trainer.prompts[i].ids) for i in range(8)], seed=3, n=2,
-                                       temperature=1.0, max_new_tokens=6)
+    samples, _ = trainer.rollout.rollout([(i, trainer.prompts[i].ids, {}) for i in range(8)], "single_turn", 2,
+                                         trainer.rollout.sampling(temperature=1.0, max_new_tokens=6), seed=3)
     return collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                             trainer.tokenizer.pad_token_id)
 

@@ -1,9 +1,14 @@
-"""A rollout engine in this process: seeded sampling and the responses' text."""
+"""A rollout engine in this process: requests served one by one sample what vLLM's batch
+`generate` samples; seeded sampling does not depend on the batch; the responses' text."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from rlsys.agents.loop import SingleTurnLoop
+from rlsys.agents.trajectory import Sampling
 from rlsys.config.schema import RolloutConfig
 
 
@@ -11,28 +16,57 @@ from rlsys.config.schema import RolloutConfig
 def worker(tiny_model_dir):
     from rlsys.actors.rollout_worker import RolloutWorker
 
-    return RolloutWorker(tiny_model_dir, RolloutConfig(engine_memory_gib=0.1), seed=0, num_threads=2)
+    return RolloutWorker(tiny_model_dir, RolloutConfig(engine_memory_gib=0.1), seed=0, num_threads=2,
+                         loops={"single_turn": SingleTurnLoop})
 
 
-def test_a_step_of_long_prompts_samples_each_prompt_as_it_would_alone(worker, tiny_model_dir):
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def rollout(worker, prompts, n: int, max_new_tokens: int, seed: int):
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, max_response_tokens=max_new_tokens)
+    trajectories = asyncio.run(worker.rollout([(i, ids, {}) for i, ids in prompts], "single_turn", n, sampling, seed))
+    return trajectories.unpack(dict(prompts))
+
+
+def test_one_request_per_sample_samples_what_a_batch_generate_samples(worker, tokenizer):
+    """The single-turn loop submits one request per trajectory; the engine serves them request by
+    request. A step of them samples exactly what vLLM's offline `generate` samples for the same
+    prompts with n samples each and the same seeds: the same tokens, the same log-probs."""
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts = [(i, tokenizer(f"{i}+{2 * i}=")["input_ids"]) for i in range(16)]
+    served = rollout(worker, prompts, n=4, max_new_tokens=8, seed=11)
+    batch = worker.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts],
+                                [SamplingParams(n=4, temperature=1.0, max_tokens=8, detokenize=False, logprobs=0,
+                                                flat_logprobs=True, seed=11 * 1_000_003 + i) for i, _ in prompts],
+                                use_tqdm=False)
+    expected = [c for output in batch for c in output.outputs]
+    assert [t.response_ids for t in served] == [list(c.token_ids) for c in expected]
+    for trajectory, completion in zip(served, expected):
+        assert trajectory.logprobs == pytest.approx(list(completion.logprobs.logprobs), abs=1e-6)
+        assert trajectory.response_mask == [1] * len(trajectory.response_ids)
+    assert len({tuple(t.response_ids) for t in served}) > 8  # the seeds differ by prompt and sample
+
+
+def test_a_step_of_long_prompts_samples_each_prompt_as_it_would_alone(worker, tokenizer):
     """24 prompts of 200 tokens overflow vLLM's 4,096-token pass: on CPU a prompt split across
     passes crashed seeded sampling. Each prompt's samples depend on its seed only, not on the
     batch it came in, and their text is their tokens decoded."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [(i, tokenizer(f"{i:02d}+{i:02d}=" * 40)["input_ids"][:200]) for i in range(24)]
     assert {len(ids) for _, ids in prompts} == {200}
-    sample = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=3)
 
-    together = worker.generate(prompts, **sample).samples(dict(prompts))
-    alone = worker.generate(prompts[17:18], **sample).samples(dict(prompts))
+    together = rollout(worker, prompts, n=2, max_new_tokens=6, seed=3)
+    alone = rollout(worker, prompts[17:18], n=2, max_new_tokens=6, seed=3)
 
-    assert len(together) == 48 and all(s.response_ids for s in together)
-    mine = [s for s in together if s.prompt_index == 17]
-    assert [s.response_ids for s in mine] == [s.response_ids for s in alone]
+    assert len(together) == 48 and all(t.response_ids for t in together)
+    mine = [t for t in together if t.prompt_index == 17]
+    assert [t.response_ids for t in mine] == [t.response_ids for t in alone]
     for a, b in zip(mine, alone):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    assert len({tuple(s.response_ids) for s in together}) > 10  # the seeds differ by prompt
-    assert [s.text for s in together] == [tokenizer.decode(s.response_ids, skip_special_tokens=True)
-                                          for s in together]
+    assert [t.text for t in together] == [tokenizer.decode(t.response_ids, skip_special_tokens=True)
+                                          for t in together]

@@ -102,7 +102,7 @@ def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
     got = [list(o.outputs[0].token_ids) for o in outputs]
     assert got == expected
     assert all(len(tokens) > 0 for tokens in got)
-    # the HF shapes, whatever the layout split (tp=2 splits the 103-token vocabulary 52 + 51)
+    # the HF shapes, whatever the layout split (tp=2 splits the 105-token vocabulary 53 + 52)
     original = AutoModelForCausalLM.from_pretrained(straight_run[0].model.path)
     assert {n: p.shape for n, p in model.named_parameters()} == {n: p.shape for n, p in original.named_parameters()}
 

@@ -1,4 +1,5 @@
-"""The rollout group: vLLM engines in Ray actors sharing each prompt batch."""
+"""The rollout group: vLLM engines in Ray actors sharing each prompt batch, each running the
+agent loops of its share."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.actors.cluster import actor_name, check_resources, spawn, wait_placed
 from rlsys.actors.group import ActorGroup
-from rlsys.actors.rollout_worker import RolloutWorker, Sample
-from rlsys.config.schema import RolloutConfig
+from rlsys.actors.rollout_worker import RolloutWorker
+from rlsys.agents.loop import AgentLoop
+from rlsys.agents.trajectory import Sampling, Trajectory
+from rlsys.config.schema import RolloutConfig, ToolsConfig
 
 ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 """Transparent huge pages for torch's CPU allocations of 2 MiB and more in the engines: a
@@ -19,9 +22,12 @@ pages fault in faster than 4 KiB ones. No effect on GPU memory."""
 
 class RolloutGroup(ActorGroup):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
-                 gpu_share: float = 0.0):
+                 gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
+                 tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None):
         """colocated: engine i sits in bundle i of the training group's placement group and takes
-        no extra CPUs (generation and training alternate); separate: a placement group of its own."""
+        no extra CPUs (generation and training alternate); separate: a placement group of its own.
+        `loops`: the agent loops the engines run, by name; `tool_client` (`ToolPool.client()`) the
+        tool workers their loops call."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
         self.own_placement = None
@@ -41,8 +47,8 @@ class RolloutGroup(ActorGroup):
         actor_cls = ray.remote(RolloutWorker)
         try:
             self.actors = [
-                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory,
-                      env=ENGINE_ENV, num_cpus=num_cpus, num_gpus=num_gpus,
+                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory, loops,
+                      tools, tool_client, tool_schemas, env=ENGINE_ENV, num_cpus=num_cpus, num_gpus=num_gpus,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(
                           placement, placement_group_bundle_index=i % bundles))
                 for i in range(cfg.num_engines)
@@ -52,16 +58,26 @@ class RolloutGroup(ActorGroup):
             self.shutdown()
             raise
 
-    def generate(self, prompts: list[tuple[int, list[int]]], seed: int, n: int, temperature: float,
-                 max_new_tokens: int) -> list[Sample]:
-        """Split the prompts across engines (contiguous shares) and return samples in prompt order."""
+    def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
+                seed: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """`n` trajectories of each (prompt_index, prompt_ids, tools_kwargs) by the agent loop `loop`,
+        the prompts split across engines in contiguous shares; returns them in prompt order, with the
+        slowest engine's rollout and engine-step seconds."""
         engines = len(self.actors)
         shares = [prompts[i * len(prompts) // engines:(i + 1) * len(prompts) // engines] for i in range(engines)]
         busy = [i for i in range(engines) if shares[i]]
-        refs = [self.submit(i, "generate", shares[i], n, temperature, self.cfg.top_p, max_new_tokens, seed)
-                for i in busy]
-        prompt_ids = dict(prompts)
-        return [sample for generated in self.wait(refs, busy) for sample in generated.samples(prompt_ids)]
+        refs = [self.submit(i, "rollout", shares[i], loop, n, sampling, seed) for i in busy]
+        prompt_ids = {index: ids for index, ids, _ in prompts}
+        results = self.wait(refs, busy)
+        stats = {name: max(result.stats.get(name, 0.0) for result in results) for name in ("rollout_s", "engine_s")}
+        return [t for result in results for t in result.unpack(prompt_ids)], stats
+
+    def sampling(self, temperature: float | None = None, max_new_tokens: int | None = None) -> Sampling:
+        """The rollout's sampling, with another temperature or turn budget (validation's)."""
+        cfg = self.cfg
+        turn = max_new_tokens or cfg.max_new_tokens
+        return Sampling(cfg.temperature if temperature is None else temperature, cfg.top_p, turn,
+                        max(cfg.response_budget, turn), tuple(cfg.stop))
 
     def release_memory(self) -> None:
         """The trainer's turn: colocated engines free their weights (and KV cache, on GPU)."""

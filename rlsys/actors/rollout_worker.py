@@ -1,79 +1,31 @@
-"""One rollout engine: vLLM inside a Ray actor, generating samples and taking
-new weights from the trainer bucket by bucket."""
+"""One rollout engine: vLLM inside an asynchronous Ray actor, serving an agent loop's requests
+and taking new weights from the trainer.
+
+`rollout` runs one agent loop (`rlsys.agents`) per trajectory, all of them concurrently in the
+actor's event loop, over one in-process vLLM engine served request by request
+(`RequestEngine`); tools run in the tool workers. The sync methods are plain methods: in an
+asynchronous actor they run on the event loop, between engine steps, never during one.
+"""
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import os
-from dataclasses import dataclass
+import time
 
-import numpy as np
 import torch
 
-from rlsys.config.schema import RolloutConfig
+from rlsys.agents.loop import AgentContext, AgentLoop
+from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Trajectory
+from rlsys.config.schema import RolloutConfig, ToolsConfig
 from rlsys.console import redirect_actor_output
-from rlsys.host_memory import releases_freed_memory
+from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory, releases_freed_memory
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
+from rlsys.rollout.request_engine import RequestEngine
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 from rlsys.sync.placement import WeightPlacer
 from rlsys.sync.shards import Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
-
-
-@dataclass
-class Sample:
-    """One generated response."""
-
-    prompt_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    """The engine's log-prob of each response token under the weights it sampled with."""
-    text: str
-    """The response tokens decoded (special tokens skipped): what the reward scores is what is trained on."""
-    finish_reason: str
-
-
-def vllm_requests(prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
-                  max_new_tokens: int, seed: int, stop: list[str]) -> tuple[list, list]:
-    """vLLM prompts and sampling parameters for `RolloutWorker.generate`: each request's seed
-    comes from `seed` and its prompt index. vLLM detokenizes only to find stop strings (its
-    token-by-token detokenization, and the decoding of every log-prob's token, are a large
-    share of a short rollout); `RolloutWorker.generate` decodes the responses in one batch instead.
-    Log-probs come flat (a few lists per response, not a dict per token)."""
-    from vllm import SamplingParams, TokensPrompt
-
-    requests = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
-    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                             stop=stop or None, detokenize=bool(stop), logprobs=0, flat_logprobs=True,
-                             seed=seed * 1_000_003 + index)
-              for index, _ in prompts]
-    return requests, params
-
-
-@dataclass
-class Generated:
-    """One engine's samples as columns, in request order: Ray sends a few arrays far faster
-    than as many small objects as samples."""
-
-    prompt_index: np.ndarray
-    lengths: np.ndarray
-    """Response tokens of each sample."""
-    response_ids: np.ndarray
-    """All samples' response tokens, back to back."""
-    logprobs: np.ndarray
-    """The engine's log-prob of each of those tokens."""
-    texts: list[str]
-    finish_reasons: list[str]
-
-    def samples(self, prompt_ids: dict[int, list[int]]) -> list[Sample]:
-        """One `Sample` per response; `prompt_ids`: the ids of each prompt index."""
-        ends = np.cumsum(self.lengths).tolist()
-        starts = [0, *ends[:-1]]
-        ids, logprobs = self.response_ids.tolist(), self.logprobs.tolist()
-        return [Sample(index, prompt_ids[index], ids[start:end], logprobs[start:end], text, finish)
-                for index, start, end, text, finish in zip(self.prompt_index.tolist(), starts, ends, self.texts,
-                                                           self.finish_reasons)]
 
 
 def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
@@ -105,7 +57,9 @@ def _release_staging(worker) -> None:
 
 class RolloutWorker:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int,
-                 releases_memory: bool = False):
+                 releases_memory: bool = False, loops: dict[str, type[AgentLoop]] | None = None,
+                 tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None):
+        """`loops`: the agent loop classes this engine runs, by the name `rollout` asks for."""
         redirect_actor_output()
         torch.set_num_threads(num_threads)
         on_gpu = torch.cuda.is_available()
@@ -116,36 +70,35 @@ class RolloutWorker:
         self.cfg = cfg
         self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu)
         self.memory = EngineMemory(self.llm, on_gpu)
+        self.engine = RequestEngine(self.llm)
+        self.tokenizer = self.llm.get_tokenizer()
+        context = AgentContext(self.engine, self.tokenizer, tool_client, tool_schemas or [], tools or ToolsConfig())
+        self.loops = {name: cls(context) for name, cls in (loops or {}).items()}
 
-    @releases_freed_memory
-    def generate(self, prompts: list[tuple[int, list[int]]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seed: int) -> Generated:
-        """Sample `n` responses for each (prompt_index, prompt_ids). The seed of
-        each request is derived from `seed` and the prompt index, so the same
-        step of a resumed run samples the same responses."""
+    async def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
+                      seed: int) -> Trajectories:
+        """`n` trajectories of each (prompt_index, prompt_ids, tools_kwargs) by the agent loop `loop`.
+        The seed of each request comes from `seed`, the prompt index and the sample, so the same step of
+        a resumed run samples the same responses (and a single-turn loop what `LLM.generate` with n
+        samples per prompt samples)."""
         self.memory.ready_to_generate()
-        requests, params = vllm_requests(prompts, n, temperature, top_p, max_new_tokens, seed, self.cfg.stop)
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [(index, c) for (index, _), output in zip(prompts, outputs) for c in output.outputs]
-        token_ids = [c.token_ids for _, c in completions]
-        response_ids = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64)
-        # flat log-probs, one per token with logprobs=0: the sampled token's
-        logprobs = np.fromiter(itertools.chain.from_iterable(c.logprobs.logprobs for _, c in completions),
-                               dtype=np.float32)
-        if len(logprobs) != len(response_ids):
-            raise RuntimeError(f"rollout engine: vLLM returned {len(logprobs)} log-probs for {len(response_ids)} "
-                               "tokens; expected the sampled token's alone")
-        return Generated(np.array([index for index, _ in completions], dtype=np.int64),
-                         np.array([len(ids) for ids in token_ids], dtype=np.int64), response_ids, logprobs,
-                         self._decode(token_ids), [c.finish_reason or "" for _, c in completions])
+        agent = self.loops[loop]
+        requests = [RolloutRequest(index, ids, j, seed * 1_000_003 + index + j, tools_kwargs)
+                    for index, ids, tools_kwargs in prompts for j in range(n)]
+        started, engine_before = time.perf_counter(), self.engine.step_s
+        trajectories = await asyncio.gather(*(agent.run(request, sampling) for request in requests))
+        self._decode(trajectories)
+        release_freed_memory(TRIM_ABOVE_BYTES)
+        return Trajectories.of(trajectories, {"rollout_s": time.perf_counter() - started,
+                                              "engine_s": self.engine.step_s - engine_before})
 
-    def _decode(self, token_ids: list[list[int]]) -> list[str]:
-        """Each response's text (special tokens skipped), decoding each distinct response once:
-        a converging policy repeats its answers (an arithmetic step: 512 samples, few distinct)."""
-        distinct = list(dict.fromkeys(map(tuple, token_ids)))
-        texts = dict(zip(distinct, self.llm.get_tokenizer().batch_decode(list(map(list, distinct)),
-                                                                          skip_special_tokens=True)))
-        return [texts[tuple(ids)] for ids in token_ids]
+    def _decode(self, trajectories: list[Trajectory]) -> None:
+        """Each response's text (special tokens skipped), decoding each distinct response once: a
+        converging policy repeats its answers."""
+        distinct = list(dict.fromkeys(tuple(t.response_ids) for t in trajectories))
+        texts = dict(zip(distinct, self.tokenizer.batch_decode(list(map(list, distinct)), skip_special_tokens=True)))
+        for trajectory in trajectories:
+            trajectory.text = texts[tuple(trajectory.response_ids)]
 
     @releases_freed_memory
     def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False) -> None:
@@ -164,6 +117,8 @@ class RolloutWorker:
 
     def _load(self, place, shards: list, first: bool, last: bool) -> None:
         """Run `place` on `shards` in every vLLM worker, inside a sync's first and last steps."""
+        if self.engine.busy:
+            raise RuntimeError("rollout engine: weights arrived while requests were in flight")
         if first:
             self.memory.resume(WEIGHTS)
         self.llm.collective_rpc(place, args=(shards,))

@@ -36,6 +36,9 @@ class DataConfig:
     """SFT: the response column (a string)."""
     messages_key: str = "messages"
     """SFT: a chat column used instead of prompt/response; loss falls on assistant turns."""
+    tools_key: str = "tools"
+    """SFT: a column of OpenAI function schemas a chat row's template renders (`tools=`), as the agent loop
+    renders them into its prompts."""
 
 
 @dataclass(config=STRICT)
@@ -173,6 +176,28 @@ class TrackingConfig:
 
 
 @dataclass(config=STRICT)
+class ToolsConfig:
+    """Tools the agent loops call (`rollout.agent_loop: tool`), and the limits of their use."""
+
+    names: list[str] = Field(default_factory=list)
+    """Registered tools (calculator, python) or `path/to/file.py:Name` (a function or a BaseTool subclass)."""
+    config_file: str = ""
+    """A tool YAML in VeRL's format (tools: - class_name, config, tool_schema)."""
+    parser: str = "hermes"
+    """How tool calls are written in a sampled turn: hermes (<tool_call>{json}</tool_call>, Qwen's format)."""
+    max_turns: int = Field(default=4, gt=0)
+    """Model turns per trajectory."""
+    max_calls: int = Field(default=8, gt=0)
+    """Tool calls per trajectory; later ones are answered with an error."""
+    max_response_tokens: int = Field(default=128, gt=0)
+    """Tokens of one tool result the model sees; longer ones are cut."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Time for one call; past it the model sees an error."""
+    num_workers: int = Field(default=2, gt=0)
+    """Tool worker actors; each runs every tool, many calls at once."""
+
+
+@dataclass(config=STRICT)
 class EvalConfig:
     files: list[str] = Field(default_factory=list)
     """Test split in the RL schema (data_source, prompt, reward_model.ground_truth)."""
@@ -180,11 +205,17 @@ class EvalConfig:
     """Reward that judges each response (1 = correct): a registered name, or `path/to/file.py[:function]`
     (a file or package directory with VeRL's compute_score signature)."""
     max_new_tokens: int = Field(default=16, gt=0)
-    """Generation budget per prompt."""
+    """Generation budget per prompt (per model turn of a multi-turn loop)."""
+    max_response_tokens: int | None = Field(default=None, gt=0)
+    """Tokens of a whole response with a multi-turn loop (empty: max_new_tokens; in RL validation,
+    rollout.max_response_tokens)."""
     temperature: float = Field(default=0.0, ge=0)
     """Sampling temperature (0 is greedy)."""
     limit: int = Field(default=0, ge=0)
     """Evaluate only the first N rows (0: all)."""
+    agent_loop: str | None = None
+    """The agent loop that answers each prompt (single_turn, tool, or path/to/file.py:ClassName); empty:
+    rollout.agent_loop in RL validation, single_turn elsewhere."""
     engine_memory_gib: float = Field(default=0.5, gt=0)
     """KV-cache memory for the vLLM engine, in GiB."""
 
@@ -213,12 +244,22 @@ class RolloutConfig:
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     max_new_tokens: int = Field(default=16, gt=0)
-    """Generation budget per response."""
+    """Generation budget per model turn (per response with the single_turn loop)."""
+    max_response_tokens: int | None = Field(default=None, gt=0)
+    """Tokens of a whole response: the model's turns and the tool turns between them (empty: max_new_tokens).
+    Also the horizon of the seq-mean-token-sum-norm aggregation."""
+    agent_loop: str = "single_turn"
+    """How a prompt becomes a trajectory: single_turn (one response), tool (calls `tools`, reads their
+    results, goes on), or path/to/file.py:ClassName (an AgentLoop subclass)."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (the tokenizer's EOS always stops). As in VeRL, the reward sees the response's tokens
     decoded, so the text ends with the stop string: the tokens trained on."""
     engine_memory_gib: float = Field(default=0.5, gt=0)
     """KV-cache memory per engine, in GiB."""
+    block_size: int | None = Field(default=None, gt=0)
+    """KV-cache block size in tokens (empty: vLLM's default, 128 on CPU). The prefix cache reuses whole
+    blocks only, so a multi-turn loop continues from its cached turns with smaller blocks (a multiple of 32
+    on CPU)."""
     max_num_seqs: int | None = Field(default=None, gt=0)
     """Sequences an engine runs at once; empty: vLLM's default for the device (256 on CPU)."""
     max_num_batched_tokens: int | None = Field(default=None, gt=0)
@@ -232,6 +273,11 @@ class RolloutConfig:
     on CPU from shared memory (given room in /dev/shm and a free file descriptor per shard), on GPU through
     CUDA IPC (where every engine sees the ranks' GPUs, as colocated engines do). False, or else: every sync
     sends the shards bucket by bucket through Ray's object store."""
+
+    @property
+    def response_budget(self) -> int:
+        """Tokens of a whole response (all turns)."""
+        return self.max_response_tokens or self.max_new_tokens
 
 
 @dataclass(config=STRICT)
@@ -403,6 +449,8 @@ class TrainJobConfig(JobConfig):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     eval: EvalConfig | None = None
     """Optional: evaluate the final model on this split after training."""
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    """Tools of the eval.agent_loop."""
 
 
 @dataclass(config=STRICT)
@@ -412,6 +460,7 @@ class RLJobConfig(JobConfig):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5, max_grad_norm=1.0))
     critic: CriticConfig = Field(default_factory=CriticConfig)
@@ -429,6 +478,8 @@ class EvalJobConfig(JobConfig):
     """`eval`: generate on a test split with vLLM and score with a reward."""
 
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    """Tools of the eval.agent_loop."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """The engine takes ray.cpus_per_worker CPUs (its thread count) and ray.gpus_per_worker GPUs."""
 

@@ -106,11 +106,12 @@ def split_to_count(sizes: list[int], lengths: list[int], count: int) -> list[int
     return sizes
 
 
-def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Batch:
-    """Prompt + response rows, right-padded; loss_mask is 1 on response tokens."""
-    from rlsys.data.examples import Example
-
-    examples = [Example(p + r, [0] * len(p) + [1] * len(r)) for p, r in zip(prompt_ids, response_ids)]
+def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+                     response_masks: list[list[int]] | None = None) -> Batch:
+    """Prompt + response rows, right-padded; loss_mask is 1 on the response tokens the policy
+    sampled (`response_masks`; all of them when not given), 0 on the prompt and on tool turns."""
+    masks = response_masks or [[1] * len(r) for r in response_ids]
+    examples = [Example(p + r, [0] * len(p) + list(m)) for p, r, m in zip(prompt_ids, response_ids, masks)]
     return collate(examples, pad_id)
 
 

@@ -42,13 +42,14 @@ def load_sft_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], RowSta
 
 
 def sft_example(row: dict, cfg: DataConfig, tokenizer) -> Example:
+    tools = row.get(cfg.tools_key) or None
     if cfg.messages_key in row and row[cfg.messages_key] is not None:
-        return _chat_example(chat_messages(row[cfg.messages_key], cfg.messages_key), tokenizer)
+        return _chat_example(chat_messages(row[cfg.messages_key], cfg.messages_key), tokenizer, tools)
     prompt, response = row[cfg.prompt_key], _text_field(row, cfg.response_key)
     if isinstance(prompt, str):
         return _plain_example(prompt, response, tokenizer)
     messages = chat_messages(prompt, cfg.prompt_key) + [{"role": "assistant", "content": response}]
-    return _chat_example(messages, tokenizer)
+    return _chat_example(messages, tokenizer, tools)
 
 
 def _plain_example(prompt: str, response: str, tokenizer) -> Example:
@@ -57,8 +58,9 @@ def _plain_example(prompt: str, response: str, tokenizer) -> Example:
     return Example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
 
 
-def _chat_example(messages: list[dict], tokenizer) -> Example:
-    """Targets are the assistant turns, found by rendering each conversation prefix.
+def _chat_example(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> Example:
+    """Targets are the assistant turns, found by rendering each conversation prefix (with the
+    `tools` schemas, as the agent loop's prompts render them).
 
     Relies on the chat template rendering a prefix of the conversation as a
     prefix of the full text, which holds for the usual templates.
@@ -69,10 +71,10 @@ def _chat_example(messages: list[dict], tokenizer) -> Example:
     mask: list[int] = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            before = _render(messages[:i], tokenizer, add_generation_prompt=True)
+            before = _render(messages[:i], tokenizer, True, tools)
             mask.extend([0] * (len(before) - len(ids)))
             ids = before
-        upto = _render(messages[: i + 1], tokenizer, add_generation_prompt=False)
+        upto = _render(messages[: i + 1], tokenizer, False, tools)
         if upto[: len(ids)] != ids:
             raise ValueError("chat template does not render conversation prefixes as prefixes")
         mask.extend([int(message["role"] == "assistant")] * (len(upto) - len(ids)))
@@ -80,10 +82,11 @@ def _chat_example(messages: list[dict], tokenizer) -> Example:
     return Example(ids, mask)
 
 
-def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> list[int]:
+def _render(messages: list[dict], tokenizer, add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
     if not messages:
         return []
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -25,33 +25,40 @@ class Prompt:
     extra_info: Any = None
     """extra_info as stored (usually a dict; None when the row has none)."""
 
+    @property
+    def tools_kwargs(self) -> dict:
+        """VeRL's `extra_info.tools_kwargs`: per tool name, the `create_kwargs` of its instance."""
+        kwargs = self.extra_info.get("tools_kwargs") if isinstance(self.extra_info, dict) else None
+        return kwargs if isinstance(kwargs, dict) else {}
 
-def load_prompts(paths: list[str], tokenizer, max_tokens: int | None = None,
-                 limit: int = 0) -> tuple[list[Prompt], RowStats]:
+
+def load_prompts(paths: list[str], tokenizer, max_tokens: int | None = None, limit: int = 0,
+                 tools: list[dict] | None = None) -> tuple[list[Prompt], RowStats]:
     """The prompts of `paths`; a row whose prompt is longer than `max_tokens` is skipped and
-    counted (`prompt_budget`), as VeRL filters overlong prompts."""
-    prompts, stats = convert_rows(paths, lambda row: to_prompt(row, tokenizer, max_tokens), "rl data")
+    counted (`prompt_budget`), as VeRL filters overlong prompts. `tools`: OpenAI function
+    schemas the chat template renders into chat prompts (`tools=`)."""
+    prompts, stats = convert_rows(paths, lambda row: to_prompt(row, tokenizer, max_tokens, tools), "rl data")
     return (prompts[:limit] if limit else prompts), stats
 
 
-def prompt_budget(model_path: str, max_new_tokens: int) -> int | None:
-    """The longest prompt that leaves `max_new_tokens` in the model's context (its config's
-    max_position_embeddings, vLLM's context length): a longer one would fail the whole rollout
-    or have its response cut short. None when the config states no context length."""
+def prompt_budget(model_path: str, response_tokens: int) -> int | None:
+    """The longest prompt that leaves `response_tokens` (all of a response's turns) in the model's
+    context (its config's max_position_embeddings, vLLM's context length): a longer one would fail
+    the whole rollout or have its response cut short. None when the config states no context length."""
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    return context - max_new_tokens if context else None
+    return context - response_tokens if context else None
 
 
-def to_prompt(row: dict, tokenizer, max_tokens: int | None = None) -> Prompt:
+def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[dict] | None = None) -> Prompt:
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError("missing reward_model.ground_truth")
     prompt = row["prompt"]
     if not isinstance(prompt, str):
-        prompt = tokenizer.apply_chat_template(chat_messages(to_python(prompt), "prompt"), tokenize=False,
-                                               add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(chat_messages(to_python(prompt), "prompt"), tools=tools or None,
+                                               tokenize=False, add_generation_prompt=True)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if max_tokens is not None and len(ids) > max_tokens:
         raise ValueError(f"prompt of {len(ids)} tokens, over the {max_tokens} that leave room for the response "

@@ -21,9 +21,14 @@ PAD, EOS = "<|pad|>", "<|end|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, EOS, *ROLE_TOKENS]
 CHARACTERS = string.printable[:-2]  # letters, digits, punctuation, space, \t, \n
+TOOL_TOKEN = "<|tool|>"
+"""The tool role's token, last in the vocabulary so that the other tokens keep their ids."""
 
-# One special token per role keeps prompts short: <|user|>12+7=<|end|><|assistant|>
+# One special token per role keeps prompts short: <|user|>12+7=<|end|><|assistant|>. Tools given
+# to the template are named in a system turn: <|system|>tools: calculator<|end|>.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}<|system|>tools:{%- for t in tools %} {{ t['function']['name'] }}{%- endfor -%}<|end|>"
+    "{%- endif -%}"
     "{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
@@ -51,13 +56,14 @@ def build_tokenizer() -> Qwen2Tokenizer:
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in CHARACTERS:
         vocab[byte_chars[ord(char)]] = len(vocab)
+    vocab[TOOL_TOKEN] = len(vocab)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=[],
         unk_token=None,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=ROLE_TOKENS,
+        additional_special_tokens=[*ROLE_TOKENS, TOOL_TOKEN],
         model_max_length=TinyModelSpec.max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )

@@ -37,11 +37,18 @@ class RewardInput(NamedTuple):
     extra_info: Any
 
 
-def reward_inputs(samples: list, prompts: list) -> list[RewardInput]:
-    """One input per sampled response (`Sample`), with its prompt's (`Prompt`) data source,
-    ground truth and extra info."""
-    return [RewardInput(prompts[s.prompt_index].data_source, s.text, prompts[s.prompt_index].ground_truth,
-                        prompts[s.prompt_index].extra_info) for s in samples]
+def reward_inputs(trajectories: list, prompts: list) -> list[RewardInput]:
+    """One input per trajectory (`Trajectory`), with its prompt's (`Prompt`) data source, ground
+    truth and extra info. A multi-turn loop's `reward_info` (turns, tool calls, tool rewards, the
+    final turn) joins a dict extra_info, as VeRL adds `num_turns`; a single turn leaves it as stored."""
+    return [RewardInput(prompts[t.prompt_index].data_source, t.text, prompts[t.prompt_index].ground_truth,
+                        _with_reward_info(prompts[t.prompt_index].extra_info, t.reward_info)) for t in trajectories]
+
+
+def _with_reward_info(extra_info: Any, reward_info: dict) -> Any:
+    if not reward_info or not (extra_info is None or isinstance(extra_info, dict)):
+        return extra_info
+    return {**(extra_info or {}), **reward_info}
 
 
 @dataclass

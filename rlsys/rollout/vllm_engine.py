@@ -24,6 +24,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         dtype="bfloat16" if on_gpu else "float32",
         enforce_eager=not on_gpu,
         kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
+        block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         # vLLM rewinds a seeded sampler after a partial prefill by a CUDA generator offset; on CPU that

@@ -13,14 +13,16 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.rollout_group import RolloutGroup
-from rlsys.config.schema import EvalConfig, EvalJobConfig, RewardConfig, RolloutConfig
+from rlsys.config.schema import EvalConfig, EvalJobConfig, RewardConfig, RolloutConfig, ToolsConfig
 from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.loading import eval_term
 from rlsys.rewards.runner import RewardRunner, reward_inputs
+from rlsys.trainers.agent_setup import AgentSetup, agent_setup
 from rlsys.trainers.preflight import check_eval_job
 from rlsys.trainers.run_dir import prepare_run_dir, write_summary
 
@@ -28,19 +30,24 @@ log = logging.getLogger(__name__)
 
 
 class Evaluator:
-    def __init__(self, cfg: EvalConfig, tokenizer, seed: int, model_path: str, reward_timeout_s: float = 10.0):
-        """Loads and tokenises the split (for the context of the model at `model_path`) and
-        checks the reward; starts nothing."""
-        self.cfg, self.seed = cfg, seed
-        self.prompts, self.stats = load_prompts(cfg.files, tokenizer, prompt_budget(model_path, cfg.max_new_tokens),
-                                                cfg.limit)
+    def __init__(self, cfg: EvalConfig, tokenizer, seed: int, model_path: str, reward_timeout_s: float = 10.0,
+                 loop: str = "single_turn", tools: list[dict] | None = None, response_tokens: int | None = None):
+        """Loads and tokenises the split (for the context of the model at `model_path`, with the
+        `tools` schemas in its chat prompts) and checks the reward; starts nothing. `loop`: the
+        agent loop that answers each prompt; `response_tokens`: a whole response's budget."""
+        self.cfg, self.seed, self.loop = cfg, seed, loop
+        self.response_tokens = max(response_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
+        self.prompts, self.stats = load_prompts(cfg.files, tokenizer, prompt_budget(model_path, self.response_tokens),
+                                                cfg.limit, tools=tools)
         self.rewards = RewardRunner(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
                                     role="val_reward")
 
     def run(self, rollout: RolloutGroup) -> tuple[dict, list[dict]]:
         """Accuracy and reward errors on the split, and one result row per prompt."""
-        prompts = [(index, prompt.ids) for index, prompt in enumerate(self.prompts)]
-        samples = rollout.generate(prompts, self.seed, 1, self.cfg.temperature, self.cfg.max_new_tokens)
+        prompts = [(index, prompt.ids, prompt.tools_kwargs) for index, prompt in enumerate(self.prompts)]
+        sampling = replace(rollout.sampling(self.cfg.temperature, self.cfg.max_new_tokens),
+                           max_response_tokens=self.response_tokens)
+        samples, _ = rollout.rollout(prompts, self.loop, 1, sampling, self.seed)
         inputs = reward_inputs(samples, self.prompts)
         scored, metrics = self.rewards.score(inputs)
         rows = [{"prompt": self.prompts[s.prompt_index].text, "response": s.text, "ground_truth": item.ground_truth,
@@ -63,26 +70,42 @@ def run_eval(cfg: EvalJobConfig) -> dict:
     check_eval_job(cfg)
     started = time.time()
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path)
+    agents = eval_agents(cfg.eval, cfg.tools)
+    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
+                          tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
     prepare_run_dir(cfg, "eval")
     ensure_ray(cfg.ray)
-    summary = evaluate_model(cfg.model.path, evaluator, cfg.output_dir, cfg.ray.cpus_per_worker,
+    summary = evaluate_model(cfg.model.path, evaluator, agents, cfg.output_dir, cfg.ray.cpus_per_worker,
                              cfg.ray.gpus_per_worker)
     summary = {"stage": "eval", **summary, "time_s": round(time.time() - started, 1)}
     write_summary(cfg.output_dir, summary)
     return summary
 
 
-def evaluate_model(model_path: str, evaluator: Evaluator, output_dir: str, cpus: float, gpus: float) -> dict:
-    """Evaluate the model directory with an engine of its own (`cpus` CPUs, `gpus` GPUs) and
-    write eval_results.jsonl and eval_summary.json to output_dir."""
+def evaluator_loop(cfg: EvalConfig) -> str:
+    return cfg.agent_loop or "single_turn"
+
+
+def eval_agents(cfg: EvalConfig, tools: ToolsConfig) -> AgentSetup:
+    return agent_setup({"eval.agent_loop": evaluator_loop(cfg)}, tools)
+
+
+def evaluate_model(model_path: str, evaluator: Evaluator, agents: AgentSetup, output_dir: str, cpus: float,
+                   gpus: float) -> dict:
+    """Evaluate the model directory with an engine of its own (`cpus` CPUs, `gpus` GPUs), its agent
+    loop and tools, and write eval_results.jsonl and eval_summary.json to output_dir."""
     engine = RolloutConfig(num_engines=1, placement="separate", cpus_per_engine=cpus, gpus_per_engine=gpus,
                            engine_memory_gib=evaluator.cfg.engine_memory_gib)
-    rollout = RolloutGroup(model_path, engine, evaluator.seed, None, cpus)
+    tools = agents.start_tools()
+    rollout = None
     try:
+        rollout = RolloutGroup(model_path, engine, evaluator.seed, None, cpus, loops=agents.loops, tools=agents.tools,
+                               tool_client=tools.client() if tools else None, tool_schemas=agents.schemas)
         summary, rows = evaluator.run(rollout)
     finally:
-        rollout.shutdown()
+        for group in (rollout, tools):
+            if group is not None:
+                group.shutdown()
         evaluator.shutdown()
     summary = {"model": model_path, **summary}
     os.makedirs(output_dir, exist_ok=True)

@@ -45,9 +45,11 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         raise DataError(f"data.train_files: {err}") from None
     evaluator = None
     if cfg.eval is not None:
-        from rlsys.trainers.eval import Evaluator
+        from rlsys.trainers.eval import Evaluator, eval_agents, evaluator_loop
 
-        evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path)
+        agents = eval_agents(cfg.eval, cfg.tools)
+        evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
+                              tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
     log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
     config_dict = prepare_run_dir(cfg, stage)
     ensure_ray(cfg.ray)
@@ -66,7 +68,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
 
         set_phase(f"{stage}: eval")
         cpus = cfg.ray.cpus_per_worker * ParallelDims.of(cfg.parallel).world_size
-        summary["eval"] = evaluate_model(hf_dir, evaluator, cfg.output_dir, cpus, cfg.ray.gpus_per_worker)
+        summary["eval"] = evaluate_model(hf_dir, evaluator, agents, cfg.output_dir, cpus, cfg.ray.gpus_per_worker)
     summary["time_s"] = round(time.time() - started, 1)
     finish_run(cfg.output_dir, summary)
     return summary

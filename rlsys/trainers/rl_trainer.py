@@ -1,7 +1,7 @@
 """The RLVR loop, run by the driver (the single controller).
 
 One step, in data-flow order:
-  prompts -> RolloutGroup.generate -> rewards (DAPO: again, until the batch has enough
+  prompts -> RolloutGroup.rollout (an agent loop per trajectory) -> rewards (DAPO: again, until the batch has enough
      groups of mixed rewards; the engines then free their memory)
   -> TrainGroup.compute_logprobs (old, unless the update is on-policy or takes the
      engine's; reference if KL is on) -> KL in the reward (optional) -> the critic's values (PPO)
@@ -21,9 +21,9 @@ import torch
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.phases import PhaseTimer, set_phase
 from rlsys.actors.rollout_group import RolloutGroup
-from rlsys.actors.rollout_worker import Sample
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
+from rlsys.agents.trajectory import Trajectory
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae_advantages_and_returns
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
@@ -45,6 +45,7 @@ from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.runner import RewardRunner, ScoredSample, reward_inputs
 from rlsys.sync.weight_sync import WeightSync
 from rlsys.tracking.tracker import Tracker
+from rlsys.trainers.agent_setup import AgentSetup, agent_setup
 from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
 from rlsys.trainers.eval import Evaluator
 from rlsys.trainers.preflight import check_rl_job
@@ -62,17 +63,30 @@ class RLData:
     tokenizer: object
     prompts: list[Prompt]
     evaluator: Evaluator | None
+    agents: AgentSetup
 
 
 def load_rl_data(cfg: RLJobConfig) -> RLData:
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
+    agents = agent_setup(_loops(cfg), cfg.tools)
     prompts, _ = load_prompts(cfg.data.train_files, tokenizer,
-                              prompt_budget(cfg.model.path, cfg.rollout.max_new_tokens))
+                              prompt_budget(cfg.model.path, cfg.rollout.response_budget), tools=agents.schemas)
     if len(prompts) < cfg.train.prompts_per_step:
         raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
                         f"({cfg.train.prompts_per_step})")
-    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, cfg.reward.timeout_s) if cfg.eval else None
-    return RLData(tokenizer, prompts, evaluator)
+    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, cfg.reward.timeout_s,
+                          loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
+                          response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget) \
+        if cfg.eval else None
+    return RLData(tokenizer, prompts, evaluator, agents)
+
+
+def _loops(cfg: RLJobConfig) -> dict[str, str]:
+    """The agent loops an RL stage's engines run (the rollout's, validation's), by config key."""
+    loops = {"rollout.agent_loop": cfg.rollout.agent_loop}
+    if cfg.eval and cfg.eval.agent_loop:
+        loops["eval.agent_loop"] = cfg.eval.agent_loop
+    return loops
 
 
 class RLVRTrainer:
@@ -80,7 +94,7 @@ class RLVRTrainer:
         self.cfg = cfg
         data = data or load_rl_data(cfg)
         self.tokenizer, self.prompts = data.tokenizer, data.prompts
-        self.evaluator = data.evaluator
+        self.evaluator, self.agents = data.evaluator, data.agents
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
         self.old_logprobs = cfg.algorithm.old_logprobs
@@ -90,17 +104,21 @@ class RLVRTrainer:
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-        self.train = self.rollout = None
+        self.train = self.rollout = self.tools = None
         ensure_ray(cfg.ray)
         self.rewards = RewardRunner(cfg.reward)
         try:
+            self.tools = self.agents.start_tools()
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
                                      with_reference=cfg.algorithm.needs_reference,
                                      critic=cfg.critic if self.with_critic else None)
             self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
             self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
                                         cfg.ray.cpus_per_worker * self.train.dims.world_size,
-                                        gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share())
+                                        gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share(),
+                                        loops=self.agents.loops, tools=cfg.tools,
+                                        tool_client=self.tools.client() if self.tools else None,
+                                        tool_schemas=self.agents.schemas)
             self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb,
                                    cfg.rollout.sync_shared_memory)
         except BaseException:
@@ -114,7 +132,7 @@ class RLVRTrainer:
         started = time.perf_counter()
         samples, scored, rewards, reward_metrics = self._rollout(step, timer)
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                 self.tokenizer.pad_token_id)
+                                 self.tokenizer.pad_token_id, [s.response_mask for s in samples])
         engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
         self._add_logprobs(batch, engine_logprobs, timer)
         token_rewards = on_last_response_token(rewards, batch)
@@ -143,6 +161,7 @@ class RLVRTrainer:
             "reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored),
             **reward_metrics,
             **_sample_metrics(samples, batch, timer.times),
+            **(_agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
             **_logprob_gap(sampler_logprobs, engine_logprobs, batch),
             **update_metrics,
             **sync_metrics,
@@ -150,8 +169,8 @@ class RLVRTrainer:
         }
 
     def _rollout(self, step: int, timer: PhaseTimer
-                 ) -> tuple[list[Sample], list[ScoredSample], torch.Tensor, dict[str, float]]:
-        """generate -> reward, with DAPO's dynamic sampling around both: the samples (n per
+                 ) -> tuple[list[Trajectory], list[ScoredSample], torch.Tensor, dict[str, float]]:
+        """generate -> reward, with DAPO's dynamic sampling around both: the trajectories (n per
         prompt draw, in order), their scores, rewards (shaped) and reward metrics. The engines
         then free their memory for the trainer."""
         cfg, algo, n = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
@@ -160,9 +179,10 @@ class RLVRTrainer:
         for draw in range(algo.max_sampling_rounds if algo.filter_groups else 1):
             indices = self.sampler.next_indices()
             with timer("generate"):
-                samples = self.rollout.generate([(i, self.prompts[i].ids) for i in indices],
-                                                cfg.seed * 100_003 + step + draw * 1_000_000_007,
-                                                n, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+                samples, engine_times = self.rollout.rollout(
+                    [(i, self.prompts[i].ids, self.prompts[i].tools_kwargs) for i in indices], cfg.rollout.agent_loop,
+                    n, self.rollout.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007)
+            timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]
             with timer("reward"):
                 scored, draw_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
             errors += draw_metrics["reward/errors"]
@@ -189,11 +209,11 @@ class RLVRTrainer:
             metrics["reward/overlong_penalty"] = (rewards - torch.tensor([s.score for s in scored])).mean().item()
         return samples, scored, rewards, metrics
 
-    def _shaped_rewards(self, samples: list[Sample], scored: list[ScoredSample]) -> torch.Tensor:
+    def _shaped_rewards(self, samples: list[Trajectory], scored: list[ScoredSample]) -> torch.Tensor:
         rewards = torch.tensor([s.score for s in scored])
         if self.cfg.reward.overlong_buffer_len:
             lengths = torch.tensor([len(s.response_ids) for s in samples])
-            rewards = rewards + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens,
+            rewards = rewards + overlong_penalty(lengths, self.cfg.rollout.response_budget,
                                                  self.cfg.reward.overlong_buffer_len,
                                                  self.cfg.reward.overlong_penalty_factor)
         return rewards
@@ -230,7 +250,7 @@ class RLVRTrainer:
         for _ in range(algo.ppo_epochs):
             for mini in split_rows(batch, num_minis):
                 counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0],
-                          "horizon": self.cfg.rollout.max_new_tokens}
+                          "horizon": self.cfg.rollout.response_budget}
                 metrics = {}
                 if self.with_critic:
                     loss_fn = value_loss(counts, self.cfg.critic.cliprange_value, algo.loss_agg)
@@ -270,6 +290,8 @@ class RLVRTrainer:
     def shutdown(self) -> None:
         """Retire every actor of this attempt, dead ones included."""
         self.rewards.shutdown()
+        if self.tools is not None:
+            self.tools.shutdown()
         if self.evaluator is not None:
             self.evaluator.shutdown()
         for group in (self.rollout, self.train):
@@ -334,7 +356,7 @@ def _rl_attempt(cfg: RLJobConfig, data: RLData, config_dict: dict, summary: dict
         trainer.shutdown()
 
 
-def _sample_metrics(samples: list[Sample], batch: Batch, times: dict[str, float]) -> dict[str, float]:
+def _sample_metrics(samples: list[Trajectory], batch: Batch, times: dict[str, float]) -> dict[str, float]:
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     return {
         "response/length_mean": lengths.mean().item(),
@@ -342,6 +364,19 @@ def _sample_metrics(samples: list[Sample], batch: Batch, times: dict[str, float]
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "throughput/generated_tokens_per_s": lengths.sum().item() / times["time/generate_s"],
         "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["time/step_s"],
+    }
+
+
+def _agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Turns and tool use of a step's trajectories; the share of response tokens masked out of the loss."""
+    count = len(trajectories)
+    response = sum(len(t.response_ids) for t in trajectories)
+    return {
+        "agent/turns_mean": sum(t.num_turns for t in trajectories) / count,
+        "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / count,
+        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
+        "agent/tool_s_mean": sum(t.tool_seconds for t in trajectories) / count,
+        "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in trajectories) / max(1, response),
     }
 
 

@@ -1,0 +1,110 @@
+"""Tools run in a pool of Ray actors, so a slow tool does not hold up generation.
+
+Every tool worker builds every configured tool. A trajectory's calls all go to one worker
+(chosen by its key), which creates each tool's instance on the first call (with the data
+row's `create_kwargs`) and, when the trajectory ends, asks each instance for its reward and
+releases it. A call that raises or runs past `tools.timeout_s` answers with an error text,
+as a malformed call does: the model sees it, the loop counts it, the trajectory goes on. A
+worker that dies is restarted by Ray; a call in flight when it dies answers with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from typing import Any
+
+import ray
+
+from rlsys.actors.cluster import actor_name, kill_named, spawn
+from rlsys.console import redirect_actor_output
+from rlsys.tools.base import ToolResult, response_text
+from rlsys.tools.registry import ToolSpec
+
+_MARGIN_S = 5.0
+"""How much longer than a call's own limit the caller waits for a worker that does not answer."""
+
+
+class ToolWorker:
+    def __init__(self, specs: list[ToolSpec]):
+        redirect_actor_output()
+        self.tools = {spec.name: spec.build() for spec in specs}
+        self.instances: dict[str, dict[str, str]] = {}
+        """Per trajectory key: each tool's instance id."""
+
+    async def call(self, key: str, name: str, arguments: dict[str, Any], create_kwargs: dict,
+                   timeout_s: float) -> ToolResult:
+        started = time.perf_counter()
+        try:
+            instance = await self._instance(key, name, create_kwargs)
+            response, reward, _ = await asyncio.wait_for(self.tools[name].execute(instance, arguments), timeout_s)
+            return ToolResult(response_text(response), False, time.perf_counter() - started, float(reward or 0.0))
+        except asyncio.TimeoutError:
+            text = f"Error: the {name} call did not finish within {timeout_s:g} s"
+        except Exception as err:  # the tool's own error: an observation, not a crash
+            text = f"Error: {type(err).__name__}: {err}"
+        return ToolResult(text, True, time.perf_counter() - started)
+
+    async def finish(self, key: str) -> list[float]:
+        """Each of the trajectory's tool instances: its reward, then its release."""
+        rewards = []
+        for name, instance in self.instances.pop(key, {}).items():
+            try:
+                rewards.append(float(await self.tools[name].calc_reward(instance)))
+                await self.tools[name].release(instance)
+            except Exception:  # a tool failing to score or release its instance costs its reward only
+                rewards.append(0.0)
+        return rewards
+
+    async def _instance(self, key: str, name: str, create_kwargs: dict) -> str:
+        instances = self.instances.setdefault(key, {})
+        if name not in instances:
+            created = await self.tools[name].create(create_kwargs=create_kwargs)
+            instances[name] = created[0] if isinstance(created, tuple) else created
+        return instances[name]
+
+
+class ToolClient:
+    """The rollout engines' side of the pool: picklable, awaited inside their event loops."""
+
+    def __init__(self, workers: list, timeout_s: float):
+        self.workers, self.timeout_s = workers, timeout_s
+
+    async def call(self, key: str, name: str, arguments: dict, create_kwargs: dict) -> ToolResult:
+        started = time.perf_counter()
+        try:
+            return await asyncio.wait_for(
+                self._worker(key).call.remote(key, name, arguments, create_kwargs, self.timeout_s),
+                self.timeout_s + _MARGIN_S)
+        except asyncio.TimeoutError:
+            text = f"Error: the {name} call did not finish within {self.timeout_s:g} s"
+        except ray.exceptions.RayError as err:  # the worker died mid-call; Ray restarts it
+            text = f"Error: the {name} tool's worker failed ({type(err).__name__})"
+        return ToolResult(text, True, time.perf_counter() - started)
+
+    async def finish(self, key: str) -> list[float]:
+        try:
+            return await asyncio.wait_for(self._worker(key).finish.remote(key), self.timeout_s + _MARGIN_S)
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            return []
+
+    def _worker(self, key: str):
+        return self.workers[zlib.crc32(key.encode()) % len(self.workers)]
+
+
+class ToolPool:
+    """The driver's handle on the pool: `client()` for the engines, `shutdown()` at the end."""
+
+    def __init__(self, specs: list[ToolSpec], num_workers: int, timeout_s: float, role: str = "tool"):
+        """`role` names the workers in the dashboard (rlsys/<role>/<i>)."""
+        self.names = [actor_name(role, i) for i in range(num_workers)]
+        self.timeout_s = timeout_s
+        actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=256)(ToolWorker)
+        self.workers = [spawn(actor_cls, role, i, specs) for i in range(num_workers)]
+
+    def client(self) -> ToolClient:
+        return ToolClient(self.workers, self.timeout_s)
+
+    def shutdown(self) -> None:
+        kill_named(self.workers, self.names)

@@ -1,0 +1,119 @@
+"""What an agent loop makes of one prompt, and how a rollout engine's trajectories travel.
+
+A trajectory is token ids in, token ids out: the prompt's tokens, then every token after
+it (the model's sampled turns and the tool or environment turns between them, each
+tokenized once), a mask that is 1 on sampled tokens and 0 on the rest, and the engine's
+log-prob of every sampled token. The trainer consumes trajectories only: its losses,
+entropy, KL and advantages read the mask, whatever loop made the trajectory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One trajectory to make: sample `sample` of prompt `prompt_index`."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    sample: int
+    seed: int
+    """The first model turn's sampling seed (later turns derive theirs from it)."""
+    tools_kwargs: dict = field(default_factory=dict)
+    """The data row's `extra_info.tools_kwargs`: per tool name, `create_kwargs` for its instance."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every model turn of a rollout samples."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    """Per model turn."""
+    max_response_tokens: int
+    """For the whole response: sampled turns and the turns between them."""
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Trajectory:
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    """Every token after the prompt: sampled turns and the tool turns between them."""
+    response_mask: list[int]
+    """1 on a sampled token, 0 on a tool or environment token."""
+    logprobs: list[float]
+    """The engine's log-prob of each sampled token, in order (one per 1 in the mask)."""
+    text: str
+    """The response decoded (special tokens skipped): what the reward scores is what is trained on."""
+    finish_reason: str
+    """The last model turn's: "stop", "length", or the loop's own reason to end."""
+    num_turns: int = 1
+    """Model turns."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Calls that became an error observation: malformed, unknown tool, raised, timed out."""
+    tool_seconds: float = 0.0
+    reward_info: dict[str, Any] = field(default_factory=dict)
+    """What the loop hands the reward beside the data row's extra_info (turns, tool rewards)."""
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.response_mask)
+
+
+@dataclass
+class Trajectories:
+    """One engine's trajectories as columns, in request order: Ray sends a few arrays far faster
+    than as many small objects."""
+
+    prompt_index: np.ndarray
+    lengths: np.ndarray
+    response_ids: np.ndarray
+    """Every trajectory's response tokens, back to back."""
+    response_mask: np.ndarray
+    logprobs: np.ndarray
+    """Every sampled token's log-prob, back to back."""
+    texts: list[str]
+    finish_reasons: list[str]
+    num_turns: np.ndarray
+    tool_calls: np.ndarray
+    tool_errors: np.ndarray
+    tool_seconds: np.ndarray
+    reward_info: list[dict]
+    stats: dict[str, float] = field(default_factory=dict)
+    """The engine's own figures of the rollout: its wall time (rollout_s) and the time in engine steps (engine_s)."""
+
+    @classmethod
+    def of(cls, trajectories: list[Trajectory], stats: dict[str, float] | None = None) -> Trajectories:
+        column = lambda name, dtype: np.array([getattr(t, name) for t in trajectories], dtype=dtype)  # noqa: E731
+        chain = lambda name, dtype: np.fromiter(  # noqa: E731
+            itertools.chain.from_iterable(getattr(t, name) for t in trajectories), dtype=dtype)
+        return cls(column("prompt_index", np.int64), np.array([len(t.response_ids) for t in trajectories], np.int64),
+                   chain("response_ids", np.int64), chain("response_mask", np.int8), chain("logprobs", np.float32),
+                   [t.text for t in trajectories], [t.finish_reason for t in trajectories],
+                   column("num_turns", np.int32), column("tool_calls", np.int32), column("tool_errors", np.int32),
+                   column("tool_seconds", np.float64), [t.reward_info for t in trajectories], stats or {})
+
+    def unpack(self, prompt_ids: dict[int, list[int]]) -> list[Trajectory]:
+        """One `Trajectory` per request; `prompt_ids`: the ids of each prompt index."""
+        ends = np.cumsum(self.lengths).tolist()
+        starts = [0, *ends[:-1]]
+        masks = self.response_mask.tolist()
+        sampled_ends = np.cumsum([sum(masks[s:e]) for s, e in zip(starts, ends)]).tolist()
+        sampled_starts = [0, *sampled_ends[:-1]]
+        ids, logprobs = self.response_ids.tolist(), self.logprobs.tolist()
+        return [Trajectory(index, prompt_ids[index], ids[start:end], masks[start:end], logprobs[ls:le], text, finish,
+                           int(turns), int(calls), int(errors), float(seconds), info)
+                for index, start, end, ls, le, text, finish, turns, calls, errors, seconds, info in zip(
+                    self.prompt_index.tolist(), starts, ends, sampled_starts, sampled_ends, self.texts,
+                    self.finish_reasons, self.num_turns, self.tool_calls, self.tool_errors, self.tool_seconds,
+                    self.reward_info)]

@@ -1,0 +1,121 @@
+"""vLLM's in-process engine served request by request, to coroutines.
+
+An agent loop is one coroutine per trajectory: it awaits `generate(prompt_ids, params)`
+for each model turn and, between turns, its tools. `RequestEngine` keeps one in-process
+vLLM engine (the offline `LLM`'s engine, driven step by step: no engine-core process) busy
+with every request its coroutines have submitted. Each round it adds what was submitted
+since the last one, in submission order, runs one engine step, and hands every finished
+request its completion. The step runs on the event loop's thread: a coroutine's own work
+between turns (parsing a tool call, submitting its next turn) waits at most one step, and
+the engine is never touched from two threads.
+
+Requests submitted together are added together, in order, as `LLM.generate` adds a batch:
+a batch of single-turn requests samples exactly what `LLM.generate` samples (the same
+per-request seeds, the same steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One finished request: the sampled tokens and the engine's log-prob of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """"stop" (EOS or a stop string), "length" (the request's max_tokens), or "abort"."""
+
+
+class RequestEngine:
+    def __init__(self, llm):
+        self.llm = llm
+        self._submitted: list[tuple[list[int], object, asyncio.Future]] = []
+        self._running: dict[str, list[asyncio.Future]] = {}
+        """Each request's waiting samples, in sample order."""
+        self._serving: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.step_s = 0.0
+        """Seconds spent in engine steps, all told (the rest of a rollout is its loops and tools)."""
+
+    async def generate(self, prompt_ids: list[int], params) -> Completion:
+        """Sample one completion of `prompt_ids` with vLLM `SamplingParams` (n=1, flat log-probs
+        of the sampled token: `logprobs=0, flat_logprobs=True`)."""
+        future = asyncio.get_running_loop().create_future()
+        self._submitted.append((prompt_ids, params, future))
+        if self._serving is None or self._serving.done():
+            self._serving = asyncio.create_task(self._serve())
+        return await future
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._submitted or self._running)
+
+    async def _serve(self) -> None:
+        """Add what was submitted, step, resolve the finished requests; until nothing is left."""
+        try:
+            while self.busy:
+                await asyncio.sleep(0)  # every coroutine that can submit now does, before the step
+                self._add_submitted()
+                started = time.perf_counter()
+                outputs = self.llm.llm_engine.step()
+                self.step_s += time.perf_counter() - started
+                for output in outputs:
+                    if output.finished:
+                        for future, sampled in zip(self._running.pop(output.request_id), output.outputs):
+                            future.set_result(_completion(sampled))
+        except BaseException as err:  # the engine failed: every waiting coroutine gets the error
+            for future in [*(f for futures in self._running.values() for f in futures),
+                           *(f for _, _, f in self._submitted)]:
+                if not future.done():
+                    future.set_exception(err)
+            self._running.clear()
+            self._submitted.clear()
+            raise
+
+    def _add_submitted(self) -> None:
+        """Add the submitted requests in order. A run of requests for the same prompt with the same
+        parameters and consecutive seeds (a prompt's samples, submitted one after another) goes in as
+        one request of that many samples: vLLM samples its i-th with the first seed + i, exactly what
+        the separate requests would sample, and processes the prompt once instead of once a sample."""
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        submitted, self._submitted = self._submitted, []
+        for prompt_ids, params, futures in _runs(submitted):
+            request_id = f"rlsys-{next(self._ids)}"
+            params = msgspec.structs.replace(params, n=len(futures))
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # the finished request only, as LLM.generate asks
+            self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
+            self._running[request_id] = futures
+
+
+def _runs(submitted: list[tuple[list[int], object, asyncio.Future]]) -> list[tuple[list[int], object, list]]:
+    """Consecutive requests with the same prompt and parameters but for seeds first, first + 1, ..."""
+    runs: list[tuple[list[int], object, list]] = []
+    for prompt_ids, params, future in submitted:
+        if runs and _continues(runs[-1], prompt_ids, params):
+            runs[-1][2].append(future)
+        else:
+            runs.append((prompt_ids, params, [future]))
+    return runs
+
+
+def _continues(run: tuple[list[int], object, list], prompt_ids: list[int], params) -> bool:
+    run_ids, run_params, futures = run
+    if params.seed is None or run_params.seed is None or params.n != 1 or prompt_ids != run_ids:
+        return False
+    return params.seed == run_params.seed + len(futures) and msgspec.structs.replace(params, seed=run_params.seed) \
+        == run_params
+
+
+def _completion(sampled) -> Completion:
+    logprobs = list(sampled.logprobs.logprobs) if sampled.logprobs is not None else []
+    return Completion(list(sampled.token_ids), logprobs, sampled.finish_reason or "")

@@ -1,0 +1,106 @@
+"""Products of 3-digit numbers with a calculator: a task a tiny model cannot do in its head.
+
+A problem is `a*b=` with two operands of 100..999; the answer has five or six digits. A
+tool-use trace calls the calculator with the expression and answers with its result:
+
+    user:      123*456=
+    assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>
+    tool:      56088
+    assistant: 56088
+
+`calc` (the reward) scores the final assistant turn: the whole of it must be the product.
+Test problems never appear in any training file.
+
+    python -m rlsys.tasks.calc --out runs/calc/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+
+import datasets
+
+DATA_SOURCE = "calc"
+_INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class CalcSpec:
+    low: int = 100
+    high: int = 999
+    num_sft: int = 400
+    """Tool-use traces to fine-tune on: a small set, so that RL has errors left to remove."""
+    num_rl: int = 20_000
+    num_test: int = 500
+    pretrain_documents: int = 4000
+    """Documents of tool-use traces as plain text, to pretrain on."""
+    seed: int = 0
+
+
+def tool_call(a: int, b: int) -> str:
+    arguments = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
+    return f"<tool_call>{arguments}</tool_call>"
+
+
+def problems(spec: CalcSpec) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Disjoint training and test problems."""
+    rng = random.Random(spec.seed)
+    seen, ordered = set(), []
+    while len(ordered) < spec.num_rl + spec.num_sft + spec.num_test:
+        pair = (rng.randint(spec.low, spec.high), rng.randint(spec.low, spec.high))
+        if pair not in seen:
+            seen.add(pair)
+            ordered.append(pair)
+    return ordered[spec.num_test:], ordered[:spec.num_test]
+
+
+def messages(a: int, b: int) -> list[dict]:
+    return [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": tool_call(a, b)},
+            {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
+
+
+def is_correct(final_turn: str, answer) -> bool:
+    text = final_turn.strip()
+    return _INTEGER.fullmatch(text) is not None and int(text) == int(answer)
+
+
+def rl_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
+    return [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"{a}*{b}="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+             "extra_info": {"split": split, "index": i}} for i, (a, b) in enumerate(pairs)]
+
+
+def write_splits(out_dir: str, spec: CalcSpec = CalcSpec()) -> dict[str, str]:
+    train, test = problems(spec)
+    sft, rl = train[:spec.num_sft], train[spec.num_sft:]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {name: os.path.join(out_dir, file) for name, file in
+             (("pretrain", "pretrain.jsonl"), ("sft", "sft_train.jsonl"), ("rl_train", "rl_train.parquet"),
+              ("test", "test.parquet"))}
+    rng = random.Random(spec.seed + 1)
+    with open(paths["pretrain"], "w") as f:
+        for _ in range(spec.pretrain_documents):
+            a, b = rng.choice(rl)
+            f.write(json.dumps({"text": f"{a}*{b}={tool_call(a, b)}{a * b}\n{a * b}"}) + "\n")
+    with open(paths["sft"], "w") as f:
+        f.writelines(json.dumps({"messages": messages(a, b)}) + "\n" for a, b in sft)
+    datasets.Dataset.from_list(rl_rows(rl, "train")).to_parquet(paths["rl_train"])
+    datasets.Dataset.from_list(rl_rows(test, "test")).to_parquet(paths["test"])
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    for name, path in write_splits(args.out).items():
+        print(f"{name:9s} {path}")
+
+
+if __name__ == "__main__":
+    main()

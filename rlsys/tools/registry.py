@@ -1,0 +1,190 @@
+"""Tools by name: a registry, a user's file, or VeRL's tool YAML; each checked before Ray starts.
+
+    @register_tool("calculator")
+    def calculator(expression: str) -> str:
+        "Evaluate an arithmetic expression."
+
+A registered function becomes a tool whose OpenAI schema comes from its signature (str, int,
+float and bool parameters; those without a default are required) and its docstring's first
+line. A `BaseTool` subclass registers the same way, with its own schema. `tools.names` lists
+registered names or `path/to/file.py:Name`; `tools.config_file` is VeRL's tool YAML:
+
+    tools:
+      - class_name: my_tools.Gsm8kTool       # a module beside the YAML or on sys.path, or file.py:Class
+        config: {type: native}
+        tool_schema: {type: function, function: {name: ..., description: ..., parameters: ...}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from rlsys.config.loader import ConfigError, first_line
+from rlsys.registry import Registry
+from rlsys.tools.base import BaseTool, OpenAIFunctionToolSchema, ToolResponse, schema_dict
+from rlsys.user_code import import_user_code
+
+TOOLS: Registry[Callable | type] = Registry("tool")
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def register_tool(name: str) -> Callable:
+    """Register a function (a tool with a schema from its signature) or a `BaseTool` subclass."""
+    def add(entry):
+        TOOLS.register(name, entry)
+        return entry
+
+    return add
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """How to build one tool in a tool worker, and its schema for the prompt."""
+
+    name: str
+    entry: Callable | type
+    """A function or a BaseTool subclass."""
+    config: dict = field(default_factory=dict)
+    schema: dict = field(default_factory=dict)
+    """The OpenAI function schema (`{"type": "function", "function": {...}}`)."""
+
+    def build(self) -> BaseTool:
+        schema = OpenAIFunctionToolSchema.model_validate(self.schema) if self.schema else None
+        if inspect.isclass(self.entry):
+            return self.entry(config=self.config, tool_schema=schema)
+        return FunctionTool(self.entry, schema)
+
+
+class FunctionTool(BaseTool):
+    """A plain function as a tool: each call is `fn(**arguments)`, run in a thread when it is not
+    async; its return value, as text, is the response."""
+
+    def __init__(self, fn: Callable, schema: OpenAIFunctionToolSchema):
+        self.fn = fn
+        super().__init__({}, schema)
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        if inspect.iscoroutinefunction(self.fn):
+            result = await self.fn(**parameters)
+        else:
+            result = await asyncio.to_thread(self.fn, **parameters)
+        return ToolResponse(text=str(result)), 0.0, {}
+
+
+def load_tools(names: list[str], config_file: str, key: str = "tools") -> list[ToolSpec]:
+    """The tools of `tools.names` and `tools.config_file`, each built once here to check it."""
+    specs = [_named_spec(name, f"{key}.names[{i}]") for i, name in enumerate(names)]
+    if config_file:
+        specs.extend(_yaml_specs(config_file, f"{key}.config_file"))
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ConfigError(f"{key}: two tools are named {spec.name!r}")
+        seen.add(spec.name)
+    return specs
+
+
+def _named_spec(name: str, key: str) -> ToolSpec:
+    if ":" in name:
+        path, _, attribute = name.rpartition(":")
+        entry = getattr(import_user_code(path, key), attribute, None)
+        if entry is None:
+            raise ConfigError(f"{key}: {os.path.abspath(path)} has no {attribute!r}")
+        tool_name = attribute
+    elif name in TOOLS:
+        entry, tool_name = TOOLS[name], name
+    else:
+        raise ConfigError(f"{key}: unknown tool {name!r}; registered: {', '.join(TOOLS.names())} "
+                          "(or give path/to/file.py:Name)")
+    schema = _function_schema(tool_name, entry, key) if not inspect.isclass(entry) else {}
+    return _checked(ToolSpec(tool_name, entry, {}, schema), key)
+
+
+def _yaml_specs(path: str, key: str) -> list[ToolSpec]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}: file not found: {path}")
+    try:
+        entries = (yaml.safe_load(open(path)) or {}).get("tools", [])
+    except (yaml.YAMLError, AttributeError):
+        raise ConfigError(f"{key}: {path} is not a YAML mapping with a `tools:` list") from None
+    specs = []
+    for i, entry in enumerate(entries):
+        where = f"{key}: {path} tools[{i}]"
+        config = dict(entry.get("config") or {})
+        if config.get("type", "native") != "native":
+            raise ConfigError(f"{where}.config.type: only native tools run in rlsys (got {config['type']!r})")
+        cls = _import_class(entry.get("class_name", ""), os.path.dirname(os.path.abspath(path)), where)
+        schema = entry.get("tool_schema") or {}
+        name = (schema.get("function") or {}).get("name", "") or getattr(cls, "__name__", "")
+        specs.append(_checked(ToolSpec(name, cls, config, schema), where))
+    return specs
+
+
+def _import_class(class_name: str, beside: str, key: str) -> type:
+    """`file.py:Class`, or a dotted `module.Class` found beside the YAML file or on sys.path."""
+    if ":" in class_name:
+        path, _, attribute = class_name.rpartition(":")
+        module = import_user_code(path if os.path.isabs(path) else os.path.join(beside, path), f"{key}.class_name")
+    else:
+        module_name, _, attribute = class_name.rpartition(".")
+        found = _module_file(module_name, beside)
+        if found is None:
+            raise ConfigError(f"{key}.class_name: cannot find module {module_name!r} (beside the YAML or on sys.path)")
+        module = import_user_code(found, f"{key}.class_name")
+    cls = getattr(module, attribute, None)
+    if not inspect.isclass(cls):
+        raise ConfigError(f"{key}.class_name: no class {attribute!r} in {module.__file__}")
+    return cls
+
+
+def _module_file(module_name: str, beside: str) -> str | None:
+    """The file (or package directory) of a module beside the YAML file, else on sys.path."""
+    relative = os.path.join(beside, *module_name.split("."))
+    if os.path.isfile(relative + ".py"):
+        return relative + ".py"
+    if os.path.isfile(os.path.join(relative, "__init__.py")):
+        return relative
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return os.path.dirname(spec.origin) if spec.origin.endswith("__init__.py") else spec.origin
+
+
+def _checked(spec: ToolSpec, key: str) -> ToolSpec:
+    """Build the tool once: a tool that cannot be built is a config error; its schema is filled in."""
+    try:
+        tool = spec.build()
+    except Exception as err:  # the user's constructor
+        raise ConfigError(f"{key}: tool {spec.name!r} cannot be built: {type(err).__name__}: {first_line(err)}") \
+            from None
+    return ToolSpec(tool.name, spec.entry, spec.config, schema_dict(tool))
+
+
+def _function_schema(name: str, fn: Callable, key: str) -> dict:
+    properties, required = {}, []
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        kind = _JSON_TYPES.get(parameter.annotation if not isinstance(parameter.annotation, str)
+                               else {"str": str, "int": int, "float": float, "bool": bool}.get(parameter.annotation))
+        if kind is None:
+            raise ConfigError(f"{key}: parameter {parameter.name!r} of tool {name!r} needs a str, int, float or bool "
+                              "annotation")
+        properties[parameter.name] = {"type": kind}
+        if parameter.default is parameter.empty:
+            required.append(parameter.name)
+    description = (inspect.getdoc(fn) or name).strip().splitlines()[0]
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": {"type": "object", "properties": properties,
+                                                            "required": required}}}

@@ -1,0 +1,48 @@
+"""What a stage's rollout engines run: its agent loops by name and its tools, resolved and
+checked before Ray starts, then the tool workers they call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlsys.actors.tool_pool import ToolPool
+from rlsys.agents.loop import resolve_agent_loop
+from rlsys.agents.tool_loop import ToolLoop
+from rlsys.agents.tool_parsers import TOOL_PARSERS
+from rlsys.config.loader import ConfigError
+from rlsys.config.schema import ToolsConfig
+from rlsys.tools.registry import ToolSpec, load_tools
+
+
+@dataclass
+class AgentSetup:
+    loops: dict[str, type] = field(default_factory=dict)
+    """Each agent loop the stage runs, by its name in the config."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    specs: list[ToolSpec] = field(default_factory=list)
+
+    @property
+    def schemas(self) -> list[dict]:
+        """The tools' OpenAI schemas, rendered into chat prompts through the template's `tools=`."""
+        return [spec.schema for spec in self.specs]
+
+    def start_tools(self) -> ToolPool | None:
+        """The tool workers, when there are tools."""
+        return ToolPool(self.specs, self.tools.num_workers, self.tools.timeout_s) if self.specs else None
+
+
+def agent_setup(loops: dict[str, str], tools: ToolsConfig) -> AgentSetup:
+    """`loops`: config key -> loop name (`rollout.agent_loop`, `eval.agent_loop`); a ConfigError
+    names the key of what does not resolve."""
+    import rlsys.tools  # noqa: F401  (registers the built-in tools)
+
+    specs = load_tools(tools.names, tools.config_file)
+    if tools.parser not in TOOL_PARSERS:
+        raise ConfigError(f"tools.parser: unknown parser {tools.parser!r}; registered: "
+                          f"{', '.join(TOOL_PARSERS.names())}")
+    classes = {}
+    for key, name in loops.items():
+        classes[name] = resolve_agent_loop(name, key)
+        if issubclass(classes[name], ToolLoop) and not specs:
+            raise ConfigError(f"{key}: the {name} loop calls tools; give tools.names or tools.config_file")
+    return AgentSetup(classes, tools, specs)

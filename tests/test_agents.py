@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from rlsys.agents.chat import ChatTurns
-from rlsys.agents.loop import AgentContext
 from rlsys.agents.tool_loop import ToolLoop, _State
 from rlsys.agents.tool_parsers import HermesParser
 from rlsys.agents.trajectory import RolloutRequest, Sampling

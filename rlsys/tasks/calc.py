@@ -9,7 +9,8 @@ tool-use trace calls the calculator with the expression and answers with its res
     assistant: 56088
 
 `calc` (the reward) scores the final assistant turn: the whole of it must be the product.
-Test problems never appear in any training file.
+Test problems never appear in any training file. The fine-tuning traces carry the
+calculator's schema (`tools`), which the chat template renders as the tool loop's prompts do.
 
     python -m rlsys.tasks.calc --out runs/calc/data
 """
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 
 import datasets
 
+import rlsys.tools  # noqa: F401  (registers the calculator)
+
 DATA_SOURCE = "calc"
 _INTEGER = re.compile(r"-?\d+")
 
@@ -37,8 +40,6 @@ class CalcSpec:
     """Tool-use traces to fine-tune on: a small set, so that RL has errors left to remove."""
     num_rl: int = 20_000
     num_test: int = 500
-    pretrain_documents: int = 4000
-    """Documents of tool-use traces as plain text, to pretrain on."""
     seed: int = 0
 
 
@@ -76,19 +77,16 @@ def rl_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
 
 
 def write_splits(out_dir: str, spec: CalcSpec = CalcSpec()) -> dict[str, str]:
+    from rlsys.tools.registry import load_tools
+
     train, test = problems(spec)
     sft, rl = train[:spec.num_sft], train[spec.num_sft:]
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, file) for name, file in
-             (("pretrain", "pretrain.jsonl"), ("sft", "sft_train.jsonl"), ("rl_train", "rl_train.parquet"),
-              ("test", "test.parquet"))}
-    rng = random.Random(spec.seed + 1)
-    with open(paths["pretrain"], "w") as f:
-        for _ in range(spec.pretrain_documents):
-            a, b = rng.choice(rl)
-            f.write(json.dumps({"text": f"{a}*{b}={tool_call(a, b)}{a * b}\n{a * b}"}) + "\n")
+             (("sft", "sft_train.jsonl"), ("rl_train", "rl_train.parquet"), ("test", "test.parquet"))}
+    tools = [spec_.schema for spec_ in load_tools(["calculator"], "")]
     with open(paths["sft"], "w") as f:
-        f.writelines(json.dumps({"messages": messages(a, b)}) + "\n" for a, b in sft)
+        f.writelines(json.dumps({"messages": messages(a, b), "tools": tools}) + "\n" for a, b in sft)
     datasets.Dataset.from_list(rl_rows(rl, "train")).to_parquet(paths["rl_train"])
     datasets.Dataset.from_list(rl_rows(test, "test")).to_parquet(paths["test"])
     return paths

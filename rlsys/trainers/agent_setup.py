@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlsys.actors.tool_pool import ToolPool
+from rlsys.agents.chat import ChatTurns, TemplateError
 from rlsys.agents.loop import resolve_agent_loop
 from rlsys.agents.tool_loop import ToolLoop
 from rlsys.agents.tool_parsers import TOOL_PARSERS
@@ -25,6 +26,16 @@ class AgentSetup:
     def schemas(self) -> list[dict]:
         """The tools' OpenAI schemas, rendered into chat prompts through the template's `tools=`."""
         return [spec.schema for spec in self.specs]
+
+    def check_template(self, tokenizer) -> None:
+        """A loop that takes turns needs a chat template that appends a tool turn (`ChatTurns`)."""
+        for name, cls in self.loops.items():
+            if issubclass(cls, ToolLoop):
+                try:
+                    ChatTurns(tokenizer).next_turn([{"role": "tool", "content": "1"}])
+                except TemplateError as err:
+                    raise ConfigError(f"model.path: the {name} loop cannot use this model's chat template: {err}") \
+                        from None
 
     def start_tools(self) -> ToolPool | None:
         """The tool workers, when there are tools."""

@@ -71,6 +71,7 @@ def run_eval(cfg: EvalJobConfig) -> dict:
     started = time.time()
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
     agents = eval_agents(cfg.eval, cfg.tools)
+    agents.check_template(tokenizer)
     evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
                           tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
     prepare_run_dir(cfg, "eval")

@@ -48,6 +48,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         from rlsys.trainers.eval import Evaluator, eval_agents, evaluator_loop
 
         agents = eval_agents(cfg.eval, cfg.tools)
+        agents.check_template(tokenizer)
         evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
                               tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
     log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)

@@ -69,6 +69,7 @@ class RLData:
 def load_rl_data(cfg: RLJobConfig) -> RLData:
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
     agents = agent_setup(_loops(cfg), cfg.tools)
+    agents.check_template(tokenizer)
     prompts, _ = load_prompts(cfg.data.train_files, tokenizer,
                               prompt_budget(cfg.model.path, cfg.rollout.response_budget), tools=agents.schemas)
     if len(prompts) < cfg.train.prompts_per_step:

@@ -395,3 +395,42 @@ def test_value_loss_clips_each_prediction_around_the_old_value():
     out = value_loss({"tokens": 3, "sequences": 1}, cliprange=0.5, loss_agg="token-mean")(
         torch.tensor([[[3.0], [2.0], [1.0], [0.0]]]), batch)  # token 1: v 3.0, clipped 0.5: max(4, 0.25)
     assert out.loss.item() == pytest.approx(0.5 * (4.0 + 1.0 + 0.0) / 3)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"])
+def test_a_tool_turn_inside_a_response_is_skipped_not_a_cut(estimator):
+    """Multi-turn rows (sampled turn, tool turn masked out, sampled turn): every estimator gives
+    a row's sampled tokens of both turns what it gives the same tokens without the tool turn
+    between them, and the tool turn nothing; the actor loss and its metrics likewise."""
+    from rlsys.algorithms.actor_loss import actor_loss
+
+    torch.manual_seed(0)
+    plain_mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    turns_mask = torch.tensor([[0, 1, 1, 0, 0, 0, 1, 1], [0, 1, 0, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    tool = (turns_mask == 0) & (torch.arange(8) > 0) & (torch.arange(8) < torch.tensor([[8], [7]]))
+
+    def rows(mask: torch.Tensor) -> tuple[AdvantageInputs, torch.Tensor]:
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+        rewards = torch.zeros_like(mask)
+        rewards[torch.arange(2), last] = torch.tensor([1.0, 0.2])
+        values = torch.zeros_like(mask)
+        values[mask.bool()] = torch.linspace(0.1, 0.7, int(mask.sum()))
+        return AdvantageInputs(rewards, mask, torch.tensor([0, 0]), values), mask.bool()
+
+    algo = AlgorithmConfig(adv_estimator=estimator, gamma=0.9, lam=0.8)
+    (plain, plain_sampled), (turns, turns_sampled) = rows(plain_mask), rows(turns_mask)
+    plain_advantages, turns_advantages = compute_advantages(plain, algo), compute_advantages(turns, algo)
+    assert turns_advantages[turns_sampled].tolist() == pytest.approx(plain_advantages[plain_sampled].tolist(), abs=1e-6)
+    assert (turns_advantages[tool] == 0).all()
+
+    logits = torch.randn(2, 8, 11)
+    ids = torch.randint(0, 11, (2, 8))
+    loss = actor_loss({"tokens": 6, "sequences": 2, "horizon": 8}, AlgorithmConfig(kl_coef=0.1))
+    batch = {"input_ids": ids, "loss_mask": turns_mask, "advantages": turns_advantages,
+             "ref_logprobs": torch.full((2, 8), -2.0)}
+    with_tool_garbage = {**batch, "advantages": torch.where(tool, torch.nan, turns_advantages),
+                         "ref_logprobs": torch.where(tool, torch.nan, batch["ref_logprobs"])}
+    out, garbage = loss(logits, batch), loss(logits, with_tool_garbage)
+    assert out.loss.item() == pytest.approx(garbage.loss.item()) and math.isfinite(out.loss.item())
+    metrics = {k: v.item() for k, v in out.metrics.items()}
+    assert metrics == pytest.approx({k: v.item() for k, v in garbage.metrics.items()})

@@ -69,6 +69,10 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         (("algorithm.rollout_is=token", "rollout.top_p=0.9"), "rollout.top_p: below 1 the engine's log-probs"),
         (("algorithm.filter_groups=true", "rollout.n=1"), "algorithm.filter_groups: needs groups of rollout.n >= 2"),
         ("critic.warmup_steps=3", "critic.warmup_steps: there is no critic unless"),
+        ("train.async_mode=one_step", "train.async_mode: one_step generates while the trainer updates"),
+        ("rollout.block_size=48", "rollout.block_size: 48 tokens; on CPU a multiple of 32"),
+        ("rollout.agent_loop=tool", "rollout.agent_loop: the tool loop calls tools; give tools.names"),
+        ("rollout.agent_loop=nope.py:Loop", "rollout.agent_loop: file not found"),
     ],
 )
 def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, override, expected):

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -49,6 +50,21 @@ def worker_process(log_dir: str, worker: str) -> psutil.Process:
                 continue
         time.sleep(0.5)
     raise AssertionError(f"no process writes {wanted}")
+
+
+def kill_after_checkpoint(output_dir: str, step: int, worker: str) -> threading.Thread:
+    """A thread that kills the actor `worker` (train-1, rollout-0 ...) once the run's step-`step`
+    checkpoint is complete."""
+    checkpoint = os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
+
+    def kill() -> None:
+        while not os.path.isdir(checkpoint):
+            time.sleep(0.05)
+        worker_process(os.path.join(output_dir, "logs"), worker).kill()
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer
 
 
 def wait_for(path: str, process: subprocess.Popen, timeout_s: float = TIMEOUT_S) -> None:

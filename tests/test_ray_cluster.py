@@ -140,7 +140,7 @@ def test_dashboard_lists_the_named_actors_and_phases(submitted, head):
     assert nodes["rlsys/train/0"] != nodes["rlsys/train/1"]  # the ranks' all-reduces crossed nodes
     tasks = get(f"{head['dashboard']}/api/v0/tasks?limit=10000", head["token"])
     task_names = {t.get("name") for t in tasks["data"]["result"]["result"]}
-    assert "rlvr step 3: generate: generate" in task_names, sorted(task_names)[:20]
+    assert "rlvr step 3: generate: rollout" in task_names, sorted(task_names)[:20]
     assert "rlvr step 3: update: train_step" in task_names
     jobs = get(f"{head['dashboard']}/api/jobs/", head["token"])
     assert JOB in {j.get("submission_id") for j in jobs}

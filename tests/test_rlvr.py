@@ -8,8 +8,6 @@ import os
 import resource
 import shutil
 import struct
-import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -352,20 +350,12 @@ def test_dynamic_sampling_trains_only_on_groups_of_mixed_rewards(ray_cluster, rl
 def test_restart_after_a_dead_rank_reproduces_the_metrics(straight_rl, tmp_path):
     """train.max_restarts=1: a training rank killed after the step-2 checkpoint costs one restart
     inside the same run, and steps 3-4 match the uninterrupted run's."""
-    from test_failures import worker_process
+    from test_failures import kill_after_checkpoint
 
     cfg, _ = straight_rl
     cfg = replace(cfg, output_dir=str(tmp_path / "restarted"), train=replace(cfg.train, max_restarts=1),
                   tracking=TrackingConfig(backends=["jsonl"]))
-    checkpoint = os.path.join(cfg.output_dir, "checkpoints", "step_000002")
-
-    def kill_rank_after_checkpoint() -> None:
-        while not os.path.isdir(checkpoint):
-            time.sleep(0.05)
-        worker_process(os.path.join(cfg.output_dir, "logs"), "train-1").kill()
-
-    killer = threading.Thread(target=kill_rank_after_checkpoint, daemon=True)
-    killer.start()
+    killer = kill_after_checkpoint(cfg.output_dir, 2, "train-1")
     summary = run_rlvr(cfg)
     killer.join(timeout=60)
     expected, got = metrics(straight_rl[0].output_dir), metrics(cfg.output_dir)

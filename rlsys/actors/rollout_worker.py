@@ -101,30 +101,31 @@ class RolloutWorker:
             trajectory.text = texts[tuple(trajectory.response_ids)]
 
     @releases_freed_memory
-    def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False) -> None:
+    def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False,
+                     version: int = 0) -> None:
         """Load one bucket, given as every training rank's shards of it. The sync's first
         bucket allocates released weights again; its last checks that every weight freed was
-        rewritten and drops the prefix cache, computed under the old weights (here rather than
-        in calls of their own, which would add two round trips to every sync)."""
-        self._load(_place_weights, list(buckets), first, last)
+        rewritten and puts `version` in place (here rather than in calls of their own, which
+        would add two round trips to every sync)."""
+        self._load(_place_weights, list(buckets), first, last, version)
 
-    def load_shared(self, *shards_by_rank: list[Shared]) -> None:
+    def load_shared(self, *shards_by_rank: list[Shared], version: int = 0) -> None:
         """Load every weight, read in place from the memory of the training ranks on this
         machine (`WeightSync`'s in-place path): one call per sync, nothing through the object store.
         The first sync brings every rank's handles; later ones bring none (the handles never
         change and the engine keeps their mapping). Frees nothing, so no trim after it."""
-        self._load(_place_shared, list(shards_by_rank), first=True, last=True)
+        self._load(_place_shared, list(shards_by_rank), True, True, version)
 
-    def _load(self, place, shards: list, first: bool, last: bool) -> None:
-        """Run `place` on `shards` in every vLLM worker, inside a sync's first and last steps."""
-        if self.engine.busy:
-            raise RuntimeError("rollout engine: weights arrived while requests were in flight")
+    def _load(self, place, shards: list, first: bool, last: bool, version: int) -> None:
+        """Run `place` on `shards` in every vLLM worker, inside a sync's first and last steps. In
+        an asynchronous actor this runs between two engine steps: requests in flight go on under
+        the new weights (`RequestEngine.weights_changed`)."""
         if first:
             self.memory.resume(WEIGHTS)
         self.llm.collective_rpc(place, args=(shards,))
         if last:
             self.memory.confirm_rewritten()
-            self.llm.reset_prefix_cache()
+            self.engine.weights_changed(version)
 
     def shutdown(self) -> None:
         """Stop vLLM's engine: with tensor-parallel workers its executor unlinks their

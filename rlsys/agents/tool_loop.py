@@ -94,6 +94,7 @@ class _State:
         self.ids = list(request.prompt_ids)
         self.mask: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []
         self.turns = self.tool_calls = self.tool_errors = 0
         self.tool_seconds = 0.0
         self.finish = "stop"
@@ -105,6 +106,7 @@ class _State:
         self.ids += completion.token_ids
         self.mask += [1] * len(completion.token_ids)
         self.logprobs += completion.logprobs
+        self.versions += completion.versions
         self.finish = completion.finish_reason
         self.last_turn = completion.token_ids
 
@@ -115,7 +117,7 @@ class _State:
     def trajectory(self, final_turn: str) -> Trajectory:
         prompt = len(self.request.prompt_ids)
         return Trajectory(self.request.prompt_index, self.request.prompt_ids, self.ids[prompt:], self.mask,
-                          self.logprobs, text="", finish_reason=self.finish, num_turns=self.turns,
+                          self.logprobs, self.versions, text="", finish_reason=self.finish, num_turns=self.turns,
                           tool_calls=self.tool_calls, tool_errors=self.tool_errors, tool_seconds=self.tool_seconds,
                           reward_info={"num_turns": self.turns, "tool_calls": self.tool_calls,
                                        "tool_rewards": self.tool_rewards, "final_turn": final_turn})

@@ -52,6 +52,8 @@ class Trajectory:
     """1 on a sampled token, 0 on a tool or environment token."""
     logprobs: list[float]
     """The engine's log-prob of each sampled token, in order (one per 1 in the mask)."""
+    versions: list[int]
+    """The weight version that sampled each sampled token (asynchronous RL: it may change mid-response)."""
     text: str
     """The response decoded (special tokens skipped): what the reward scores is what is trained on."""
     finish_reason: str
@@ -82,6 +84,8 @@ class Trajectories:
     response_mask: np.ndarray
     logprobs: np.ndarray
     """Every sampled token's log-prob, back to back."""
+    versions: np.ndarray
+    """Every sampled token's weight version, back to back."""
     texts: list[str]
     finish_reasons: list[str]
     num_turns: np.ndarray
@@ -99,7 +103,7 @@ class Trajectories:
             itertools.chain.from_iterable(getattr(t, name) for t in trajectories), dtype=dtype)
         return cls(column("prompt_index", np.int64), np.array([len(t.response_ids) for t in trajectories], np.int64),
                    chain("response_ids", np.int64), chain("response_mask", np.int8), chain("logprobs", np.float32),
-                   [t.text for t in trajectories], [t.finish_reason for t in trajectories],
+                   chain("versions", np.int32), [t.text for t in trajectories], [t.finish_reason for t in trajectories],
                    column("num_turns", np.int32), column("tool_calls", np.int32), column("tool_errors", np.int32),
                    column("tool_seconds", np.float64), [t.reward_info for t in trajectories], stats or {})
 
@@ -110,9 +114,9 @@ class Trajectories:
         masks = self.response_mask.tolist()
         sampled_ends = np.cumsum([sum(masks[s:e]) for s, e in zip(starts, ends)]).tolist()
         sampled_starts = [0, *sampled_ends[:-1]]
-        ids, logprobs = self.response_ids.tolist(), self.logprobs.tolist()
-        return [Trajectory(index, prompt_ids[index], ids[start:end], masks[start:end], logprobs[ls:le], text, finish,
-                           int(turns), int(calls), int(errors), float(seconds), info)
+        ids, logprobs, versions = self.response_ids.tolist(), self.logprobs.tolist(), self.versions.tolist()
+        return [Trajectory(index, prompt_ids[index], ids[start:end], masks[start:end], logprobs[ls:le],
+                           versions[ls:le], text, finish, int(turns), int(calls), int(errors), float(seconds), info)
                 for index, start, end, ls, le, text, finish, turns, calls, errors, seconds, info in zip(
                     self.prompt_index.tolist(), starts, ends, sampled_starts, sampled_ends, self.texts,
                     self.finish_reasons, self.num_turns, self.tool_calls, self.tool_errors, self.tool_seconds,

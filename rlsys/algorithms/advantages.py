@@ -71,14 +71,15 @@ def rloo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
 @register_advantage("reinforce_plus_plus")
 def reinforce_plus_plus(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
     """REINFORCE++: the discounted return of the token rewards (`algorithm.gamma`) at every
-    response token, whitened over all response tokens of the batch."""
+    response token, whitened over all response tokens of the batch. Tokens outside the mask
+    (the prompt, padding, a multi-turn response's tool turns) are skipped: the return runs
+    through them, undiscounted, to the sampled tokens before them."""
     mask = inputs.response_mask.float()
     returns = torch.zeros_like(mask)
     running = torch.zeros(mask.shape[0])
     for t in reversed(range(mask.shape[1])):
-        running = inputs.token_rewards[:, t] + algo.gamma * running
+        running = torch.where(mask[:, t] > 0, inputs.token_rewards[:, t] + algo.gamma * running, running)
         returns[:, t] = running
-        running = running * mask[:, t]
     return masked_whiten(returns, mask) * mask
 
 

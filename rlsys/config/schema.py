@@ -424,6 +424,17 @@ class RLTrainConfig(LoopConfig):
     parallel.pp_microbatches."""
     val_every: int = Field(default=10, ge=0)
     """Validate on `eval.files` every N steps (0: only before and after training)."""
+    async_mode: Literal["off", "one_step", "full"] = "off"
+    """off: generate, score, update, sync, in turn. one_step: the engines generate the next step's prompts
+    while the trainer updates on this step's (VeRL's one-step off-policy). full: the engines keep
+    1 + max_staleness steps of prompt groups in flight, and a step trains on the first prompts_per_step
+    groups to finish. Both need rollout.placement: separate."""
+    max_staleness: int = Field(default=1, ge=0)
+    """Asynchronous modes: policy versions a trained token may lag the policy being updated. A group with
+    an older token is dropped (async/dropped_groups) and its prompt generated again."""
+    partial_rollout: bool = True
+    """Asynchronous modes: at a sync, requests in flight go on under the new weights, each token keeping
+    the version that sampled it; false: the sync waits for them to finish first."""
 
 
 @dataclass(config=STRICT)

@@ -12,6 +12,12 @@ the engine is never touched from two threads.
 Requests submitted together are added together, in order, as `LLM.generate` adds a batch:
 a batch of single-turn requests samples exactly what `LLM.generate` samples (the same
 per-request seeds, the same steps).
+
+New weights may arrive while requests are in flight (asynchronous RL): `weights_changed`
+labels every token sampled from then on with the new version and makes the running requests
+recompute their KV cache under the new weights before their next token (vLLM preempts
+them; their sampled tokens stay). Nothing sampled is lost or sampled twice, and each token's
+completion says which weights sampled it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     """"stop" (EOS or a stop string), "length" (the request's max_tokens), or "abort"."""
+    versions: list[int]
+    """The weight version that sampled each token."""
 
 
 class RequestEngine:
@@ -44,6 +52,8 @@ class RequestEngine:
         self._ids = itertools.count()
         self.step_s = 0.0
         """Seconds spent in engine steps, all told (the rest of a rollout is its loops and tools)."""
+        self.version = 0
+        llm.llm_engine.set_weight_version("0")
 
     async def generate(self, prompt_ids: list[int], params) -> Completion:
         """Sample one completion of `prompt_ids` with vLLM `SamplingParams` (n=1, flat log-probs
@@ -57,6 +67,13 @@ class RequestEngine:
     @property
     def busy(self) -> bool:
         return bool(self._submitted or self._running)
+
+    def weights_changed(self, version: int) -> None:
+        """New weights are in place: label what is sampled from now on `version`, and have the
+        requests in flight recompute their KV cache, computed under the old weights."""
+        self.version = version
+        self.llm.llm_engine.set_weight_version(str(version))
+        self.llm.llm_engine.reset_prefix_cache(reset_running_requests=bool(self._running))
 
     async def _serve(self) -> None:
         """Add what was submitted, step, resolve the finished requests; until nothing is left."""
@@ -118,4 +135,6 @@ def _continues(run: tuple[list[int], object, list], prompt_ids: list[int], param
 
 def _completion(sampled) -> Completion:
     logprobs = list(sampled.logprobs.logprobs) if sampled.logprobs is not None else []
-    return Completion(list(sampled.token_ids), logprobs, sampled.finish_reason or "")
+    versions = [int(span.version) for span in sampled.weight_versions or () for _ in range(span.start, span.end)]
+    return Completion(list(sampled.token_ids), logprobs, sampled.finish_reason or "",
+                      versions if len(versions) == len(sampled.token_ids) else [0] * len(sampled.token_ids))

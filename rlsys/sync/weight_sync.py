@@ -82,16 +82,17 @@ class WeightSync:
         self.shards_shared = False
         """Whether the engines hold handles to the ranks' shards (`in_place`, from the first sync on)."""
 
-    def run(self) -> dict[str, float]:
+    def run(self, version: int = 0) -> dict[str, float]:
+        """Send the policy; the engines label what they sample next `version` (the trainer's step)."""
         started = time.perf_counter()
         if self.in_place:
-            self._load_in_place()
+            self._load_in_place(version)
         else:
-            self._load_buckets()
+            self._load_buckets(version)
         return {"sync/time_s": time.perf_counter() - started, "sync/in_place": float(self.in_place),
                 "sync/buckets": 1 if self.in_place else len(self.buckets), "sync/mb": self.total_bytes / 2**20}
 
-    def _load_buckets(self) -> None:
+    def _load_buckets(self, version: int) -> None:
         """Each bucket goes as every stage rank's shards, straight from the ranks' object
         stores to the engines (the driver only passes references); the ranks pack the
         next bucket while the engines load this one."""
@@ -101,16 +102,16 @@ class WeightSync:
             shards = [train.submit(rank, "sync_shards", names) for rank in ranks]
             rollout.wait(loading)
             loading = rollout.submit_all("load_weights", *shards, first=index == 0,
-                                         last=index == len(self.buckets) - 1)
+                                         last=index == len(self.buckets) - 1, version=version)
         rollout.wait(loading)
 
-    def _load_in_place(self) -> None:
+    def _load_in_place(self, version: int) -> None:
         """The engines read the ranks' shards where the optimizer keeps them: the first sync
         asks each rank for handles to them (on CPU moving them into shared memory) and sends
         them to the engines; every sync is then one call to each engine, with no copy on the
         trainer's side and none through the object store."""
         handles = [] if self.shards_shared else self.train_group.run_all_ranks("share_shards", self.stage_names)
-        self.rollout_group.run_all("load_shared", *handles)
+        self.rollout_group.run_all("load_shared", *handles, version=version)
         self.shards_shared = True
 
     def _can_share(self) -> bool:

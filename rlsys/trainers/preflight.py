@@ -75,6 +75,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     if cfg.eval is not None:
         _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, dims.world_size)
+    _check_block_size(cfg.rollout.block_size, cfg.ray.gpus_per_worker > 0 or cfg.rollout.gpus_per_engine > 0)
     if cfg.rollout.placement == "separate":
         from rlsys.actors.cluster import check_resources
 
@@ -126,6 +127,13 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
         raise ConfigError("algorithm.filter_groups: needs groups of rollout.n >= 2 responses")
     if cfg.critic.warmup_steps and algo.adv_estimator != "gae":
         raise ConfigError("critic.warmup_steps: there is no critic unless algorithm.adv_estimator is gae")
+    if cfg.train.async_mode != "off":
+        if cfg.rollout.placement != "separate":
+            raise ConfigError(f"train.async_mode: {cfg.train.async_mode} generates while the trainer updates, on "
+                              "resources of the engines' own: set rollout.placement=separate")
+        if algo.filter_groups:
+            raise ConfigError("algorithm.filter_groups: DAPO's dynamic sampling draws prompts a step at a time; "
+                              "not with train.async_mode")
 
 
 def check_model_dir(model: ModelConfig, key: str):
@@ -163,6 +171,12 @@ def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     return dims
+
+
+def _check_block_size(block_size: int | None, on_gpu: bool) -> None:
+    """vLLM's CPU attention takes KV blocks of a multiple of 32 tokens."""
+    if block_size is not None and not on_gpu and block_size % 32:
+        raise ConfigError(f"rollout.block_size: {block_size} tokens; on CPU a multiple of 32")
 
 
 def _tp_option(parallel: ParallelConfig) -> str | None:

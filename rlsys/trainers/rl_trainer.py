@@ -50,6 +50,7 @@ from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, sa
 from rlsys.trainers.eval import Evaluator
 from rlsys.trainers.preflight import check_rl_job
 from rlsys.trainers.restarts import run_with_restarts
+from rlsys.trainers.rollout_stream import RolloutStream
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,13 @@ class RLVRTrainer:
         self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
         self.old_logprobs = cfg.algorithm.old_logprobs
         if self.old_logprobs == "auto":  # the in-reward KL needs the sampling policy's log-probs first
-            on_policy = self.updates_per_step == 1 and not cfg.algorithm.use_kl_in_reward
+            on_policy = (self.updates_per_step == 1 and not cfg.algorithm.use_kl_in_reward
+                         and cfg.train.async_mode == "off")  # asynchronous: older weights sampled
             self.old_logprobs = "current" if on_policy else "trainer"
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-        self.train = self.rollout = self.tools = None
+        self.train = self.rollout = self.tools = self.stream = None
         ensure_ray(cfg.ray)
         self.rewards = RewardRunner(cfg.reward)
         try:
@@ -122,6 +124,10 @@ class RLVRTrainer:
                                         tool_schemas=self.agents.schemas)
             self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb,
                                    cfg.rollout.sync_shared_memory)
+            if cfg.train.async_mode != "off":
+                self.stream = RolloutStream(self.rollout, self.prompts, self.sampler, cfg.train.async_mode,
+                                            cfg.train.max_staleness, cfg.rollout.agent_loop, cfg.rollout.n,
+                                            self.rollout.sampling(), cfg.seed, cfg.train.collective_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -153,7 +159,9 @@ class RLVRTrainer:
         with timer("update"):
             update_metrics, sampler_logprobs = self._update(batch, train_actor=step > cfg.critic.warmup_steps)
         with timer("sync"):
-            sync_metrics = self.sync.run()
+            if self.stream is not None and not cfg.train.partial_rollout:
+                self.stream.drain()
+            sync_metrics = self.sync.run(version=step)
         timer.times["time/step_s"] = time.perf_counter() - started
         verifier = self.rewards.terms[0].label
         return {
@@ -163,6 +171,7 @@ class RLVRTrainer:
             **reward_metrics,
             **_sample_metrics(samples, batch, timer.times),
             **(_agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
+            **(self._async_metrics(samples, step) if self.stream is not None else {}),
             **_logprob_gap(sampler_logprobs, engine_logprobs, batch),
             **update_metrics,
             **sync_metrics,
@@ -178,18 +187,14 @@ class RLVRTrainer:
         wanted = cfg.train.prompts_per_step
         mixed, uniform, errors = [], [], 0.0
         for draw in range(algo.max_sampling_rounds if algo.filter_groups else 1):
-            indices = self.sampler.next_indices()
             with timer("generate"):
-                samples, engine_times = self.rollout.rollout(
-                    [(i, self.prompts[i].ids, self.prompts[i].tools_kwargs) for i in indices], cfg.rollout.agent_loop,
-                    n, self.rollout.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007)
-            timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]
+                samples = self._generate(step, draw, timer)
             with timer("reward"):
                 scored, draw_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
             errors += draw_metrics["reward/errors"]
             rewards = self._shaped_rewards(samples, scored)
             scores = torch.tensor([s.score for s in scored])  # mixed by score, not by length penalty
-            keep = mixed_groups(scores, n).tolist() if algo.filter_groups else [True] * len(indices)
+            keep = mixed_groups(scores, n).tolist() if algo.filter_groups else [True] * (len(samples) // n)
             for g, kept in enumerate(keep):
                 group = (samples[g * n:(g + 1) * n], scored[g * n:(g + 1) * n], rewards[g * n:(g + 1) * n])
                 (mixed if kept else uniform).append(group)
@@ -209,6 +214,29 @@ class RLVRTrainer:
         if cfg.reward.overlong_buffer_len:
             metrics["reward/overlong_penalty"] = (rewards - torch.tensor([s.score for s in scored])).mean().item()
         return samples, scored, rewards, metrics
+
+    def _generate(self, step: int, draw: int, timer: PhaseTimer) -> list[Trajectory]:
+        """One prompt batch's trajectories, n per prompt in order: generated now, or (asynchronous
+        modes) taken from what the engines generated ahead, for the policy of version step - 1."""
+        cfg = self.cfg
+        if self.stream is not None:
+            return [t for group in self.stream.take(cfg.train.prompts_per_step, version=step - 1) for t in group]
+        indices = self.sampler.next_indices()
+        samples, engine_times = self.rollout.rollout(
+            [(i, self.prompts[i].ids, self.prompts[i].tools_kwargs) for i in indices], cfg.rollout.agent_loop,
+            cfg.rollout.n, self.rollout.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007)
+        timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]
+        return samples
+
+    def _async_metrics(self, samples: list[Trajectory], step: int) -> dict[str, float]:
+        """How stale the trained tokens are (policy versions behind the one updated): mean, max and each
+        share; and the groups dropped for staleness so far."""
+        staleness = torch.tensor([step - 1 - v for t in samples for v in t.versions], dtype=torch.float32)
+        metrics = {"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
+                   "async/dropped_groups": float(self.stream.dropped)}
+        for lag in range(self.cfg.train.max_staleness + 1):
+            metrics[f"async/staleness_{lag}_share"] = (staleness == lag).float().mean().item()
+        return metrics
 
     def _shaped_rewards(self, samples: list[Trajectory], scored: list[ScoredSample]) -> torch.Tensor:
         rewards = torch.tensor([s.score for s in scored])
@@ -277,15 +305,15 @@ class RLVRTrainer:
         return {"val/accuracy": summary["accuracy"], "val/reward_errors": summary["reward_errors"]}
 
     def save(self, step: int) -> None:
-        save_training_state(self.checkpoints, step, self.train, self.sampler, {"kl_ctrl": self.kl_ctrl})
+        save_training_state(self.checkpoints, step, self.train, self.stream or self.sampler, {"kl_ctrl": self.kl_ctrl})
 
     def resume(self, force: bool = False) -> int:
         """Restore the newest checkpoint (when train.resume or `force`, as after a restart)."""
         resume = self.cfg.train.resume or force
-        step = restore_training_state(self.checkpoints, self.train, self.sampler, {"kl_ctrl": self.kl_ctrl}) \
-            if resume else 0
+        step = restore_training_state(self.checkpoints, self.train, self.stream or self.sampler,
+                                      {"kl_ctrl": self.kl_ctrl}) if resume else 0
         if step:
-            self.sync.run()  # the engines start from model.path; give them the resumed policy
+            self.sync.run(version=step)  # the engines start from model.path; give them the resumed policy
         return step
 
     def shutdown(self) -> None:

@@ -27,6 +27,21 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def moe_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """MoE models of the same shape, one per family: every layer's MLP is 8 experts, 2 a token."""
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    return {family: write_tiny_model(str(tmp_path_factory.mktemp(family)), TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=105, num_experts=8, moe_type=family)) for family in ("qwen3_moe", "qwen2_moe", "mixtral")}
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(moe_model_dirs) -> str:
+    return moe_model_dirs["qwen3_moe"]
+
+
+@pytest.fixture(scope="session")
 def arith_files(tmp_path_factory) -> dict[str, str]:
     from rlsys.tasks.arith import ArithSpec, write_splits
 

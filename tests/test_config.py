@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -38,6 +39,8 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
         (["train.micro_batch_tokens=0"], "train.micro_batch_tokens: Input should be greater than 0"),
         (["eval.files=[]"], "eval.files: at least one file is required"),
         (["optim.lr"], "override 'optim.lr': expected dotted.key=value"),
+        (["parallel.ep=2"], "parallel.ep: 2 expert-parallel ranks for a model without experts (qwen2)"),
+        (["parallel.ep=3"], "parallel.ep: 3 does not divide dp_shard x cp x tp = 2, the ranks the experts are"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(capsys, sft_config, overrides, expected):
@@ -45,6 +48,29 @@ def test_bad_config_exits_2_with_one_line(capsys, sft_config, overrides, expecte
     assert code == 2
     assert len(err.splitlines()) == 1, err
     assert expected in err
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["parallel.dp_shard=3", "parallel.ep=3", "ray.num_cpus=3"],
+     "parallel.ep: 3 does not divide the model's 8 experts"),
+    (["parallel.dp_shard=1", "parallel.ep=2"], "parallel.ep: 2 does not divide dp_shard x cp x tp = 1"),
+])
+def test_bad_expert_parallel_layout_exits_2_with_one_line(capsys, sft_config, moe_model_dir, overrides, expected):
+    code, err = run_cli(capsys, "sft", "--config", sft_config.path, f"model.path={moe_model_dir}", *overrides)
+    assert (code, len(err.splitlines())) == (2, 1), err
+    assert expected in err
+
+
+def test_an_moe_family_rlsys_does_not_shard_exits_2(capsys, sft_config, moe_model_dir, tmp_path):
+    import shutil
+
+    other = tmp_path / "olmoe"
+    shutil.copytree(moe_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(model_type="olmoe", architectures=["OlmoeForCausalLM"])
+    (other / "config.json").write_text(json.dumps(config))
+    code, err = run_cli(capsys, "sft", "--config", sft_config.path, f"model.path={other}")
+    assert code == 2 and "model.path: MoE model type 'olmoe' is not supported" in err, err
 
 
 def test_missing_and_invalid_config_files(capsys, tmp_path):

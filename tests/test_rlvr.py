@@ -106,24 +106,13 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
             assert trainer.sync._can_share() and not trainer.sync.in_place
             _assert_too_few_file_descriptors_keep_shards_private(trainer)
         trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed)
-        prompts = [(i, trainer.prompts[i].ids, {}) for i in range(8)]
-
-        def gap() -> float:
-            samples, _ = trainer.rollout.rollout(prompts, "single_turn", 2, trainer.rollout.sampling(max_new_tokens=6),
-                                                 seed=1)
-            batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                     trainer.tokenizer.pad_token_id)
-            ours = trainer._logprobs(batch)
-            return max((ours[row, len(s.prompt_ids):len(s.prompt_ids) + len(s.response_ids)]
-                        - torch.tensor(s.logprobs)).abs().max().item() for row, s in enumerate(samples))
-
         for sync in range(2):  # vLLM's loaders place the first sync; the second replays their copies
-            assert gap() > 1e-2
+            assert logprob_gap(trainer) > 1e-2
             # as in a step: the colocated engine frees its weights for the update
             freed = ray.get(trainer.rollout.actors[0].release_memory.remote())
             assert freed >= trainer.sync.total_bytes or torch.cuda.is_available()  # vLLM logs it on GPU
             stats = trainer.sync.run()
-            assert gap() < 1e-4
+            assert logprob_gap(trainer) < 1e-4
             assert stats["sync/in_place"] == (not through_object_store)
             if through_object_store:
                 assert stats["sync/buckets"] > 2  # streamed, not one whole-model transfer
@@ -132,6 +121,17 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
         trainer.shutdown()
     # a tensor-parallel engine's shared-memory queues are gone with it (a killed actor left them)
     assert set(glob.glob("/dev/shm/psm_*")) <= queues_before
+
+
+def logprob_gap(trainer: RLVRTrainer) -> float:
+    """The largest gap between vLLM's log-probs of 2 samples of each of 8 prompts and the trainer's."""
+    prompts = [(i, trainer.prompts[i].ids, {}) for i in range(8)]
+    samples, _ = trainer.rollout.rollout(prompts, "single_turn", 2, trainer.rollout.sampling(max_new_tokens=6), seed=1)
+    batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                             trainer.tokenizer.pad_token_id)
+    ours = trainer._logprobs(batch)
+    return max((ours[row, len(s.prompt_ids):len(s.prompt_ids) + len(s.response_ids)]
+                - torch.tensor(s.logprobs)).abs().max().item() for row, s in enumerate(samples))
 
 
 def _assert_too_few_file_descriptors_keep_shards_private(trainer) -> None:

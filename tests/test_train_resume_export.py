@@ -1,9 +1,10 @@
-"""A real SFT run on 2 tensor-parallel ranks, on 2 pipeline stages and on 2 context-parallel
-ranks: resume reproduces the losses; the HF export loads in transformers and vLLM, which
-generate the same tokens."""
+"""A real SFT run on 2 tensor-parallel ranks, on 2 pipeline stages, on 2 context-parallel
+ranks and of an MoE model on 2 expert-parallel ranks: resume reproduces the losses; the HF
+export loads in transformers and vLLM, which generate the same tokens."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ LAYOUTS = {
     "tp2-sp-lp": {"tp": 2, "sequence_parallel": True, "loss_parallel": True},
     "pp2": {"pp": 2, "pp_schedule": "1f1b"},
     "cp2": {"cp": 2},
+    "ep2-moe": {"dp_shard": 2, "ep": 2},
 }
 
 
@@ -26,17 +28,17 @@ def losses(output_dir: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def straight_run(request, ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
+def straight_run(request, ray_cluster, tiny_model_dir, moe_model_dir, arith_files, tmp_path_factory):
     """6 uninterrupted steps on 2 tensor-parallel ranks (sequence and loss parallel on), 2 pipeline
-    stages or 2 context-parallel ranks, checkpointing at steps 3 and 6. (FSDP2 resume is covered by
-    the RLVR tests.)"""
+    stages, 2 context-parallel ranks or, of the MoE model, 2 expert-parallel ranks, checkpointing
+    at steps 3 and 6. (FSDP2 resume is covered by the RLVR tests.)"""
     from rlsys.config.loader import build_config
     from rlsys.config.schema import TrainJobConfig
 
     out = str(tmp_path_factory.mktemp("straight"))
     cfg = build_config(TrainJobConfig, {
         "output_dir": out,
-        "model": {"path": tiny_model_dir},
+        "model": {"path": moe_model_dir if request.param.endswith("moe") else tiny_model_dir},
         "data": {"train_files": [arith_files["sft"]], "max_seq_len": 32},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "train": {"steps": STEPS, "global_batch_size": 16, "micro_batch_size": 4, "save_every": 3},
@@ -105,6 +107,17 @@ def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
     # the HF shapes, whatever the layout split (tp=2 splits the 105-token vocabulary 53 + 52)
     original = AutoModelForCausalLM.from_pretrained(straight_run[0].model.path)
     assert {n: p.shape for n, p in model.named_parameters()} == {n: p.shape for n, p in original.named_parameters()}
+    assert stored_names(hf_dir) == stored_names(straight_run[0].model.path)  # an MoE's experts: one tensor each
+
+
+def stored_names(model_dir: str) -> set[str]:
+    from safetensors import safe_open
+
+    names = set()
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def test_tensorboard_has_the_jsonl_metric_names(straight_run):

@@ -72,3 +72,12 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def pipeline_micro_batches(worker, shard) -> int:
     """How many micro-batches the pipeline schedule splits `shard` into on this rank."""
     return worker.policy._pipeline_micro_batches(shard)
+
+
+def experts_repacked(rollout_worker) -> list[int]:
+    """How many MoE layers each vLLM worker of a rollout engine has packed again after syncs."""
+    return rollout_worker.llm.collective_rpc(_experts_repacked)
+
+
+def _experts_repacked(vllm_worker) -> int:
+    return getattr(vllm_worker, "rlsys_repacked", 0)

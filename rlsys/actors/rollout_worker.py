@@ -20,6 +20,8 @@ from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Traj
 from rlsys.config.schema import RolloutConfig, ToolsConfig
 from rlsys.console import redirect_actor_output
 from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory, releases_freed_memory
+from rlsys.models.moe import moe_family
+from rlsys.rollout.cpu_experts import cpu_packed_experts, repack_written
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.request_engine import RequestEngine
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
@@ -45,9 +47,17 @@ def _place_shared(worker, shards_by_rank: list[list[Shared]]) -> None:
 
 
 def _place(worker, pieces: Pieces) -> None:
+    """Write `pieces` into the engine's parameters; then pack again the MoE experts they rewrote
+    (on CPU, `rlsys.rollout.cpu_experts`), counted in `rlsys_repacked`."""
     if not hasattr(worker, "rlsys_placer"):
-        worker.rlsys_placer = WeightPlacer(worker.model_runner.get_model())
-    record_loaded(worker, worker.rlsys_placer(pieces))
+        model = worker.model_runner.get_model()
+        family = moe_family(worker.model_runner.model_config.hf_config)
+        worker.rlsys_placer = WeightPlacer(model, family.to_disk if family else None)
+        worker.rlsys_packed_experts = cpu_packed_experts(model)
+        worker.rlsys_repacked = 0
+    written = worker.rlsys_placer(pieces)
+    worker.rlsys_repacked += repack_written(worker.rlsys_packed_experts, written)
+    record_loaded(worker, written)
 
 
 def _release_staging(worker) -> None:

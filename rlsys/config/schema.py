@@ -20,6 +20,10 @@ class ModelConfig:
     """Local Hugging Face causal-LM directory (config.json, safetensors, tokenizer files)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the trainer keeps parameters in; bf16 compute on GPU comes from `parallel.mixed_precision`."""
+    router_aux_loss_coef: float | None = Field(default=None, ge=0)
+    """MoE models: weight of the routers' load-balancing loss in every training loss (per layer, over
+    all data-parallel ranks' tokens, averaged over layers); unset takes the model config's
+    `router_aux_loss_coef`, 0 turns it off."""
 
 
 @dataclass(config=STRICT)
@@ -115,6 +119,9 @@ class ParallelConfig:
     with train.micro_batch_tokens, the fewest); at least pp for 1f1b; a multiple of pp for interleaved_1f1b."""
     pp_stages_per_rank: int = Field(default=2, gt=1)
     """With interleaved_1f1b: stages each pipeline rank holds (rank r runs stages r, r + pp, ...)."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel ranks: each MoE layer's experts split over this many of the dp_shard x cp x tp
+    ranks, tokens sent to their experts with an all-to-all (not a dimension of the world size)."""
     cp: int = Field(default=1, gt=0)
     """Context-parallel ranks: each holds a contiguous chunk of every sequence (Ulysses all-to-all attention)."""
     sequence_parallel: bool = False

@@ -6,6 +6,7 @@ about its shard, not the whole model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -16,9 +17,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsys.config.schema import ModelConfig, ParallelConfig
+from rlsys.models.moe import FUSED, MoEFamily, moe_family
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import parallelize
 from rlsys.parallel.pipeline_stages import split_into_stages, stages_per_rank
@@ -84,24 +88,57 @@ def _has_lm_head(part: nn.Module) -> bool:
 
 
 def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
-    """Every weight of `model` but those in `new` from the safetensors files in `path`."""
+    """Every weight of `model` but those in `new` from the safetensors files in `path`; an MoE
+    model's fused experts from their per-expert tensors (`_load_experts`)."""
+    family = moe_family(model.config)
     state = {name: tensor for name, tensor in get_model_state_dict(model).items() if name not in new}
-    stored = _stored_names(path)
-    missing = [name for name in state if name not in stored and not _tied(model, name)]
+    experts = {name for name in state if FUSED.match(name)} if family else set()
+    files = _stored_files(path)
+    disk = {name: family.disk_name(name) if family else name for name in state if name not in experts}
+    missing = [name for name in disk if disk[name] not in files and not _tied(model, name)]
+    missing += [name for name in experts if family.expert_names(name, 0)[0] not in files]
     if missing:
         raise ValueError(f"{path}: no weights for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-    state = {name: tensor for name, tensor in state.items() if name in stored}
+    state = {disk[name]: tensor for name, tensor in state.items() if name in disk and disk[name] in files}
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
+    state = {name: state[disk[name]] for name in disk if disk[name] in state}
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    if experts:
+        _load_experts(model, path, family, experts, files)
 
 
-def _stored_names(path: str) -> set[str]:
+@torch.no_grad()
+def _load_experts(model: nn.Module, path: str, family: MoEFamily, names: set[str], files: dict[str, str]) -> None:
+    """Each fused expert parameter's local shard, read region by region from the per-expert
+    tensors on disk: a rank reads its own experts' rows only."""
+    params = dict(model.named_parameters())
+    with contextlib.ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(os.path.join(path, file), framework="pt"))
+                  for file in set(files.values())}
+
+        def read(disk_name: str, index: tuple[slice, ...]) -> torch.Tensor:
+            return opened[files[disk_name]].get_slice(disk_name)[index]
+
+        for name in names:
+            param = params[name]
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if isinstance(param, DTensor):
+                _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            else:
+                offset = (0,) * param.dim()
+            if local.numel():
+                region = family.read_region(name, tuple(param.shape), tuple(offset), tuple(local.shape), read)
+                local.copy_(region)
+
+
+def _stored_files(path: str) -> dict[str, str]:
+    """The file in `path` that holds each stored tensor."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            return set(json.load(f)["weight_map"])
+            return json.load(f)["weight_map"]
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-        return set(f.keys())
+        return dict.fromkeys(f.keys(), "model.safetensors")
 
 
 def _tied(model: nn.Module, name: str) -> bool:

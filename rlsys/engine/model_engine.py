@@ -48,7 +48,9 @@ from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.loading import load_parallel_model
+from rlsys.models.moe import moe_family
 from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.moe_block import RouterBalance, moe_blocks
 from rlsys.parallel.pipeline_schedule import run_schedule
 from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
 from rlsys.sync.shards import Shared, share
@@ -99,7 +101,10 @@ class ModelEngine:
         self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
         self.pp_group = mesh["pp"].get_group()
         self.pp_rank = mesh["pp"].get_local_rank()
-        self.sequence_multiple = spec.dims.tp if spec.parallel.sequence_parallel else 1
+        self.router = self._router_balance()
+        # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
+        split = spec.parallel.sequence_parallel or (self.router is not None and spec.dims.tp > 1)
+        self.sequence_multiple = spec.dims.tp if split else 1
         self.fsdp_size = spec.dims.fsdp_mesh(mesh).size()
         self.fsdp_parts = [part for part in self.parts if isinstance(part, FSDPModule)]
         self.optimizers, self.schedulers = [], []
@@ -121,6 +126,23 @@ class ModelEngine:
             self.schedulers.append(torch.optim.lr_scheduler.LambdaLR(
                 optimizer,
                 lambda step: lr_multiplier(step, optim.warmup_steps, self.spec.total_steps, optim.min_lr_ratio)))
+
+    def _router_balance(self) -> RouterBalance | None:
+        """An MoE model's load-balancing loss over every MoE layer of this rank's parts (None
+        for a dense model), over the tokens of all data-, context- and tensor-parallel ranks."""
+        blocks = [block for part in self.parts for block in moe_blocks(part)]
+        if not blocks:
+            return None
+        coef = self.spec.model.router_aux_loss_coef
+        if coef is None:
+            coef = getattr(self.parts[0].config, "router_aux_loss_coef", 0.0)
+        layers = torch.tensor(len(blocks), device=self.device)
+        if dist.get_world_size(self.pp_group) > 1:  # each pipeline stage holds some of the layers
+            dist.all_reduce(layers, group=self.pp_group)
+        balance = RouterBalance(coef, int(layers), self.mesh["token_ranks"].get_group())
+        for block in blocks:
+            block.balance = balance
+        return balance
 
     @property
     def trainable(self) -> bool:
@@ -147,7 +169,20 @@ class ModelEngine:
             sums, rows = self._micro_batched(shard, loss_fn, forward_only)
         for part in self.fsdp_parts:
             part.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
-        return self._sum_metrics(sums), rows
+        return {**self._sum_metrics(sums), **self._router_metrics()}, rows
+
+    def _router_metrics(self) -> dict[str, float]:
+        """The routers' load-balancing loss (over MoE layers and passes) and their busiest
+        expert's load (1 = every expert equally busy; E / top-k = one expert takes every token):
+        global over the data-parallel ranks already, averaged over all layers of all stages."""
+        if self.router is None:
+            return {}
+        totals = self.router.take()
+        if dist.get_world_size(self.pp_group) > 1:
+            totals = totals.to(self.device)
+            dist.all_reduce(totals, group=self.pp_group)
+        loss, max_load, count = totals.tolist()
+        return {"router/aux_loss": loss / count, "router/max_load": max_load / count} if count else {}
 
     def _micro_batched(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
         sums: dict[str, torch.Tensor] = {}
@@ -163,7 +198,11 @@ class ModelEngine:
                 micro = {k: v[:1] for k, v in micros[0].items()} if filler else micros[index]
                 packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
-                out = loss_fn(loss_logits(self._forward(seq), seq), seq.fields)
+                if self.router is not None and filler:
+                    self.router.skip_pass()
+                elif self.router is not None:
+                    self.router.start(passes)
+                out = loss_fn(loss_logits(self._forward(seq, filler), seq), seq.fields)
                 if not forward_only:
                     (out.loss * 0 if filler else out.loss).backward()
                 if filler:
@@ -228,12 +267,14 @@ class ModelEngine:
         for stage in self.parts:
             stage.positions = seq.positions.to(self.device)
         activation_dtype = self.spec.param_dtype or next(self.parts[0].parameters()).dtype
+        if self.router is not None:
+            self.router.start(num_microbatches)
         with self._loss_context():
             sums, rows = run_schedule(
                 self.parts, self.pp_group, seq.input_ids, seq.fields,
                 lambda logits, micro: loss_fn(loss_logits(logits, seq), micro),
                 parallel.pp_schedule, num_microbatches, activation_dtype, forward_only,
-                self.sequence_multiple)
+                self.sequence_multiple, self._token_weights(seq) if self.router is not None else None)
         return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
 
     def _defer_gradient_reduction(self, defer: bool) -> None:
@@ -259,14 +300,34 @@ class ModelEngine:
     def _rank_sequence(self, batch: Batch) -> RankSequence:
         return rank_sequence(batch, self.spec.dims.cp, self.cp_rank, self.sequence_multiple)
 
-    def _forward(self, seq: RankSequence) -> torch.Tensor:
+    def _forward(self, seq: RankSequence, filler: bool = False) -> torch.Tensor:
         """Logits of this rank's share of a micro-batch, [rows, span, vocab] (a vocabulary-sharded
         DTensor under loss parallel). Positions are passed whole: under sequence parallel HF
-        would otherwise count them at the split length."""
+        would otherwise count them at the split length. An MoE model's layers get the tokens
+        their routers balance over (none in a pass that adds nothing)."""
         ids = seq.input_ids.to(self.device)
         positions = seq.fields["position_ids"] if "position_ids" in seq.fields else seq.positions.expand_as(ids)
+        moe = {}
+        if self.router is not None:
+            weights = self._token_weights(seq)
+            moe["moe_token_mask"] = torch.zeros_like(weights) if filler else weights
         return self.parts[0](input_ids=ids, attention_mask=self._attention_mask(seq),
-                             position_ids=positions.to(self.device), use_cache=False).logits
+                             position_ids=positions.to(self.device), use_cache=False, **moe).logits
+
+    def _token_weights(self, seq: RankSequence) -> torch.Tensor:
+        """[rows, span]: how many of the batch's tokens each input token stands for: 0 for padding,
+        1 for the rest, but the number of rows sharing it for a prompt packed once for all its
+        rows (`share_prompts`): the routers' load counts the tokens of the batch, packed or not."""
+        width = seq.input_ids.shape[1]
+        fields = {name: value[:, :width] for name, value in seq.fields.items()}
+        weights = fields["attention_mask"].float()
+        if "prefix_ids" in fields:
+            segments, prefixes = fields["segment_ids"], fields["prefix_ids"]
+            continued = prefixes > 0
+            pairs = torch.unique(torch.stack([segments[continued], prefixes[continued]]), dim=1)
+            sharing = torch.bincount(pairs[1], minlength=int(segments.max()) + 1)
+            weights = weights * sharing[segments].clamp(min=1)
+        return weights
 
     def _attention_mask(self, seq: RankSequence) -> torch.Tensor | None:
         """The padding mask; block-causal over packed sequences and the prompts they share; none
@@ -392,16 +453,20 @@ class ModelEngine:
         torch.set_rng_state(extra["rng"])
 
     def export_hf(self, out_dir: str, writes_stage: bool, writes_config: bool) -> None:
-        """A Hugging Face directory of the full model (a collective). Each pipeline stage's
+        """A Hugging Face directory of the full model (a collective), under the names on disk
+        `save_pretrained` writes (`rlsys.models.moe` for MoE experts). Each pipeline stage's
         writer saves that stage's full tensors as one safetensors shard; with several
         stages, the config writer then adds the index mapping names to shards."""
         os.makedirs(out_dir, exist_ok=True)
         pp = self.spec.dims.pp
         shard_name = "model.safetensors" if pp == 1 else f"model-{self.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+        family = moe_family(self.parts[0].config)
         tensors = {}
         for name, tensor in self.full_tensors(list(self.parameter_nbytes())):
-            if writes_stage:
-                tensors[name] = tensor.cpu().contiguous()
+            if writes_stage:  # an MoE model's experts under their names on disk, one tensor each
+                for disk_name, disk_tensor in family.to_disk(name, tensor) if family else [(name, tensor)]:
+                    split = disk_tensor.numel() < tensor.numel()  # a view: safetensors stores no shared memory
+                    tensors[disk_name] = disk_tensor.cpu().clone() if split else disk_tensor.cpu().contiguous()
         if writes_stage:
             save_file(tensors, os.path.join(out_dir, shard_name), metadata={"format": "pt"})
         del tensors

@@ -1,5 +1,5 @@
-"""Tiny-model factory: a Qwen2-architecture model with a character-level
-tokenizer, written as a real Hugging Face directory.
+"""Tiny-model factory: a Qwen2-architecture model (or, with experts, a Qwen3-MoE, Qwen2-MoE or
+Mixtral one) with a character-level tokenizer, written as a real Hugging Face directory.
 
 The directory loads with `transformers` (AutoModelForCausalLM / AutoTokenizer)
 and with vLLM, so every stage runs on a CPU-only machine with no downloads.
@@ -14,7 +14,14 @@ import string
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2Tokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen2Tokenizer,
+    Qwen3MoeConfig,
+)
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 PAD, EOS = "<|pad|>", "<|end|>"
@@ -45,6 +52,12 @@ class TinyModelSpec:
     vocab_size: int = 128
     tie_word_embeddings: bool = False
     """Untied by default, so tensor parallelism can split the embedding and the LM head."""
+    num_experts: int = 0
+    """With experts, an MoE model (`moe_type`): every decoder layer's MLP is a mixture of this many experts."""
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    moe_type: str = "qwen3_moe"
+    """qwen3_moe, qwen2_moe (with a shared expert as wide as one expert) or mixtral."""
     seed: int = 0
 
 
@@ -74,7 +87,7 @@ def build_tokenizer() -> Qwen2Tokenizer:
 def build_model(spec: TinyModelSpec, tokenizer: Qwen2Tokenizer):
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"vocab_size {spec.vocab_size} < tokenizer size {len(tokenizer)}")
-    config = Qwen2Config(
+    common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -87,8 +100,26 @@ def build_model(spec: TinyModelSpec, tokenizer: Qwen2Tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if spec.num_experts:
+        config = _moe_config(spec, common)
+    else:
+        config = Qwen2Config(**common)
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _moe_config(spec: TinyModelSpec, common: dict):
+    experts = dict(num_experts_per_tok=spec.num_experts_per_tok)
+    if spec.moe_type == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": spec.moe_intermediate_size},
+                             num_local_experts=spec.num_experts, **experts)
+    experts.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size)
+    if spec.moe_type == "qwen2_moe":
+        return Qwen2MoeConfig(**common, shared_expert_intermediate_size=spec.moe_intermediate_size, **experts)
+    if spec.moe_type == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=spec.hidden_size // spec.num_attention_heads, norm_topk_prob=True,
+                              **experts)
+    raise ValueError(f"moe_type: {spec.moe_type!r} (qwen3_moe, qwen2_moe or mixtral)")
 
 
 def write_tiny_model(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
@@ -110,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
         else:
-            parser.add_argument(flag, type=int, default=value)
+            parser.add_argument(flag, type=type(value), default=value)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
     write_tiny_model(out, TinyModelSpec(**args))

@@ -2,7 +2,9 @@
 
 Ranks are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp), the
 order torchtitan uses: tensor-parallel peers are neighbours (the most
-traffic, on one node), pipeline stages are the outermost split.
+traffic, on one node), pipeline stages are the outermost split. MoE experts live on a
+second, sparse mesh over the same ranks, (pp, dp_replicate, efsdp, ep), expert-parallel
+peers the neighbours (`rlsys.parallel.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from dataclasses import dataclass, fields
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from rlsys.models.moe import num_experts
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 
 
 class LayoutError(ValueError):
@@ -44,16 +49,27 @@ class ParallelDims:
     """Ranks that split every parameter (FSDP2)."""
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Ranks that split each MoE layer's experts, out of dp_shard x cp x tp (not a dimension of its own)."""
 
     @classmethod
     def of(cls, parallel) -> ParallelDims:
         """The layout of a `parallel:` config section."""
-        return cls(**{name: getattr(parallel, name) for name in MESH_DIMS})
+        return cls(**{name: getattr(parallel, name) for name in (*MESH_DIMS, "ep")})
 
     def __post_init__(self):
         for f in fields(self):
             if getattr(self, f.name) < 1:
                 raise LayoutError(f"parallel.{f.name}: must be >= 1, got {getattr(self, f.name)}")
+        token_ranks = self.dp_shard * self.cp * self.tp
+        if token_ranks % self.ep:
+            raise LayoutError(f"parallel.ep: {self.ep} does not divide dp_shard x cp x tp = {token_ranks}, "
+                              f"the ranks the experts are split over")
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that FSDP-shard each expert: dp_shard x cp x tp / ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -110,6 +126,12 @@ class ParallelDims:
         if self.pp > 1 and getattr(model_config, "tie_word_embeddings", False):
             raise LayoutError("parallel.pp: the model ties its input and output embeddings, which live on the first "
                               "and the last pipeline stage; use an untied model")
+        experts = num_experts(model_config)
+        if self.ep > 1 and not experts:
+            raise LayoutError(f"parallel.ep: {self.ep} expert-parallel ranks for a model without experts "
+                              f"({model_config.model_type})")
+        if experts % self.ep:
+            raise LayoutError(f"parallel.ep: {self.ep} does not divide the model's {experts} experts")
         stages, layers = self.pp * stages_per_rank, model_config.num_hidden_layers
         if stages > layers:
             raise LayoutError(f"parallel.pp: {stages} pipeline stages for {layers} decoder layers")
@@ -121,7 +143,20 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("token_ranks")
         return mesh
+
+    def expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The sparse mesh over the same ranks: (pp, dp_replicate, efsdp, ep), ep peers neighbours.
+        A mesh of its own: only the experts live on it, no DTensor mixes the two."""
+        degrees = (self.pp, self.dp_replicate, self.efsdp, self.ep)
+        return init_device_mesh(device_type, degrees, mesh_dim_names=EXPERT_MESH_DIMS)
+
+    def expert_fsdp_mesh(self, expert_mesh: DeviceMesh) -> DeviceMesh:
+        """Experts are sharded over efsdp, replicated over dp_replicate."""
+        if self.dp_replicate > 1:
+            return expert_mesh["dp_replicate", "efsdp"]
+        return expert_mesh["efsdp"]
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """Parameters are sharded over dp_shard x cp (context-parallel ranks hold the same

@@ -6,10 +6,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from rlsys.parallel.moe_block import GroupedExperts
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None,
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard `model` in place over `mesh`.
 
     Gradients are reduced as a plain SUM with no division: the loss is
@@ -22,8 +25,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     would only add a copy-in, a cast and a reduction per block and step, which leaves a
     small model's forward/backward on a GPU bound by kernel launches. The cost is the whole
     model's bf16 copy living through the step instead of one block's.
+
+    An MoE model's experts are units of their own over `expert_mesh` (efsdp, `ParallelDims`),
+    sharded along their rows: under expert parallel their first dimension is split over ep.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for experts in expert_groups(model) if expert_mesh is not None else []:
+        fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=lambda param: Shard(1))
     for block in decoder_blocks(model) if mesh.size() > 1 else []:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -32,6 +41,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def expert_groups(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

@@ -1,5 +1,5 @@
-"""Apply a parallel layout to a model, in torchtitan's order: tensor parallel
-(with sequence and loss parallel), context parallel attention, then activation checkpointing, then FSDP2
+"""Apply a parallel layout to a model, in torchtitan's order: tensor parallel (with sequence
+and loss parallel), expert parallel, context parallel attention, then activation checkpointing, then FSDP2
 over the data-parallel submesh. Each step is one small function in its own
 module; FSDP comes last because it shards whatever the steps before left,
 plain tensors or tensor-parallel DTensors alike. As in torchtitan, a data-parallel
@@ -16,7 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlsys.config.schema import ParallelConfig
 from rlsys.parallel.context_parallel import apply_cp
 from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.expert_parallel import apply_ep, apply_moe_tp
 from rlsys.parallel.fsdp import apply_fsdp
+from rlsys.parallel.moe_block import install_moe_blocks
 from rlsys.parallel.tp import apply_tp
 
 log = logging.getLogger(__name__)
@@ -24,30 +26,39 @@ log = logging.getLogger(__name__)
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel: ParallelConfig,
                 param_dtype: torch.dtype | None, value_head: bool = False) -> nn.Module:
+    """`model`'s MoE blocks (if any) become `MoEBlock`s first, whatever the layout."""
+    moe = install_moe_blocks(model) > 0
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel, value_head)
+        if moe:
+            apply_moe_tp(model, mesh["tp"], parallel.sequence_parallel)
+    expert_mesh = dims.expert_mesh(mesh.device_type) if moe else None
+    if dims.ep > 1:
+        apply_ep(model, expert_mesh["ep"])
     if dims.cp > 1:
         apply_cp(model, mesh["cp"])
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     fsdp_mesh = dims.fsdp_mesh(mesh)
-    if needs_fsdp(fsdp_mesh, param_dtype, dims.tp):
+    if needs_fsdp(fsdp_mesh, param_dtype, dims.tp, dims.ep):
         # a pipeline stage runs several micro-batches forward before their backward: keep it gathered
-        apply_fsdp(model, fsdp_mesh, param_dtype, reshard_after_forward=dims.pp == 1)
+        apply_fsdp(model, fsdp_mesh, param_dtype, reshard_after_forward=dims.pp == 1,
+                   expert_mesh=dims.expert_fsdp_mesh(expert_mesh) if moe else None)
     else:
         log.info("one data-parallel rank computing in the weights' dtype: no FSDP")
     return model
 
 
-def needs_fsdp(fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None, tp: int) -> bool:
+def needs_fsdp(fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None, tp: int, ep: int = 1) -> bool:
     """FSDP2 on a mesh of one rank shards nothing, yet it gathers each unit's weights into a
     copy and copies its gradients out to reduce them. As one unit those copies lived through
     the step; a unit per block made them block by block and micro-batch by micro-batch.
     Without FSDP the rank computes on its parameters themselves, with a lower peak and a
     faster update (docs/performance.md). It stays for bf16 mixed precision (on a GPU by
     default), whose casts FSDP2 makes, and under tensor parallel, where it makes the parameters the plan leaves whole
-    (norms, a value head) DTensors like the rest: AdamW's fused step takes no mix of the two."""
-    return fsdp_mesh.size() > 1 or param_dtype is not None or tp > 1
+    (norms, a value head) DTensors like the rest: AdamW's fused step takes no mix of the two;
+    and under expert parallel, for the same reason."""
+    return fsdp_mesh.size() > 1 or param_dtype is not None or tp > 1 or ep > 1
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

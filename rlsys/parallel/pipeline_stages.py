@@ -61,6 +61,11 @@ class DecoderStage(nn.Module):
         """Positions [1, L] of the tokens this rank's attention sees, set by the engine for each
         batch: a context-parallel chunk's, or the whole sequence's while sequence parallel splits
         the stage's input. None: 0..T-1 of the input."""
+        self.token_masks: list[torch.Tensor] = []
+        """An MoE model's real tokens [rows, L] of each micro-batch, in the order the schedule runs
+        them forward (every schedule runs a stage's micro-batches forward in order), set by the
+        schedule for each batch: the stage's MoE blocks balance their routers over them."""
+        self.forwards = 0
         self.model = causal_lm.model
         for i in range(len(self.model.layers)):
             if i not in layers:
@@ -93,10 +98,12 @@ class DecoderStage(nn.Module):
         masks = self._attention_masks(hidden, positions)
         rotary = self.model.rotary_emb(hidden, positions)
         layer_types = getattr(self.config, "layer_types", None)
+        moe = {"moe_token_mask": self.token_masks[self.forwards]} if self.token_masks else {}
+        self.forwards += 1
         for i in self.layers:
             mask = masks[layer_types[i] if layer_types else "full_attention"]
             hidden = self.model.layers[i](hidden, attention_mask=mask, position_embeddings=rotary,
-                                          position_ids=positions, use_cache=False)
+                                          position_ids=positions, use_cache=False, **moe)
         if not self.is_last:
             return hidden
         return self.lm_head(self.model.norm(hidden))

@@ -1,4 +1,5 @@
-"""Tensor parallelism for Hugging Face decoder models (Llama, Qwen2, Qwen3, Mistral).
+"""Tensor parallelism for Hugging Face decoder models (Llama, Qwen2, Qwen3, Mistral, and the
+MoE families Qwen2-MoE, Qwen3-MoE, Mixtral, whose MoE blocks `expert_parallel` lays out).
 
 Megatron's pairing inside every block: q/k/v and gate/up are split by output
 columns, o and down by input rows, so each attention and each MLP needs one
@@ -35,7 +36,7 @@ from rlsys.parallel.dims import LayoutError
 
 log = logging.getLogger(__name__)
 
-TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 """Model types whose module names and attention follow the plan below."""
 
 
@@ -79,15 +80,20 @@ def _has_module(model: nn.Module, name: str) -> bool:
 
 
 def _block_plan(block: nn.Module, residual, sequence_parallel: bool) -> dict:
+    """A dense MLP is split Megatron's way; an MoE block (`expert_parallel.apply_moe_tp`) is not."""
+    dense_mlp = not hasattr(block.mlp, "experts")
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
     }
+    if dense_mlp:
+        plan.update({
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+        })
     if hasattr(block.self_attn, "q_norm"):
         # Qwen3 normalises each head: weights replicated, input split on the heads dim of [B, T, H, D]
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -99,6 +105,7 @@ def _block_plan(block: nn.Module, residual, sequence_parallel: bool) -> dict:
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()}),
             "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
+        if dense_mlp:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan

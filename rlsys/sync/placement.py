@@ -21,6 +21,7 @@ parameter, with no full tensor in between.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +49,12 @@ class _Copy:
 
 
 class WeightPlacer:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, loader_names: Callable[[str, torch.Tensor], list] | None = None):
+        """`loader_names(name, weight)`: the (name, view of the weight) pairs vLLM's loader reads
+        for one trainer weight, where its names differ (an MoE's fused experts, which the loader
+        reads one expert at a time, under the checkpoint's names); None: the weight as named."""
         self.model = model
+        self.loader_names = loader_names
         self.params = dict(model.named_parameters())
         self.copies: dict[str, list[_Copy]] = {}
         """The recorded copies of each weight that replays exactly."""
@@ -82,7 +87,13 @@ class WeightPlacer:
         self.assemble.release()
 
     def _load(self, weights: dict[str, torch.Tensor]) -> set[str] | None:
-        return self.model.load_weights(weights=iter(weights.items())) if weights else set()
+        """vLLM's loader on `weights`. Views of a traced weight stay traced, so the copies the loader
+        makes from the views `loader_names` gives are recorded as copies from the weight."""
+        if not weights:
+            return set()
+        if self.loader_names is not None:
+            weights = dict(pair for name, weight in weights.items() for pair in self.loader_names(name, weight))
+        return self.model.load_weights(weights=iter(weights.items()))
 
     def _load_and_record(self, weights: dict[str, torch.Tensor]) -> set[str] | None:
         """The first time: vLLM's loader places the weights, and its copies are recorded."""

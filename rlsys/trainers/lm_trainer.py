@@ -116,4 +116,5 @@ def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed,
+        **{name: value for name, value in step.items() if name.startswith("router/")},  # an MoE model's
     }

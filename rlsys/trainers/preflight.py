@@ -20,6 +20,7 @@ from rlsys.config.schema import (
     RLJobConfig,
     TrainJobConfig,
 )
+from rlsys.models.moe import moe_family
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
@@ -153,6 +154,10 @@ def check_model_dir(model: ModelConfig, key: str):
         raise ConfigError(f"{key}: no weights in {model.path} (expected *.safetensors or pytorch_model*.bin)")
     if not any(os.path.isfile(os.path.join(model.path, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"{key}: no tokenizer files in {model.path} (expected one of {', '.join(_TOKENIZER_FILES)})")
+    try:
+        moe_family(config)
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err}") from None
     return config
 
 

@@ -1,0 +1,91 @@
+"""The single-process references the layout tests compare against, and the batches they use:
+what a training group's loss, gradients and log-probs must equal in any layout."""
+
+from __future__ import annotations
+
+import torch
+import worker_probes as probes
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlsys.algorithms.lm_loss import logprobs_of_labels
+from rlsys.config.schema import AlgorithmConfig, DataConfig
+from rlsys.data.batching import collate, collate_rollouts, micro_batches, num_targets
+from rlsys.data.examples import load_sft_examples
+from rlsys.data.packing import pack_rows
+
+MICRO_BATCH = 3
+ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
+def parity_batches(tiny_model_dir: str, arith_files: dict[str, str]):
+    """12 SFT rows, and an RL mini-batch of 4 GRPO groups: 3 responses (those of 3 SFT rows) to
+    one prompt each, per-row advantages on the response tokens, old and reference log-probs
+    nearby. Of every 3 SFT rows (a micro-batch), two are cut to 5 tokens, every one a target (as
+    in pretraining), so that packing lays them into one row; each RL micro-batch is one group,
+    whose prompt packing lays out once."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    examples, _ = load_sft_examples(DataConfig(train_files=[arith_files["sft"]], max_seq_len=32), tokenizer)
+    sft = collate(examples[:12], tokenizer.pad_token_id)
+    short = torch.arange(12) % 3 != 0
+    sft["input_ids"][short, 5:] = tokenizer.pad_token_id
+    sft["attention_mask"][short, 5:] = 0
+    sft["loss_mask"][short] = sft["attention_mask"][short].float()
+    assert all(len(pack_rows(micro).batch["input_ids"]) == 2 for micro in micro_batches(sft, MICRO_BATCH))
+
+    prompt_of = lambda e: e.input_ids[:e.loss_mask.index(1)]  # noqa: E731
+    rl = collate_rollouts([prompt_of(examples[i - i % MICRO_BATCH]) for i in range(12)],
+                          [e.input_ids[len(prompt_of(e)):] for e in examples[:12]], tokenizer.pad_token_id)
+    for micro in micro_batches(rl, MICRO_BATCH):
+        assert pack_rows(micro).batch["attention_mask"].sum() < micro["attention_mask"].sum()
+    generator = torch.Generator().manual_seed(0)
+    logprobs = reference_logprobs(tiny_model_dir, rl)
+    noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
+    rl.update(advantages=torch.randn(12, 1, generator=generator) * rl["loss_mask"],
+              old_logprobs=logprobs + noise(), ref_logprobs=logprobs + noise())
+    counts = {"tokens": num_targets(rl), "sequences": 12}
+    return sft, rl, counts
+
+
+def reference_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def reference_logprobs(model_dir: str, batch) -> torch.Tensor:
+    with torch.no_grad():
+        logits = reference_model(model_dir)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.pad(logprobs_of_labels(logits, batch["input_ids"]), (1, 0))
+
+
+def reference_gradients(model_dir: str, batch, loss_fn) -> tuple[float, dict[str, torch.Tensor]]:
+    model = reference_model(model_dir)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    out = loss_fn(logits, batch)
+    out.loss.backward()
+    return out.loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def merge_stages(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One full gradient per name: pipeline stages hold different names, and every rank
+    holding a name (its data- and tensor-parallel peers) must agree exactly."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank_grads in per_rank:
+        for name, grad in rank_grads.items():
+            assert name not in merged or torch.equal(merged[name], grad), name
+            merged.setdefault(name, grad)
+    return merged
+
+
+def trained_gradients(group, *batches_and_losses) -> list[tuple[dict[str, float], dict[str, torch.Tensor]]]:
+    """For each (batch, loss function): the group's metrics and full gradients of one forward and
+    backward pass over the batch from zero gradients, with no optimizer step."""
+    results = []
+    for batch, loss_fn in batches_and_losses:
+        group.on_each(probes.zero_grad)
+        [metrics, *_] = probes.forward_backward(group, batch, loss_fn)
+        results.append((metrics, merge_stages(group.on_each(probes.full_gradients))))
+    return results
+
+
+def assert_gradients_match(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, ref in expected.items():
+        relative = (got[name] - ref).norm() / ref.norm()
+        assert relative < 1e-5, f"{name}: relative gradient error {relative:.2e}"

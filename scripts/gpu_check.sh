@@ -1,104 +1,137 @@
 #!/usr/bin/env bash
 # Every GPU path rlsys can run on the machine it is on; prints one line per check.
 #
-#   bash scripts/gpu_check.sh --fetch-wheels   # here, with a package registry: packages for the GPU machine
-#   bash scripts/gpu_check.sh                  # on the GPU machine (device tool: carry [".gpu_wheels"])
+#   bash scripts/gpu_check.sh --fetch-wheels   # here, with a package registry: .gpu_carry/ for the GPU machine
+#   bash scripts/gpu_check.sh                  # on the GPU machine, once .gpu_carry/ went over (docs/testing.md)
 #
-# The lent GPU machines (Python 3.12, torch, transformers) reach no package registry and lack
-# pydantic, datasets, Ray and vLLM. --fetch-wheels downloads into .gpu_wheels/ (git-ignored,
-# about 51 MB) the first three: wheels, and Ray as a zip without its Java jars (its wheel is
-# 79 MB, over the device tool's 64 MiB carry). Versions are those that ran on an H200 on
-# 2026-11-25. vLLM's CUDA wheel is hundreds of MB: the rollout engine cannot be carried.
-# Always: the training engine on CUDA (nccl; fp32 and bf16 mixed precision) against one plain
-# HF process, the in-place weight sync's CUDA IPC reads of a rank's shards, and the engine's
-# throughput beside HF's (scripts/gpu_check.py, tests/test_weight_placement.py), and the memory one
-# 0.5B-shaped rank holds through a training step (benchmarks/memory.py).
-# Where Ray imports: the pretrain stage through Ray, its rank on the GPU, then resumed from its
-# checkpoint. Where CUDA vLLM imports as well: a short RLVR run with a colocated engine (sleep
-# mode, the weight sync) and the weight-sync benchmark on the GPU.
+# The lent GPU machines (Python 3.12, torch 2.11, transformers) reach no package registry and lack
+# vLLM, Ray, pydantic and datasets. --fetch-wheels downloads scripts/gpu_carry_pins.txt (vLLM 0.26.0,
+# the newest CUDA build for torch 2.11, and Ray 2.60.0), installs it into one directory, leaves out
+# what vLLM never loads here, and cuts it, xz-compressed, into .gpu_carry/piece.NN of 61 MiB: one
+# piece per device call (64 MiB a call). With the arithmetic example's SFT model in runs/arith (run
+# examples/arith/run.sh first) it goes along, so that RL starts from a model that solves problems.
+#
+# On the GPU machine, in order: the rollout engine on CUDA (held-out accuracy of the SFT model; 20
+# GRPO steps colocated, sleep mode between rollouts, the log-prob gap after each sync in bf16 and
+# in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; the weight sync's throughput),
+# then the training engine (fp32 and bf16 parity with one HF process, CUDA IPC reads, throughput;
+# scripts/gpu_check.py), the memory of a 0.5B-shaped rank, and the pretrain stage through Ray,
+# resumed from its checkpoint. Each check's log goes to $OUT (the device tool) or a temporary
+# directory; each check prints its seconds.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-wheels="$repo/.gpu_wheels"
+carry="$repo/.gpu_carry"
+site="${RLSYS_GPU_SITE:-/tmp/rlsys_site}"
 py="${PYTHON:-python3}"
 cd "$repo"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  rm -rf "$wheels"
-  fetch() {
-    pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$wheels" "$@" 2>&1 \
-      | grep -v "^WARNING: Location"
-  }
-  fetch pydantic
-  fetch --no-deps datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 jsonschema==4.26.0 \
-    jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 ray==2.60.0
-  "$py" - "$wheels"/ray-*.whl <<'PY'
-import os, sys, zipfile
-wheel = sys.argv[1]
-with zipfile.ZipFile(wheel) as whole, zipfile.ZipFile(wheel[:-4] + ".nojars.zip", "w") as trimmed:
-    for info in whole.infolist():
-        if not info.filename.startswith("ray/jars/"):
-            trimmed.writestr(info, whole.read(info))
-os.remove(wheel)
-PY
-  ls "$wheels"; du -sh "$wheels"
+  work="$(mktemp -d)"
+  rm -rf "$carry" && mkdir -p "$carry"
+  platforms=""
+  for tag in manylinux_2_{5,17,24,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+    platforms="$platforms --platform $tag"
+  done
+  # shellcheck disable=SC2086
+  pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms \
+    -d "$work/wheels" -r scripts/gpu_carry_pins.txt 2>&1 | grep -v "^WARNING: Location"
+  # shellcheck disable=SC2086
+  pip install --quiet --no-deps --no-compile --no-index --only-binary=:all: --python-version 3.12 \
+    --implementation cp $platforms --target "$work/site" "$work"/wheels/*.whl 2>&1 | grep -v "^WARNING: Location"
+  # Never loaded here: FlashAttention 2 (Hopper runs FA3), the Rust front end, Blackwell's attention
+  # headers, DeepGEMM's builds for other Pythons, the OpenAI server's static files, console scripts.
+  (cd "$work/site" && rm -rf vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/third_party/fmha_sm100 \
+    vllm/third_party/deep_gemm/_C.cpython-31[0134]* vllm/entrypoints/serve/instrumentator/static bin)
+  find "$work/site" -name __pycache__ -prune -exec rm -rf {} +
+  tar -C "$work/site" -cf - . | xz -T0 -6 | split -b 61M -d -a 2 - "$carry/piece."
+  if [ -d runs/arith/sft/hf_model ]; then
+    mkdir -p "$carry/arith/data" && cp -r runs/arith/sft/hf_model "$carry/arith/sft"
+    cp runs/arith/data/rl_train.parquet runs/arith/data/test.parquet "$carry/arith/data/"
+  fi
+  rm -rf "$work"
+  ls -l "$carry"; du -sh "$carry"
+  echo "device calls, one after another (the machine stays warm 30 s): carry [\".gpu_carry/piece.00\"], ...;"
+  echo "the last piece's call also carries \".gpu_carry/arith\" and runs: bash scripts/gpu_check.sh"
   exit 0
 fi
 
-if ! "$py" -c "import pydantic, datasets, ray" 2>/dev/null; then
-  deps="$(mktemp -d)"
-  "$py" -m pip install --quiet --no-index --no-deps --target "$deps" "$wheels"/*.whl || {
-    echo "[gpu_check] packages are missing and $wheels holds no wheels for them: run --fetch-wheels first"; exit 2; }
-  for zip in "$wheels"/ray-*.zip; do  # zip extraction drops the executable bits of Ray's servers
-    [ -e "$zip" ] && "$py" -m zipfile -e "$zip" "$deps" && chmod -R u+x "$deps/ray/core"
-  done
-  export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$py" -c "import vllm, ray" 2>/dev/null; then
+  if [ ! -e "$site/.unpacked" ]; then
+    ls "$carry"/piece.* >/dev/null 2>&1 || {
+      echo "[gpu_check] vLLM and Ray are missing and $carry holds no pieces: run --fetch-wheels first"; exit 2; }
+    started=$SECONDS
+    mkdir -p "$site" && cat "$carry"/piece.* | xz -dc | tar -x -C "$site" && touch "$site/.unpacked" || exit 2
+    echo "[gpu_check] unpacked $(du -sh "$site" | cut -f1) of packages in $((SECONDS - started)) s"
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_USE_FLASHINFER_SAMPLER=0  # FlashInfer is not carried; vLLM's own top-k/top-p sampler runs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "[gpu_check] no nvidia-smi"
+"$py" -c "import torch, transformers; print('[gpu_check] torch', torch.__version__, 'transformers', transformers.__version__)"
+"$py" -c "import vllm, ray; print('[gpu_check] vllm', vllm.__version__, 'ray', ray.__version__)" 2>&1 | tail -3
 gpus="$("$py" -c "import torch; print(int(torch.cuda.is_available()))")"
-
-status=0
-"$py" scripts/gpu_check.py || status=1
-"$py" -m pytest -q -p no:cacheprovider tests/test_weight_placement.py || status=1
-if [ "$gpus" = 1 ]; then  # a 0.5B-shaped model (Qwen2.5-0.5B's config, random init), one rank
-  "$py" benchmarks/memory.py --device cuda --layout dp_shard=1 --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
-    --intermediate 4864 --vocab 151936 --tied --rows 4 --seq-len 512 --steps 2 || status=1
-fi
-
+logs="${OUT:-$(mktemp -d)}"
 out="$(mktemp -d)"
-"$py" examples/arith/prepare.py --out "$out/arith" >/dev/null
-if "$py" -c "import ray" 2>/dev/null; then
-  pretrain() {
-    "$py" -m rlsys.run pretrain --config examples/arith/pretrain.yaml "output_dir=$out/pretrain" \
-      "model.path=$out/arith/tiny-init" "data.train_files=[$out/arith/data/pretrain.jsonl]" train.save_every=100 \
-      parallel.dp_shard=1 "ray.gpus_per_worker=$gpus" "tracking.backends=[console,jsonl]" eval=null \
-      ray.include_dashboard=false "$@"
-  }
-  { pretrain train.steps=200 && pretrain train.steps=300 && "$py" - "$out/pretrain" <<'PY'; } || status=1
+status=0
+
+check() {  # check NAME COMMAND...: run it, its output into $logs/NAME.log, one line with its seconds
+  local name="$1" started=$SECONDS
+  shift
+  "$@" >"$logs/$name.log" 2>&1
+  local rc=$?
+  [ $rc = 0 ] || status=1
+  echo "[gpu_check] $name: $([ $rc = 0 ] && echo ok || echo "FAIL (exit $rc)") in $((SECONDS - started)) s"
+  grep -a -E "^\[|Error|error:" "$logs/$name.log" | grep -v "^\[gpu_check\]" | tail -n "${SHOW_LINES:-8}"
+}
+
+arith="$carry/arith"
+if [ ! -d "$arith/sft" ]; then  # no SFT model carried: RL from the random tiny model (accuracy stays 0)
+  "$py" examples/arith/prepare.py --out "$out/arith" >/dev/null
+  arith="$out/arith" && mkdir -p "$arith/sft" && cp -r "$out/arith/tiny-init/." "$arith/sft/"
+fi
+common=("ray.gpus_per_worker=$gpus" ray.include_dashboard=false parallel.dp_shard=1)
+rl() {  # rl NAME [overrides]: GRPO on the arithmetic problems from the SFT model, colocated, sleep mode
+  local name="$1"
+  shift
+  VLLM_LOGGING_LEVEL=INFO "$py" -m rlsys.run rlvr --config examples/arith/rlvr.yaml "output_dir=$out/$name" \
+    "model.path=$arith/sft" "data.train_files=[$arith/data/rl_train.parquet]" "eval.files=[$arith/data/test.parquet]" \
+    train.val_every=0 train.save_every=0 "tracking.backends=[console,jsonl]" "${common[@]}" "$@" &&
+    "$py" - "$out/$name" <<'PY'
 import json, sys
-run = sys.argv[1]
-rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
-loss = {row["step"]: row["loss"] for row in rows}
-times = sorted(row["step_time_s"] for row in rows)
-resumed = json.load(open(f"{run}/summary.json"))["resumed_from_step"]
-ok = resumed == 200 and sorted(loss) == list(range(1, 301)) and loss[300] < loss[1] / 2
-print(f"[ray pretrain] {'ok  ' if ok else 'FAIL'} 1 rank through Ray: loss {loss[1]:.3f} -> {loss[200]:.3f} at step 200, "
-      f"resumed from its checkpoint there -> {loss[300]:.3f} at 300; median step {times[len(times) // 2]:.3f} s")
-sys.exit(0 if ok else 1)
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+gaps = [row["rollout/logprob_abs_diff"] for row in rows if "rollout/logprob_abs_diff" in row]
+accuracy = [row["val/accuracy"] for row in rows if "val/accuracy" in row]
+times = sorted(row["time/step_s"] for row in rows if "time/step_s" in row)
+rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
+syncs = [row["sync/mb"] / row["sync/time_s"] / 1e3 for row in rows if row.get("sync/time_s")]
+freed = [row["rollout/freed_gib"] for row in rows if "rollout/freed_gib" in row]
+print(f"[rl] {len(times)} steps, median {times[len(times) // 2]:.2f} s; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; "
+      f"held-out accuracy {' -> '.join(f'{a:.3f}' for a in accuracy)}; engine/trainer log-prob gap after each "
+      f"sync: max {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}; sync median {sorted(syncs)[len(syncs) // 2]:.2f} GB/s; "
+      f"the engine freed {max(freed, default=0):.2f} GiB for each update")
 PY
+}
+if "$py" -c "import ray, vllm" 2>/dev/null; then
+  check eval_sft "$py" -m rlsys.run eval --config examples/arith/eval.yaml "output_dir=$out/eval" "model.path=$arith/sft" \
+    "eval.files=[$arith/data/test.parquet]"
+  check rl_bf16 rl rl_bf16 train.steps=20
+  grep -a -h "Sleep mode freed\|sleep mode\|woke up" "$logs/rl_bf16.log" | sed 's/^.*\] //' | sort | uniq -c | head -4
+  check rl_fp32 rl rl_fp32 train.steps=5 parallel.mixed_precision=none rollout.dtype=float32
+  "$py" -c "from benchmarks.sync import QWEN25_05B; from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
+  SHOW_LINES=30 check grpo_05b "$py" benchmarks/rlvr_bench.py --model "$out/qwen05b" --data "$arith/data/rl_train.parquet" \
+    --out "$out/bench" --steps 3 --prompts 64 --n 8 --max-new-tokens 256 "ray.gpus_per_worker=$gpus" \
+    rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=32768
+  SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --model "$out/qwen05b" "${common[@]}"
 else
-  echo "[gpu_check] SKIP: ray does not import here (--fetch-wheels carries it); no run through Ray"
+  echo "[gpu_check] SKIP: vllm or ray does not import here; the rollout engine on CUDA is not checked"
 fi
 
-if "$py" -c "import ray, vllm" 2>/dev/null; then
-  "$py" -m rlsys.run rlvr --config examples/arith/rlvr.yaml "output_dir=$out/rlvr" "model.path=$out/arith/tiny-init" \
-    "data.train_files=[$out/arith/data/rl_train.parquet]" "eval.files=[$out/arith/data/test.parquet]" \
-    train.steps=5 train.save_every=0 parallel.dp_shard=1 "ray.gpus_per_worker=$gpus" ray.include_dashboard=false \
-    || status=1
-  "$py" benchmarks/sync.py parallel.dp_shard=1 "ray.gpus_per_worker=$gpus" || status=1
-else
-  echo "[gpu_check] SKIP: vllm does not import here; the rollout engine on CUDA, sleep mode and the colocated"
-  echo "[gpu_check]       weight sync through Ray are not checked (CUDA vLLM does not fit the device tool's carry)"
+check engine "$py" scripts/gpu_check.py
+check weight_placement "$py" -m pytest -q -p no:cacheprovider tests/test_weight_placement.py
+if [ "$gpus" = 1 ]; then  # a 0.5B-shaped model (Qwen2.5-0.5B's config, random init), one rank
+  check memory_05b "$py" benchmarks/memory.py --device cuda --layout dp_shard=1 --hidden 896 --layers 24 --heads 14 \
+    --kv-heads 2 --intermediate 4864 --vocab 151936 --tied --rows 4 --seq-len 512 --steps 2
 fi
 exit $status

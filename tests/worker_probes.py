@@ -81,3 +81,45 @@ def experts_repacked(rollout_worker) -> list[int]:
 
 def _experts_repacked(vllm_worker) -> int:
     return getattr(vllm_worker, "rlsys_repacked", 0)
+
+
+def perturb_adapters(worker, scale: float, seed: int) -> None:
+    """Add seeded noise to the LoRA adapters only (`perturb_parameters`' noise, by name)."""
+    with torch.no_grad():
+        for name, p in worker.policy.named_parameters():
+            if p.requires_grad:
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                noise = torch.randn(p.shape, generator=generator) * scale
+                if isinstance(p, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    noise = noise[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                    p.to_local().add_(noise.to(p.device))
+                else:
+                    p.add_(noise.to(p.device))
+
+
+def full_adapters(worker) -> dict[str, torch.Tensor]:
+    """The policy's full adapter weights (gathers: run it on every rank)."""
+    return worker.policy.adapter_tensors()
+
+
+def adapter_gradients(worker) -> dict[str, torch.Tensor]:
+    """Unsharded gradients of the trained parameters (gathers: run it on every rank)."""
+    return {name: _full(p.grad).cpu() for name, p in worker.policy.named_parameters() if p.requires_grad}
+
+
+def trained_and_frozen(worker) -> tuple[int, int]:
+    """(parameters in the optimizer, parameters without a gradient)."""
+    trained = sum(len(group["params"]) for opt in worker.policy.optimizers for group in opt.param_groups)
+    frozen = sum(not p.requires_grad for _, p in worker.policy.named_parameters())
+    return trained, frozen
+
+
+def drop_served_adapter(rollout_worker) -> None:
+    """Remove the served adapter from the engine's vLLM workers, as if it had never arrived."""
+    adapter_id = rollout_worker.adapter.request.lora_int_id
+    rollout_worker.llm.collective_rpc(_remove_adapter, args=(adapter_id,))
+
+
+def _remove_adapter(vllm_worker, adapter_id: int) -> None:
+    vllm_worker.model_runner.lora_manager.remove_adapter(adapter_id)

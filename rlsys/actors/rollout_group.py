@@ -13,6 +13,7 @@ from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.agents.loop import AgentLoop
 from rlsys.agents.trajectory import Sampling, Trajectory
 from rlsys.config.schema import RolloutConfig, ToolsConfig
+from rlsys.rollout.adapters import AdapterSpec
 
 ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 """Transparent huge pages for torch's CPU allocations of 2 MiB and more in the engines: a
@@ -23,11 +24,13 @@ pages fault in faster than 4 KiB ones. No effect on GPU memory."""
 class RolloutGroup(ActorGroup):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
-                 tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None):
+                 tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
+                 adapter: AdapterSpec | None = None):
         """colocated: engine i sits in bundle i of the training group's placement group and takes
         no extra CPUs (generation and training alternate); separate: a placement group of its own.
         `loops`: the agent loops the engines run, by name; `tool_client` (`ToolPool.client()`) the
-        tool workers their loops call."""
+        tool workers their loops call; `adapter`: the engines serve the policy's LoRA adapter over the
+        base model, which they load once and keep (no memory release)."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
         self.own_placement = None
@@ -43,12 +46,12 @@ class RolloutGroup(ActorGroup):
             wait_placed(placement, f"rollout engines ({cfg.num_engines} x {bundle})")
             num_cpus, num_gpus, bundles = cfg.cpus_per_engine, gpus, cfg.num_engines
             threads = max(1, int(cfg.cpus_per_engine))
-        self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update
+        self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
         actor_cls = ray.remote(RolloutWorker)
         try:
             self.actors = [
                 spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory, loops,
-                      tools, tool_client, tool_schemas, env=ENGINE_ENV, num_cpus=num_cpus, num_gpus=num_gpus,
+                      tools, tool_client, tool_schemas, adapter, env=ENGINE_ENV, num_cpus=num_cpus, num_gpus=num_gpus,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(
                           placement, placement_group_bundle_index=i % bundles))
                 for i in range(cfg.num_engines)
@@ -79,10 +82,12 @@ class RolloutGroup(ActorGroup):
         return Sampling(cfg.temperature if temperature is None else temperature, cfg.top_p, turn,
                         max(cfg.response_budget, turn), tuple(cfg.stop))
 
-    def release_memory(self) -> None:
-        """The trainer's turn: colocated engines free their weights (and KV cache, on GPU)."""
+    def release_memory(self) -> int | None:
+        """The trainer's turn: colocated engines free their weights (and KV cache, on GPU); the
+        bytes freed (None when the engines keep their memory)."""
         if self.releases_memory:
-            self.run_all("release_memory")
+            return sum(self.run_all("release_memory"))
+        return None
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -21,6 +21,7 @@ from rlsys.config.schema import RolloutConfig, ToolsConfig
 from rlsys.console import redirect_actor_output
 from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory, releases_freed_memory
 from rlsys.models.moe import moe_family
+from rlsys.rollout.adapters import AdapterSpec, ServedAdapter
 from rlsys.rollout.cpu_experts import cpu_packed_experts, repack_written
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.request_engine import RequestEngine
@@ -68,8 +69,10 @@ def _release_staging(worker) -> None:
 class RolloutWorker:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int,
                  releases_memory: bool = False, loops: dict[str, type[AgentLoop]] | None = None,
-                 tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None):
-        """`loops`: the agent loop classes this engine runs, by the name `rollout` asks for."""
+                 tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
+                 adapter: AdapterSpec | None = None):
+        """`loops`: the agent loop classes this engine runs, by the name `rollout` asks for; `adapter`:
+        generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once."""
         redirect_actor_output()
         torch.set_num_threads(num_threads)
         on_gpu = torch.cuda.is_available()
@@ -78,9 +81,11 @@ class RolloutWorker:
                                   cpu_thread_binding(num_threads, cfg.tensor_parallel_size))
             keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
-        self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu)
+        self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu,
+                              lora_rank=adapter.rank if adapter else 0)
         self.memory = EngineMemory(self.llm, on_gpu)
         self.engine = RequestEngine(self.llm)
+        self.adapter = ServedAdapter(self.llm, adapter) if adapter else None
         self.tokenizer = self.llm.get_tokenizer()
         context = AgentContext(self.engine, self.tokenizer, tool_client, tool_schemas or [], tools or ToolsConfig())
         self.loops = {name: cls(context) for name, cls in (loops or {}).items()}
@@ -92,6 +97,8 @@ class RolloutWorker:
         a resumed run samples the same responses (and a single-turn loop what `LLM.generate` with n
         samples per prompt samples)."""
         self.memory.ready_to_generate()
+        if self.adapter is not None:
+            self.adapter.check()
         agent = self.loops[loop]
         requests = [RolloutRequest(index, ids, j, seed * 1_000_003 + index + j, tools_kwargs)
                     for index, ids, tools_kwargs in prompts for j in range(n)]
@@ -136,6 +143,12 @@ class RolloutWorker:
         if last:
             self.memory.confirm_rewritten()
             self.engine.weights_changed(version)
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], version: int = 0) -> None:
+        """Generate from now on with the LoRA adapter `tensors` (peft names), labelled `version`."""
+        self.adapter.load(tensors, version)
+        self.engine.lora_request = self.adapter.request
+        self.engine.weights_changed(version)
 
     def shutdown(self) -> None:
         """Stop vLLM's engine: with tensor-parallel workers its executor unlinks their

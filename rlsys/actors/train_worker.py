@@ -18,7 +18,7 @@ import transformers
 
 from rlsys.algorithms.lm_loss import token_logprobs
 from rlsys.algorithms.value_loss import token_values
-from rlsys.config.schema import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
+from rlsys.config.schema import CriticConfig, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
@@ -40,7 +40,8 @@ class TrainWorkerSpec:
     num_threads: int
     use_gpu: bool
     with_reference: bool = False
-    """Also hold a frozen copy of the initial policy (for a KL penalty)."""
+    """Also hold a frozen copy of the initial policy (for a KL penalty); a LoRA policy is its own
+    reference, with its adapters off."""
     critic: CriticConfig | None = None
     """Also hold a critic (PPO with GAE)."""
     collective_timeout_s: float = 600.0
@@ -58,10 +59,12 @@ class TrainWorkerSpec:
                           micro_batch_tokens=self.micro_batch_tokens)
 
     def critic_engine_spec(self) -> EngineSpec:
-        """The policy's layout with the critic's optimizer; no loss parallel (a value is one number)."""
+        """The policy's layout with the critic's optimizer; no loss parallel (a value is one number); every
+        weight trained (no LoRA)."""
         policy = self.engine_spec()
         parallel = replace(self.parallel, loss_parallel=False)
-        return replace(policy, optim=self.critic.optim, parallel=parallel, value_head=True)
+        model = replace(self.model, lora=LoraConfig())
+        return replace(policy, model=model, optim=self.critic.optim, parallel=parallel, value_head=True)
 
 
 def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_reference: bool = False,
@@ -110,8 +113,9 @@ class TrainWorker:
         mesh = spec.dims.build_mesh(self.device.type)
         torch.manual_seed(spec.seed)
         self.policy = ModelEngine(spec.engine_spec(), mesh, self.device)
+        copy_reference = spec.with_reference and not spec.model.lora.rank
         self.reference = ModelEngine(spec.engine_spec(), mesh, self.device, trainable=False) \
-            if spec.with_reference else None
+            if copy_reference else None
         self.critic = ModelEngine(spec.critic_engine_spec(), mesh, self.device) if spec.critic else None
         self.where = spec.dims.coordinates(self.rank)
         return self.where.dp_rank, self.where.collected
@@ -129,8 +133,12 @@ class TrainWorker:
     def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor | None:
         """Per-token log-probs [B, T] at the sampling temperature, aligned with input_ids
         (column 0 is 0), without grad (None on a pipeline stage before the last)."""
-        engine = self.reference if reference else self.policy
-        _, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
+        if reference and self.reference is None:  # LoRA: the base model is the reference
+            with self.policy.adapters_off():
+                _, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True)
+        else:
+            engine = self.reference if reference else self.policy
+            _, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
         return rows.get("logprobs")
 
     @releases_freed_memory
@@ -155,6 +163,11 @@ class TrainWorker:
         holds only replicas of them)."""
         shards = self.policy.local_shards(names)
         return pack(shards) if shards else None
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The policy's LoRA adapters, full (a collective): from rank 0, None from the others."""
+        tensors = self.policy.adapter_tensors()
+        return tensors if self.rank == 0 else None
 
     def share_shards(self, names: list[str]) -> list[Shared]:
         """Handles to this rank's shards of `names` (moved into shared memory on CPU) for engines on

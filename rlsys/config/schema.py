@@ -15,6 +15,20 @@ STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 @dataclass(config=STRICT)
+class LoraConfig:
+    rank: int = Field(default=0, ge=0)
+    """LoRA rank of every adapter (peft); 0 trains every weight instead. With adapters the base model is frozen,
+    the optimizer holds the adapters only, and the reference policy is the base model (adapters off)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Adapter scaling numerator: each adapter adds alpha / rank * B @ A to its layer."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on each adapter's input while training."""
+    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get an adapter, by last name (q_proj, ...); all-linear: every linear layer but the
+    LM head."""
+
+
+@dataclass(config=STRICT)
 class ModelConfig:
     path: str = ""
     """Local Hugging Face causal-LM directory (config.json, safetensors, tokenizer files)."""
@@ -24,6 +38,8 @@ class ModelConfig:
     """MoE models: weight of the routers' load-balancing loss in every training loss (per layer, over
     all data-parallel ranks' tokens, averaged over layers); unset takes the model config's
     `router_aux_loss_coef`, 0 turns it off."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters (rank 0: none)."""
 
 
 @dataclass(config=STRICT)
@@ -250,6 +266,9 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """The engine's weights and compute: auto is bfloat16 on GPU (as the trainer's mixed precision computes),
+    float32 on CPU."""
     max_new_tokens: int = Field(default=16, gt=0)
     """Generation budget per model turn (per response with the single_turn loop)."""
     max_response_tokens: int | None = Field(default=None, gt=0)

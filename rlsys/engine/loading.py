@@ -22,6 +22,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsys.config.schema import ModelConfig, ParallelConfig
+from rlsys.models import lora
 from rlsys.models.moe import FUSED, MoEFamily, moe_family
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import parallelize
@@ -43,6 +44,8 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
             model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
             if value_head:
                 model.lm_head = nn.Linear(config.hidden_size, 1, bias=False, dtype=DTYPES[model_cfg.dtype])
+            if model_cfg.lora.rank:
+                lora.inject(model, model_cfg.lora)
             return model
 
     if dims.pp > 1:
@@ -52,7 +55,9 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
     for part in parts:
         parallelize(part, dims, mesh, parallel, param_dtype, value_head)
         _materialize(part, device)
-        _load_weights(part, model_cfg.path, new={"lm_head.weight"} if value_head else set())
+        adapters = {name for name, _ in part.named_parameters() if lora.is_adapter(name)}
+        _load_weights(part, model_cfg.path, new=adapters | ({"lm_head.weight"} if value_head else set()))
+        _init_adapters(part, adapters)
         if value_head and _has_lm_head(part):
             with torch.no_grad():
                 part.lm_head.weight.zero_()
@@ -94,7 +99,8 @@ def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
     state = {name: tensor for name, tensor in get_model_state_dict(model).items() if name not in new}
     experts = {name for name in state if FUSED.match(name)} if family else set()
     files = _stored_files(path)
-    disk = {name: family.disk_name(name) if family else name for name in state if name not in experts}
+    disk = {name: family.disk_name(lora.base_name(name)) if family else lora.base_name(name)
+            for name in state if name not in experts}
     missing = [name for name in disk if disk[name] not in files and not _tied(model, name)]
     missing += [name for name in experts if family.expert_names(name, 0)[0] not in files]
     if missing:
@@ -121,14 +127,29 @@ def _load_experts(model: nn.Module, path: str, family: MoEFamily, names: set[str
 
         for name in names:
             param = params[name]
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if isinstance(param, DTensor):
-                _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            else:
-                offset = (0,) * param.dim()
+            local, offset = _local_and_offset(param)
             if local.numel():
                 region = family.read_region(name, tuple(param.shape), tuple(offset), tuple(local.shape), read)
                 local.copy_(region)
+
+
+@torch.no_grad()
+def _init_adapters(model: nn.Module, names: set[str]) -> None:
+    """Each LoRA adapter's first values (`lora.initial_adapter`), this rank's region of them."""
+    for name, param in model.named_parameters():
+        if name in names:
+            full = lora.initial_adapter(name, tuple(param.shape))
+            local, offset = _local_and_offset(param)
+            region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+            local.copy_(full[region])
+
+
+def _local_and_offset(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's part of `param` and where it starts in the full tensor."""
+    if not isinstance(param, DTensor):
+        return param, (0,) * param.dim()
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(offset)
 
 
 def _stored_files(path: str) -> dict[str, str]:

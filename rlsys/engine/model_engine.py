@@ -48,6 +48,7 @@ from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.loading import load_parallel_model
+from rlsys.models import lora
 from rlsys.models.moe import moe_family
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
@@ -119,8 +120,9 @@ class ModelEngine:
 
     def _build_optimizers(self) -> None:
         optim = self.spec.optim
-        for part in self.parts:
-            optimizer = torch.optim.AdamW(part.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        for part in self.parts:  # with LoRA adapters, the adapters only
+            trained = [param for param in part.parameters() if param.requires_grad]
+            optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                           weight_decay=optim.weight_decay, fused=True)
             self.optimizers.append(optimizer)
             self.schedulers.append(torch.optim.lr_scheduler.LambdaLR(
@@ -148,10 +150,26 @@ class ModelEngine:
     def trainable(self) -> bool:
         return bool(self.optimizers)
 
+    @property
+    def lora(self) -> bool:
+        return self.spec.model.lora.rank > 0
+
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under their HF names (stages never share a name)."""
+        """This rank's parameters under their HF names (stages never share a name); with LoRA, the
+        names of the wrapped model (`rlsys.models.lora`)."""
         for part in self.parts:
             yield from part.named_parameters()
+
+    @contextlib.contextmanager
+    def adapters_off(self):
+        """Compute with the base model: a LoRA policy's reference, with no copy of the model."""
+        for part in self.parts:
+            lora.adapters_enabled(part, False)
+        try:
+            yield
+        finally:
+            for part in self.parts:
+                lora.adapters_enabled(part, True)
 
     # -- compute --------------------------------------------------------------
 
@@ -353,7 +371,7 @@ class ModelEngine:
         return dict(zip(sums, stacked.tolist()))
 
     def optimizer_step(self) -> dict[str, float]:
-        params = [p for _, p in self.named_parameters()]
+        params = [p for _, p in self.named_parameters() if p.requires_grad]
         grad_norm = clip_grad_norm(params, self.spec.optim.max_grad_norm, self.pp_group)
         lr = self.schedulers[0].get_last_lr()[0]
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
@@ -430,6 +448,8 @@ class ModelEngine:
         model, optim = {}, {}
         for part in self.parts:
             model.update(get_model_state_dict(part))
+        if self.lora:  # the frozen base is the model on disk
+            model = {name: tensor for name, tensor in model.items() if lora.is_adapter(name)}
         for part, optimizer in zip(self.parts, self.optimizers):
             optim.update(get_optimizer_state_dict(part, optimizer, options=flat))
         return {"model": model, "optim": optim}
@@ -461,19 +481,39 @@ class ModelEngine:
         pp = self.spec.dims.pp
         shard_name = "model.safetensors" if pp == 1 else f"model-{self.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
         family = moe_family(self.parts[0].config)
-        tensors = {}
-        for name, tensor in self.full_tensors(list(self.parameter_nbytes())):
+        tensors, adapters = {}, {}
+        named = self.full_tensors(list(self.parameter_nbytes()))
+        if self.lora:
+            named = lora.merged(self._keep_adapters(named, adapters), self.spec.model.lora)
+        for name, tensor in named:
             if writes_stage:  # an MoE model's experts under their names on disk, one tensor each
                 for disk_name, disk_tensor in family.to_disk(name, tensor) if family else [(name, tensor)]:
                     split = disk_tensor.numel() < tensor.numel()  # a view: safetensors stores no shared memory
                     tensors[disk_name] = disk_tensor.cpu().clone() if split else disk_tensor.cpu().contiguous()
         if writes_stage:
             save_file(tensors, os.path.join(out_dir, shard_name), metadata={"format": "pt"})
-        del tensors
+            if adapters:  # the peft adapter, beside the model it is merged into
+                lora.write_adapter(os.path.join(out_dir, "adapter"), adapters, self.spec.model.lora,
+                                   self.spec.model.path)
+        del tensors, adapters
         dist.barrier()
         if writes_config:
             self._write_hf_metadata(out_dir)
         dist.barrier()
+
+    @staticmethod
+    def _keep_adapters(named: Iterator[tuple[str, torch.Tensor]], adapters: dict[str, torch.Tensor]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named`, passed on, with a CPU copy of each adapter weight put into `adapters`."""
+        for name, tensor in named:
+            if lora.is_adapter(name):
+                adapters[name] = tensor.cpu().clone()
+            yield name, tensor
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """Every LoRA adapter weight of this rank's parts, full, on CPU (a collective, as `full_tensors`)."""
+        names = [name for name, _ in self.named_parameters() if lora.is_adapter(name)]
+        return {name: tensor.cpu().clone() for name, tensor in self.full_tensors(names)}
 
     def _write_hf_metadata(self, out_dir: str) -> None:
         src = self.spec.model.path

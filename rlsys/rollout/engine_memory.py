@@ -37,15 +37,17 @@ class EngineMemory:
 
     def release(self) -> int:
         """Free whatever of `freed_tags` is still held (an engine that got no prompts this step
-        still holds its weights, not its KV cache). Bytes freed on CPU; vLLM logs them on GPU."""
+        still holds its weights, not its KV cache); the bytes freed (on GPU: the device's free
+        memory gained)."""
         held = [tag for tag in self.freed_tags if tag not in self.released]
         if not held:
             return 0
-        freed = 0
         if self.on_gpu:
             if self.released:  # vLLM puts only a fully awake engine to sleep
                 self.llm.wake_up(tags=sorted(self.released))
+            free_before = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=2)
+            freed = torch.cuda.mem_get_info()[0] - free_before
         else:
             freed = sum(self.llm.collective_rpc(_shrink_storages, args=(held,)))
         self.released = set(self.freed_tags)

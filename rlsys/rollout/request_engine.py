@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from rlsys.rollout.vllm_compat import TokenVersions
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -53,7 +55,9 @@ class RequestEngine:
         self.step_s = 0.0
         """Seconds spent in engine steps, all told (the rest of a rollout is its loops and tools)."""
         self.version = 0
-        llm.llm_engine.set_weight_version("0")
+        self._versions = TokenVersions(llm.llm_engine)
+        self.lora_request = None
+        """The LoRA adapter every request is generated with (`rlsys.rollout.adapters`), or None."""
 
     async def generate(self, prompt_ids: list[int], params) -> Completion:
         """Sample one completion of `prompt_ids` with vLLM `SamplingParams` (n=1, flat log-probs
@@ -72,7 +76,7 @@ class RequestEngine:
         """New weights are in place: label what is sampled from now on `version`, and have the
         requests in flight recompute their KV cache, computed under the old weights."""
         self.version = version
-        self.llm.llm_engine.set_weight_version(str(version))
+        self._versions.changed(version)
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=bool(self._running))
 
     async def _serve(self) -> None:
@@ -87,7 +91,9 @@ class RequestEngine:
                 for output in outputs:
                     if output.finished:
                         for future, sampled in zip(self._running.pop(output.request_id), output.outputs):
-                            future.set_result(_completion(sampled))
+                            future.set_result(_completion(sampled, self._versions.finished(output.request_id,
+                                                                                           sampled)))
+                        self._versions.done(output.request_id)
         except BaseException as err:  # the engine failed: every waiting coroutine gets the error
             for future in [*(f for futures in self._running.values() for f in futures),
                            *(f for _, _, f in self._submitted)]:
@@ -110,8 +116,10 @@ class RequestEngine:
             request_id = f"rlsys-{next(self._ids)}"
             params = msgspec.structs.replace(params, n=len(futures))
             params.output_kind = RequestOutputKind.FINAL_ONLY  # the finished request only, as LLM.generate asks
-            self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
+            self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                            lora_request=self.lora_request)
             self._running[request_id] = futures
+            self._versions.added(request_id, self.version)
 
 
 def _runs(submitted: list[tuple[list[int], object, asyncio.Future]]) -> list[tuple[list[int], object, list]]:
@@ -133,8 +141,6 @@ def _continues(run: tuple[list[int], object, list], prompt_ids: list[int], param
         == run_params
 
 
-def _completion(sampled) -> Completion:
+def _completion(sampled, versions: list[int]) -> Completion:
     logprobs = list(sampled.logprobs.logprobs) if sampled.logprobs is not None else []
-    versions = [int(span.version) for span in sampled.weight_versions or () for _ in range(span.start, span.end)]
-    return Completion(list(sampled.token_ids), logprobs, sampled.finish_reason or "",
-                      versions if len(versions) == len(sampled.token_ids) else [0] * len(sampled.token_ids))
+    return Completion(list(sampled.token_ids), logprobs, sampled.finish_reason or "", versions)

@@ -12,7 +12,12 @@ if TYPE_CHECKING:
     from rlsys.config.schema import RolloutConfig
 
 
-def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool = False):
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks a vLLM engine can be built for (`max_lora_rank`)."""
+
+
+def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool = False, lora_rank: int = 0):
+    """`lora_rank`: serve LoRA adapters up to this rank (0: none)."""
     # In-process engine core: starts in seconds and lives inside a Ray actor.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -21,7 +26,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
     on_gpu = torch.cuda.is_available()
     return LLM(
         model=model_path,
-        dtype="bfloat16" if on_gpu else "float32",
+        dtype=cfg.dtype if cfg.dtype != "auto" else "bfloat16" if on_gpu else "float32",
         enforce_eager=not on_gpu,
         kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
         block_size=cfg.block_size,
@@ -37,6 +42,8 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         # log-probs of the distribution sampled from (after temperature), which the trainer reproduces
         logprobs_mode="processed_logprobs",
         seed=seed,
+        **({"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= lora_rank)}
+           if lora_rank else {}),
     )
 
 

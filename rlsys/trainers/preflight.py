@@ -31,7 +31,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 
 def check_train_job(cfg: TrainJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
-    dims = check_layout(cfg.parallel, check_model_dir(cfg.model, "model.path"))
+    model_config = check_model_dir(cfg.model, "model.path")
+    dims = check_layout(cfg.parallel, model_config)
+    check_lora(cfg.model, cfg.parallel, model_config)
     _check_files(cfg.data.train_files, "data.train_files")
     train, dp = cfg.train, dims.dp_size
     if train.micro_batch_tokens is not None:
@@ -54,6 +56,9 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
     dims = check_layout(cfg.parallel, model_config)
+    check_lora(cfg.model, cfg.parallel, model_config)
+    if cfg.model.lora.rank and cfg.train.async_mode != "off":
+        raise ConfigError("train.async_mode: LoRA adapters (model.lora.rank) sync with async_mode: off only")
     _check_files(cfg.data.train_files, "data.train_files")
     _check_heads_split(model_config, cfg.rollout.tensor_parallel_size, "rollout.tensor_parallel_size")
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
@@ -176,6 +181,29 @@ def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     return dims
+
+
+def check_lora(model: ModelConfig, parallel: ParallelConfig, model_config) -> None:
+    """LoRA trains on data- and context-parallel layouts of dense models, on target modules the
+    model has."""
+    if not model.lora.rank:
+        return
+    for degree in ("tp", "pp", "ep"):
+        if getattr(parallel, degree) > 1:
+            raise ConfigError(f"parallel.{degree}: LoRA adapters (model.lora.rank) train on dp_shard, dp_replicate "
+                              f"and cp layouts; not with parallel.{degree} > 1 yet")
+    if moe_family(model_config):
+        raise ConfigError(f"model.lora.rank: LoRA on MoE models ({model_config.model_type}) is not built yet")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlsys.models.lora import inject
+
+    with torch.device("meta"):
+        try:
+            inject(AutoModelForCausalLM.from_config(model_config), model.lora)
+        except ValueError as err:
+            raise ConfigError(f"model.lora.target_modules: {first_line(err)}") from None
 
 
 def _check_block_size(block_size: int | None, on_gpu: bool) -> None:

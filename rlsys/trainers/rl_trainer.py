@@ -43,6 +43,8 @@ from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.runner import RewardRunner, ScoredSample, reward_inputs
+from rlsys.rollout.adapters import AdapterSpec
+from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync
 from rlsys.tracking.tracker import Tracker
 from rlsys.trainers.agent_setup import AgentSetup, agent_setup
@@ -121,9 +123,9 @@ class RLVRTrainer:
                                         gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share(),
                                         loops=self.agents.loops, tools=cfg.tools,
                                         tool_client=self.tools.client() if self.tools else None,
-                                        tool_schemas=self.agents.schemas)
-            self.sync = WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb,
-                                   cfg.rollout.sync_shared_memory)
+                                        tool_schemas=self.agents.schemas, adapter=_adapter_spec(cfg))
+            self.sync = AdapterSync(self.train, self.rollout) if cfg.model.lora.rank else \
+                WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout, self.prompts, self.sampler, cfg.train.async_mode,
                                             cfg.train.max_staleness, cfg.rollout.agent_loop, cfg.rollout.n,
@@ -200,7 +202,7 @@ class RLVRTrainer:
                 (mixed if kept else uniform).append(group)
             if len(mixed) >= wanted:
                 break
-        self.rollout.release_memory()
+        freed = self.rollout.release_memory()
         if len(mixed) < wanted:
             log.warning("step %d: %d of %d prompt groups have mixed rewards after %d draws; filling with "
                         "equal-reward groups", step, len(mixed), wanted, draw + 1)
@@ -209,6 +211,8 @@ class RLVRTrainer:
         scored = [s for group in groups for s in group[1]]
         rewards = torch.cat([group[2] for group in groups])
         metrics = {**self.rewards.metrics(scored), "reward/errors": errors}
+        if freed is not None:
+            metrics["rollout/freed_gib"] = freed / 2**30
         if algo.filter_groups:
             metrics.update({"dapo/draws": draw + 1, "dapo/mixed_groups": min(len(mixed), wanted) / wanted})
         if cfg.reward.overlong_buffer_len:
@@ -312,8 +316,8 @@ class RLVRTrainer:
         resume = self.cfg.train.resume or force
         step = restore_training_state(self.checkpoints, self.train, self.stream or self.sampler,
                                       {"kl_ctrl": self.kl_ctrl}) if resume else 0
-        if step:
-            self.sync.run(version=step)  # the engines start from model.path; give them the resumed policy
+        if step or self.cfg.model.lora.rank:  # the engines start from model.path, without adapters
+            self.sync.run(version=step)
         return step
 
     def shutdown(self) -> None:
@@ -407,6 +411,11 @@ def _agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "agent/tool_s_mean": sum(t.tool_seconds for t in trajectories) / count,
         "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in trajectories) / max(1, response),
     }
+
+
+def _adapter_spec(cfg: RLJobConfig) -> AdapterSpec | None:
+    lora = cfg.model.lora
+    return AdapterSpec(lora.rank, lora.alpha, list(lora.target_modules)) if lora.rank else None
 
 
 def _logprob_gap(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:

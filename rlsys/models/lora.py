@@ -1,0 +1,111 @@
+"""LoRA adapters (peft) on a causal LM: where they go, their names, their first values,
+and the two ways out of training (a peft adapter, merged weights).
+
+peft wraps each target linear layer: the layer's weight moves to `<module>.base_layer.weight`
+and the adapter adds `<module>.lora_A.default.weight` [rank, in] and `lora_B.default.weight`
+[out, rank], computing base(x) + scaling * B(A(dropout(x))) with scaling = alpha / rank. The
+adapters go in on the meta device, before the model is parallelized: FSDP2 must see them as
+parameters of its units, or their gradients are never reduced (shared/notes: silently wrong).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from rlsys.config.schema import LoraConfig
+
+ADAPTER = re.compile(r"\.lora_[AB]\.default\.weight$")
+_BASE = ".base_layer."
+
+
+def inject(model: nn.Module, cfg: LoraConfig) -> None:
+    """Wrap `model`'s target linear layers with adapters and freeze everything else."""
+    import peft
+
+    targets = cfg.target_modules if cfg.target_modules != ["all-linear"] else "all-linear"
+    peft.inject_adapter_in_model(peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                                 target_modules=targets, bias="none"), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def is_adapter(name: str) -> bool:
+    return ADAPTER.search(name) is not None
+
+
+def base_name(name: str) -> str:
+    """The Hugging Face name of a wrapped model's parameter (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
+    return name.replace(_BASE, ".")
+
+
+def initial_adapter(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """peft's first values, drawn the same on every rank and in every layout: lora_A uniform as
+    `kaiming_uniform_(a=sqrt(5))` draws it, from a generator seeded by the name; lora_B zero."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little"))
+    bound = 1 / math.sqrt(shape[1])  # gain sqrt(2 / (1 + 5)) * sqrt(3 / fan_in)
+    return torch.rand(shape, generator=generator) * 2 * bound - bound
+
+
+def peft_name(name: str) -> str:
+    """The name peft's `save_pretrained` writes for an adapter weight (vLLM reads the same)."""
+    return "base_model.model." + name.replace(".default.weight", ".weight")
+
+
+def merged(named: Iterable[tuple[str, torch.Tensor]], cfg: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) with each adapter folded into its layer, W + alpha / rank * B @ A,
+    from the wrapped model's (name, full tensor) pairs; a layer's weight waits for its two adapters."""
+    scaling = cfg.alpha / cfg.rank
+    weights: dict[str, torch.Tensor] = {}
+    adapters: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        if is_adapter(name) or (_BASE in name and name.endswith(".weight")):
+            module, part = re.match(r"(.*)\.(base_layer|lora_A|lora_B)\.", name).groups()
+            if part == "base_layer":
+                weights[module] = tensor
+            else:
+                adapters.setdefault(module, {})[part] = tensor
+            if module in weights and len(adapters.get(module, {})) == 2:
+                pair, weight = adapters.pop(module), weights.pop(module)
+                delta = scaling * pair["lora_B"].float() @ pair["lora_A"].float()
+                yield f"{module}.weight", weight + delta.to(weight.dtype)
+        else:
+            yield base_name(name), tensor
+
+
+def adapter_config(cfg: LoraConfig, base_model: str, modules: list[str]) -> dict:
+    """The adapter_config.json of a peft LoRA adapter over `modules` (their last names)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": cfg.rank,
+            "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": sorted(modules), "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None}
+
+
+def write_adapter(out_dir: str, tensors: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str) -> None:
+    """A peft adapter directory (adapter_model.safetensors, adapter_config.json) of the adapter
+    weights `tensors` (names as in the wrapped model)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({peft_name(n): t.contiguous() for n, t in tensors.items()},
+              os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config(cfg, base_model, sorted(modules)), f, indent=2)
+
+
+def adapters_enabled(model: nn.Module, enabled: bool) -> None:
+    """Turn every adapter of `model` on or off (off: the base model, e.g. the reference policy)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module._disable_adapters = not enabled

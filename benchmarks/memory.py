@@ -1,9 +1,11 @@
 """Per-rank memory of a training layout: bytes of parameters, gradients and optimizer
 state each rank holds, and the peak memory of loading the model and of one training
-step, for a random-init Qwen2-shaped model, or with --experts a Qwen3-MoE one.
+step, for a random-init Qwen2-shaped model, or with --experts a Qwen3-MoE one; with
+--lora-rank, LoRA adapters on every linear layer, the base frozen.
 
     .venv/bin/python benchmarks/memory.py --layout dp_shard=2 --layout tp=2 --layout dp_shard=2,tp=2
     .venv/bin/python benchmarks/memory.py --experts 8 --layout dp_shard=2 --layout dp_shard=2,ep=2
+    .venv/bin/python benchmarks/memory.py --lora-rank 16 --layout dp_shard=1 --hidden 896 ...   # beside rank 0
 
 With --experts, each layout's step time is also measured, side by side, for the dense model of
 the same active parameters per token (an MLP as wide as the top-k experts together; ep dropped).
@@ -31,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlsys.algorithms.lm_loss import nll_loss
-from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from rlsys.config.schema import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from rlsys.engine.model_engine import EngineSpec, ModelEngine, local_tensor
 from rlsys.host_memory import release_freed_memory
 from rlsys.parallel.dims import ParallelDims
@@ -107,15 +109,15 @@ class CudaPeak:
 
 
 def run_rank(rank: int, layout: dict, model_dir: str, port: int, args, results) -> None:
-    torch.set_num_threads(1)
     parallel = ParallelConfig(**layout)
     dims = ParallelDims.of(parallel)
+    torch.set_num_threads(max(1, os.cpu_count() // dims.world_size))
     on_gpu = args.device == "cuda"
     if on_gpu:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=dims.world_size)
-    spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel,
+    spec = EngineSpec(ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank)), OptimConfig(), dims, parallel,
                       micro_batch_size=args.micro_batch or args.rows, total_steps=10, param_dtype=None)
     Peak = CudaPeak if on_gpu else PeakSampler
     baseline = Peak.rss()
@@ -129,7 +131,7 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args, results) 
         started = time.perf_counter()
         with Peak() as step:
             engine.forward_backward(shard, loss_fn)
-            grads = local_bytes(p.grad for _, p in engine.named_parameters())
+            grads = local_bytes(p.grad for _, p in engine.named_parameters() if p.grad is not None)
             engine.optimizer_step()
             release_freed_memory()
         step_s = time.perf_counter() - started
@@ -179,6 +181,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="training steps; the last one is measured")
     parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE model with this many experts a layer")
     parser.add_argument("--top-k", type=int, default=2, help="with --experts: experts per token")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: train every weight)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU per rank, nccl")
     parser.add_argument("--mmap-threshold-kb", type=int, default=0,
@@ -195,6 +198,7 @@ def main() -> None:
         total = count * 4
         kind = f"Qwen3-MoE, {args.experts} experts of width {intermediate}, top-{args.top_k}" if args.experts \
             else "Qwen2"
+        kind += f", LoRA rank {args.lora_rank} on every linear layer" if args.lora_rank else ""
         print(f"model: {kind}, {count / 1e6:.1f} M parameters, {total / GIB:.3f} GiB in fp32; "
               f"batch {args.rows} x {args.seq_len} tokens per data-parallel rank, step {args.steps} measured\n")
         print("| layout | rank | params MiB | grads MiB | optimizer MiB | ideal MiB | vs ideal | load peak MiB "

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/sync.py --model runs/arith/sft/hf_model parallel.tp=2 parallel.dp_shard=1
     .venv/bin/python benchmarks/sync.py --release          # the engine frees its weights first, as in the RL loop
     .venv/bin/python benchmarks/sync.py rollout.sync_shared_memory=false   # through Ray's object store
+    .venv/bin/python benchmarks/sync.py model.lora.rank=16                 # LoRA: the adapters alone
 
 Builds the training group (any layout, given as config overrides) and one colocated
 vLLM engine, runs the trainer -> engine sync `--repeats` times and prints its median
@@ -41,6 +42,8 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     from rlsys.actors.rollout_group import RolloutGroup
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
+    from rlsys.rollout.adapters import AdapterSpec
+    from rlsys.sync.adapter_sync import AdapterSync
     from rlsys.sync.weight_sync import WeightSync
 
     ensure_ray(cfg.ray)
@@ -48,8 +51,9 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     rollout = None
     try:
         rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, train.placement,
-                               cfg.ray.cpus_per_worker * train.dims.world_size)
-        sync = WeightSync(train, rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
+                               cfg.ray.cpus_per_worker * train.dims.world_size, adapter=AdapterSpec.of(cfg.model.lora))
+        sync = AdapterSync(train, rollout) if cfg.model.lora.rank else \
+            WeightSync(train, rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
         runs = []
         for _ in range(repeats + 1):
             if release:
@@ -88,6 +92,7 @@ def main() -> None:
     seconds, mb = statistics.median(times), last["sync/mb"]
     floor = memcpy_time(int(mb * 2**20))
     how = "read in place from shared memory" if last["sync/in_place"] else f"in {last['sync/buckets']:.0f} buckets"
+    how += f" (LoRA rank {cfg.model.lora.rank} adapters)" if cfg.model.lora.rank else ""
     print(f"\nweight sync of {mb:,.1f} MB {how} "
           f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> 1 engine"
           f"{', weights freed before each' if args.release else ''}), "

@@ -62,14 +62,15 @@ class RolloutGroup(ActorGroup):
             raise
 
     def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
-                seed: int) -> tuple[list[Trajectory], dict[str, float]]:
+                seed: int, version: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:
         """`n` trajectories of each (prompt_index, prompt_ids, tools_kwargs) by the agent loop `loop`,
         the prompts split across engines in contiguous shares; returns them in prompt order, with the
-        slowest engine's rollout and engine-step seconds."""
+        slowest engine's rollout and engine-step seconds. With `version`, every engine must hold the
+        weights (or adapter) of that version."""
         engines = len(self.actors)
         shares = [prompts[i * len(prompts) // engines:(i + 1) * len(prompts) // engines] for i in range(engines)]
         busy = [i for i in range(engines) if shares[i]]
-        refs = [self.submit(i, "rollout", shares[i], loop, n, sampling, seed) for i in busy]
+        refs = [self.submit(i, "rollout", shares[i], loop, n, sampling, seed, version) for i in busy]
         prompt_ids = {index: ids for index, ids, _ in prompts}
         results = self.wait(refs, busy)
         stats = {name: max(result.stats.get(name, 0.0) for result in results) for name in ("rollout_s", "engine_s")}

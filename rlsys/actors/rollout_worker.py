@@ -91,7 +91,7 @@ class RolloutWorker:
         self.loops = {name: cls(context) for name, cls in (loops or {}).items()}
 
     async def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
-                      seed: int) -> Trajectories:
+                      seed: int, version: int | None = None) -> Trajectories:
         """`n` trajectories of each (prompt_index, prompt_ids, tools_kwargs) by the agent loop `loop`.
         The seed of each request comes from `seed`, the prompt index and the sample, so the same step of
         a resumed run samples the same responses (and a single-turn loop what `LLM.generate` with n
@@ -99,6 +99,9 @@ class RolloutWorker:
         self.memory.ready_to_generate()
         if self.adapter is not None:
             self.adapter.check()
+        if version is not None and version != self.engine.version:
+            raise RuntimeError(f"rollout engine: it holds the policy of version {self.engine.version}, the trainer "
+                               f"synced version {version}: a sync did not reach it")
         agent = self.loops[loop]
         requests = [RolloutRequest(index, ids, j, seed * 1_000_003 + index + j, tools_kwargs)
                     for index, ids, tools_kwargs in prompts for j in range(n)]

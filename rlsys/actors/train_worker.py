@@ -156,12 +156,13 @@ class TrainWorker:
     # -- weights for the rollout engines ------------------------------------
 
     def parameter_nbytes(self) -> dict[str, int]:
-        return self.policy.parameter_nbytes()
+        """The weights the engines receive, by HF name (a LoRA policy's: merged)."""
+        return self.policy.merged_nbytes() if self.policy.lora else self.policy.parameter_nbytes()
 
     def sync_shards(self, names: list[str]) -> ShardBucket | None:
         """This rank's shards of `names`, for the engines to reassemble (None when it
         holds only replicas of them)."""
-        shards = self.policy.local_shards(names)
+        shards = self.policy.merged_shards(names) if self.policy.lora else self.policy.local_shards(names)
         return pack(shards) if shards else None
 
     def adapter_tensors(self) -> dict[str, torch.Tensor] | None:

@@ -26,6 +26,9 @@ class LoraConfig:
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
     """Linear layers that get an adapter, by last name (q_proj, ...); all-linear: every linear layer but the
     LM head."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """RL: what reaches the rollout engines after each step: the adapters alone (vLLM serves them over the base
+    it loaded once), or every weight with the adapters merged in (engines without LoRA support, async modes)."""
 
 
 @dataclass(config=STRICT)

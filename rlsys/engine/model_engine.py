@@ -423,6 +423,35 @@ class ModelEngine:
                 shards.append((name, local_tensor(param), tuple(param.shape), self.shard_offsets[name]))
         return shards
 
+    def merged_nbytes(self) -> dict[str, int]:
+        """`parameter_nbytes` of a LoRA model with its adapters merged: the base layers' HF names."""
+        return {lora.base_name(name): nbytes for name, nbytes in self.parameter_nbytes().items()
+                if not lora.is_adapter(name)}
+
+    @torch.no_grad()
+    def merged_shards(self, names: list[str]) -> list[tuple[str, torch.Tensor, tuple, tuple]]:
+        """`local_shards` of the merged weights `names` (HF names): this rank's rows of each adapted
+        layer's W + alpha / rank * B @ A, from its own rows of W and B (FSDP2 splits both along their
+        output rows alike) and the whole of A, gathered: a collective over the ranks of the stage."""
+        for part in self.fsdp_parts:
+            part.reshard()
+        params = dict(self.named_parameters())
+        wrapped = {lora.base_name(name): name for name in params if not lora.is_adapter(name)}
+        scaling = self.spec.model.lora.alpha / self.spec.model.lora.rank
+        shards = []
+        for name in names:
+            param = params[wrapped[name]]
+            shard = local_tensor(param)
+            if wrapped[name].endswith(".base_layer.weight"):
+                module = wrapped[name][: -len(".base_layer.weight")]
+                a = full_tensor(params[f"{module}.lora_A.default.weight"]).float()
+                b = local_tensor(params[f"{module}.lora_B.default.weight"]).float()
+                shard = shard + (scaling * b @ a).to(shard.dtype)
+            offset = _shard_offset(param)
+            if offset is not None:
+                shards.append((name, shard, tuple(param.shape), offset))
+        return shards
+
     def share_shards(self, names: list[str]) -> list[Shared]:
         """Handles to the `local_shards` of `names` for an engine on this machine to read in place
         on every sync: moved into shared memory on CPU, where they are on a GPU (`rlsys.sync.shards.share`)."""

@@ -20,6 +20,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,10 @@ class DecoderStage(nn.Module):
                                           position_ids=positions, use_cache=False, **moe)
         if not self.is_last:
             return hidden
-        return self.lm_head(self.model.norm(hidden))
+        logits = self.lm_head(self.model.norm(hidden))
+        # gathered from an uneven vocabulary split, logits are a view into a padded buffer; pipelining
+        # (torch 2.11) refuses outputs whose strides differ from those it inferred
+        return logits if isinstance(logits, DTensor) else logits.contiguous()
 
     def _attention_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
         """HF's own causal masks (None where its attention kernel is causal by itself), as long

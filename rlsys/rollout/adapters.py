@@ -14,12 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsys.config.schema import LoraConfig
+
 
 @dataclass(frozen=True)
 class AdapterSpec:
     rank: int
     alpha: float
     target_modules: list[str]
+
+    @classmethod
+    def of(cls, lora: LoraConfig) -> AdapterSpec | None:
+        """The adapters a job's engines serve (None without LoRA)."""
+        return cls(lora.rank, lora.alpha, list(lora.target_modules)) if lora.rank else None
 
 
 class ServedAdapter:

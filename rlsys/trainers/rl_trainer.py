@@ -123,9 +123,8 @@ class RLVRTrainer:
                                         gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share(),
                                         loops=self.agents.loops, tools=cfg.tools,
                                         tool_client=self.tools.client() if self.tools else None,
-                                        tool_schemas=self.agents.schemas, adapter=_adapter_spec(cfg))
-            self.sync = AdapterSync(self.train, self.rollout) if cfg.model.lora.rank else \
-                WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
+                                        tool_schemas=self.agents.schemas, adapter=self._served_adapter())
+            self.sync = self._weight_sync()
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout, self.prompts, self.sampler, cfg.train.async_mode,
                                             cfg.train.max_staleness, cfg.rollout.agent_loop, cfg.rollout.n,
@@ -133,6 +132,19 @@ class RLVRTrainer:
         except BaseException:
             self.shutdown()
             raise
+
+    def _served_adapter(self) -> AdapterSpec | None:
+        lora = self.cfg.model.lora
+        return AdapterSpec.of(lora) if lora.sync == "adapter" else None
+
+    def _weight_sync(self) -> AdapterSync | WeightSync:
+        """The adapters alone, or every weight (a LoRA policy's merged, through the object store:
+        merged weights are not the shards the ranks keep)."""
+        cfg = self.cfg
+        if cfg.model.lora.rank and cfg.model.lora.sync == "adapter":
+            return AdapterSync(self.train, self.rollout)
+        return WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb,
+                          cfg.rollout.sync_shared_memory and not cfg.model.lora.rank)
 
     # -- one step -------------------------------------------------------------
 
@@ -228,7 +240,8 @@ class RLVRTrainer:
         indices = self.sampler.next_indices()
         samples, engine_times = self.rollout.rollout(
             [(i, self.prompts[i].ids, self.prompts[i].tools_kwargs) for i in indices], cfg.rollout.agent_loop,
-            cfg.rollout.n, self.rollout.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007)
+            cfg.rollout.n, self.rollout.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007,
+            version=step - 1)  # the policy the last step synced
         timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]
         return samples
 
@@ -411,11 +424,6 @@ def _agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "agent/tool_s_mean": sum(t.tool_seconds for t in trajectories) / count,
         "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in trajectories) / max(1, response),
     }
-
-
-def _adapter_spec(cfg: RLJobConfig) -> AdapterSpec | None:
-    lora = cfg.model.lora
-    return AdapterSpec(lora.rank, lora.alpha, list(lora.target_modules)) if lora.rank else None
 
 
 def _logprob_gap(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:

@@ -100,7 +100,7 @@ def perturb_adapters(worker, scale: float, seed: int) -> None:
 
 def full_adapters(worker) -> dict[str, torch.Tensor]:
     """The policy's full adapter weights (gathers: run it on every rank)."""
-    return worker.policy.adapter_tensors()
+    return {name: _full(p).detach().cpu().clone() for name, p in worker.policy.named_parameters() if p.requires_grad}
 
 
 def adapter_gradients(worker) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Traj
 from rlsys.config.schema import RolloutConfig, ToolsConfig
 from rlsys.console import redirect_actor_output
 from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory, releases_freed_memory
+from rlsys.models.lora import peft_name
 from rlsys.models.moe import moe_family
 from rlsys.rollout.adapters import AdapterSpec, ServedAdapter
 from rlsys.rollout.cpu_experts import cpu_packed_experts, repack_written
@@ -28,7 +29,7 @@ from rlsys.rollout.request_engine import RequestEngine
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 from rlsys.sync.placement import WeightPlacer
-from rlsys.sync.shards import Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
+from rlsys.sync.shards import Assembler, Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
 
 
 def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
@@ -147,11 +148,14 @@ class RolloutWorker:
             self.memory.confirm_rewritten()
             self.engine.weights_changed(version)
 
-    def load_adapter(self, tensors: dict[str, torch.Tensor], version: int = 0) -> None:
-        """Generate from now on with the LoRA adapter `tensors` (peft names), labelled `version`."""
+    def load_adapter(self, *buckets: ShardBucket | None, version: int = 0) -> int:
+        """Generate from now on with the LoRA adapter the training ranks' `buckets` hold, labelled
+        `version`; returns its bytes."""
+        tensors = {peft_name(name): tensor for name, tensor in Assembler()(shard_pieces(list(buckets))).items()}
         self.adapter.load(tensors, version)
         self.engine.lora_request = self.adapter.request
         self.engine.weights_changed(version)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def shutdown(self) -> None:
         """Stop vLLM's engine: with tensor-parallel workers its executor unlinks their

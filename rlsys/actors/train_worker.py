@@ -165,10 +165,10 @@ class TrainWorker:
         shards = self.policy.merged_shards(names) if self.policy.lora else self.policy.local_shards(names)
         return pack(shards) if shards else None
 
-    def adapter_tensors(self) -> dict[str, torch.Tensor] | None:
-        """The policy's LoRA adapters, full (a collective): from rank 0, None from the others."""
-        tensors = self.policy.adapter_tensors()
-        return tensors if self.rank == 0 else None
+    def adapter_shards(self) -> ShardBucket | None:
+        """This rank's shards of the policy's LoRA adapters (None: it holds only replicas)."""
+        shards = self.policy.local_shards(self.policy.adapter_names())
+        return pack(shards) if shards else None
 
     def share_shards(self, names: list[str]) -> list[Shared]:
         """Handles to this rank's shards of `names` (moved into shared memory on CPU) for engines on

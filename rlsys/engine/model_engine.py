@@ -437,16 +437,15 @@ class ModelEngine:
             part.reshard()
         params = dict(self.named_parameters())
         wrapped = {lora.base_name(name): name for name in params if not lora.is_adapter(name)}
-        scaling = self.spec.model.lora.alpha / self.spec.model.lora.rank
         shards = []
         for name in names:
             param = params[wrapped[name]]
             shard = local_tensor(param)
-            if wrapped[name].endswith(".base_layer.weight"):
-                module = wrapped[name][: -len(".base_layer.weight")]
-                a = full_tensor(params[f"{module}.lora_A.default.weight"]).float()
-                b = local_tensor(params[f"{module}.lora_B.default.weight"]).float()
-                shard = shard + (scaling * b @ a).to(shard.dtype)
+            layer = lora.adapted_layer(wrapped[name])
+            if layer is not None:
+                a_name, b_name = lora.adapter_names(layer)
+                shard = lora.merge(shard, full_tensor(params[a_name]), local_tensor(params[b_name]),
+                                   self.spec.model.lora)
             offset = _shard_offset(param)
             if offset is not None:
                 shards.append((name, shard, tuple(param.shape), offset))
@@ -539,10 +538,9 @@ class ModelEngine:
                 adapters[name] = tensor.cpu().clone()
             yield name, tensor
 
-    def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """Every LoRA adapter weight of this rank's parts, full, on CPU (a collective, as `full_tensors`)."""
-        names = [name for name, _ in self.named_parameters() if lora.is_adapter(name)]
-        return {name: tensor.cpu().clone() for name, tensor in self.full_tensors(names)}
+    def adapter_names(self) -> list[str]:
+        """The names of this rank's LoRA adapter weights."""
+        return [name for name, _ in self.named_parameters() if lora.is_adapter(name)]
 
     def _write_hf_metadata(self, out_dir: str) -> None:
         src = self.spec.model.path

@@ -41,6 +41,21 @@ def is_adapter(name: str) -> bool:
     return ADAPTER.search(name) is not None
 
 
+def adapted_layer(name: str) -> str | None:
+    """The module whose adapted weight `name` is (`...q_proj.base_layer.weight` -> `...q_proj`), else None."""
+    return name[: -len(_BASE + "weight")] if name.endswith(_BASE + "weight") else None
+
+
+def adapter_names(layer: str) -> tuple[str, str]:
+    """The names of `layer`'s lora_A and lora_B weights."""
+    return f"{layer}.lora_A.default.weight", f"{layer}.lora_B.default.weight"
+
+
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LoraConfig) -> torch.Tensor:
+    """W + alpha / rank * B @ A in W's dtype (with some rows of W and the same rows of B: those rows)."""
+    return weight + (cfg.alpha / cfg.rank * b.float() @ a.float()).to(weight.dtype)
+
+
 def base_name(name: str) -> str:
     """The Hugging Face name of a wrapped model's parameter (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
     return name.replace(_BASE, ".")
@@ -64,22 +79,16 @@ def peft_name(name: str) -> str:
 def merged(named: Iterable[tuple[str, torch.Tensor]], cfg: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) with each adapter folded into its layer, W + alpha / rank * B @ A,
     from the wrapped model's (name, full tensor) pairs; a layer's weight waits for its two adapters."""
-    scaling = cfg.alpha / cfg.rank
-    weights: dict[str, torch.Tensor] = {}
-    adapters: dict[str, dict[str, torch.Tensor]] = {}
+    held: dict[str, torch.Tensor] = {}
     for name, tensor in named:
-        if is_adapter(name) or (_BASE in name and name.endswith(".weight")):
-            module, part = re.match(r"(.*)\.(base_layer|lora_A|lora_B)\.", name).groups()
-            if part == "base_layer":
-                weights[module] = tensor
-            else:
-                adapters.setdefault(module, {})[part] = tensor
-            if module in weights and len(adapters.get(module, {})) == 2:
-                pair, weight = adapters.pop(module), weights.pop(module)
-                delta = scaling * pair["lora_B"].float() @ pair["lora_A"].float()
-                yield f"{module}.weight", weight + delta.to(weight.dtype)
-        else:
+        layer = adapted_layer(name) or (name.split(".lora_")[0] if is_adapter(name) else None)
+        if layer is None:
             yield base_name(name), tensor
+            continue
+        held[name] = tensor
+        weight_name, (a_name, b_name) = f"{layer}{_BASE}weight", adapter_names(layer)
+        if all(n in held for n in (weight_name, a_name, b_name)):
+            yield f"{layer}.weight", merge(held.pop(weight_name), held.pop(a_name), held.pop(b_name), cfg)
 
 
 def adapter_config(cfg: LoraConfig, base_model: str, modules: list[str]) -> dict:

@@ -98,7 +98,8 @@ def lora_rl(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
 def test_lora_rl_syncs_adapters_and_exports_them(lora_rl):
     """Every step the engine samples with the newest adapter (its log-probs are the trainer's),
     the sync carries the adapters only, and the export is a merged model and a peft adapter over
-    the base that give the same logits."""
+    the base that give the same logits in transformers, and the same log-probs from vLLM serving
+    the adapter directory."""
     cfg, _ = lora_rl
     rows = metrics(cfg.output_dir)
     steps = [rows[s] for s in range(1, cfg.train.steps + 1)]
@@ -117,6 +118,20 @@ def test_lora_rl_syncs_adapters_and_exports_them(lora_rl):
         base = load(cfg.model.path)(ids).logits
     assert (merged - adapted).abs().max() < 1e-5
     assert (merged - base).abs().max() > 1e-3
+    # vLLM serves the exported adapter from its directory over the base: the merged model's log-probs
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    from rlsys.config.schema import RolloutConfig
+    from rlsys.rollout.vllm_engine import create_llm
+
+    llm = create_llm(cfg.model.path, RolloutConfig(engine_memory_gib=0.1), seed=0, lora_rank=LORA["rank"])
+    prompt = ids[0].tolist()
+    [output] = llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            lora_request=LoRARequest("exported", 1, os.path.join(out, "adapter")), use_tqdm=False)
+    served = torch.tensor([logprobs[token].logprob for logprobs, token in zip(output.prompt_logprobs[1:], prompt[1:])])
+    expected = torch.log_softmax(merged[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert (served - expected).abs().max() < 1e-4
     with open(os.path.join(out, "adapter", "adapter_config.json")) as f:
         assert json.load(f)["r"] == LORA["rank"]
 

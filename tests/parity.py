@@ -84,6 +84,25 @@ def trained_gradients(group, *batches_and_losses) -> list[tuple[dict[str, float]
     return results
 
 
+def layout_run(cfg, sft, rl, counts) -> tuple[list[tuple[dict[str, float], dict[str, torch.Tensor]]],
+                                               torch.Tensor, list[dict[str, tuple[int, ...]]]]:
+    """A training group in `cfg`'s layout on the parity batches: the metrics and full gradients of
+    the SFT loss and of the RL policy loss (`trained_gradients`), the SFT batch's log-probs, and each
+    rank's local parameter shapes."""
+    from rlsys.actors.train_group import TrainGroup
+    from rlsys.actors.train_worker import build_worker_spec
+    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.lm_loss import nll_loss
+
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+    try:
+        results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
+        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
+        return results, logprobs, group.on_each(probes.local_shapes)
+    finally:
+        group.shutdown()
+
+
 def assert_gradients_match(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name, ref in expected.items():

@@ -12,12 +12,10 @@ import pytest
 import ray
 import torch
 import worker_probes as probes
-from parity import ALGO, MICRO_BATCH, assert_gradients_match, parity_batches, reference_logprobs, trained_gradients
+from parity import ALGO, MICRO_BATCH, assert_gradients_match, layout_run, parity_batches, reference_logprobs
 from test_rlvr import logprob_gap, rl_raw
 from transformers import AutoModelForCausalLM
 
-from rlsys.actors.train_group import TrainGroup
-from rlsys.actors.train_worker import build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.loader import build_config
@@ -96,14 +94,7 @@ def test_expert_parallel_layout_matches_single_process(ray_cluster, sft_config, 
     sft_loss, sft_balance, sft_grads = reference(moe_model_dir, sft, nll_loss(num_targets(sft)), passes)
     _, rl_balance, rl_grads = reference(moe_model_dir, rl, actor_loss(counts, ALGO), passes)
 
-    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
-    try:
-        (sft_metrics, got_sft), (rl_metrics, got_rl) = trained_gradients(
-            group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
-        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
-        local_shapes = group.on_each(probes.local_shapes)
-    finally:
-        group.shutdown()
+    [(sft_metrics, got_sft), (rl_metrics, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts)
 
     assert sft_metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
     assert sft_metrics["router/aux_loss"] == pytest.approx(sft_balance, rel=1e-5)

@@ -15,6 +15,7 @@ from parity import (
     ALGO,
     MICRO_BATCH,
     assert_gradients_match,
+    layout_run,
     parity_batches,
     reference_gradients,
     reference_logprobs,
@@ -74,14 +75,7 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
     sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
     _, rl_grads = reference_gradients(model_dir, rl, actor_loss(counts, ALGO))
 
-    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
-    try:
-        (metrics, got_sft), (_, got_rl) = trained_gradients(
-            group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
-        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
-        local_shapes = group.on_each(probes.local_shapes)
-    finally:
-        group.shutdown()
+    [(metrics, got_sft), (_, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts)
 
     assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
     assert_gradients_match(got_sft, sft_grads)

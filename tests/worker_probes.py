@@ -49,12 +49,15 @@ def local_shapes(worker) -> dict[str, tuple[int, ...]]:
             for name, p in worker.policy.named_parameters()}
 
 
-def perturb_parameters(worker, scale: float, seed: int) -> None:
-    """Add seeded noise to every parameter of the policy, the same in any layout (seeded by name),
-    so that it differs from the rollout engines' weights. Each rank adds its shard's region of
-    the full noise (the region the weight sync sends it as)."""
+def perturb_parameters(worker, scale: float, seed: int, trained_only: bool = False) -> None:
+    """Add seeded noise to every parameter of the policy (with `trained_only`, to those it trains:
+    LoRA's adapters), the same in any layout (seeded by name), so that it differs from the rollout
+    engines' weights. Each rank adds its shard's region of the full noise (the region the weight
+    sync sends it as)."""
     with torch.no_grad():
         for name, p in worker.policy.named_parameters():
+            if trained_only and not p.requires_grad:
+                continue
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             noise = torch.randn(p.shape, generator=generator) * scale
             if isinstance(p, DTensor):
@@ -84,18 +87,8 @@ def _experts_repacked(vllm_worker) -> int:
 
 
 def perturb_adapters(worker, scale: float, seed: int) -> None:
-    """Add seeded noise to the LoRA adapters only (`perturb_parameters`' noise, by name)."""
-    with torch.no_grad():
-        for name, p in worker.policy.named_parameters():
-            if p.requires_grad:
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                noise = torch.randn(p.shape, generator=generator) * scale
-                if isinstance(p, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                    noise = noise[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-                    p.to_local().add_(noise.to(p.device))
-                else:
-                    p.add_(noise.to(p.device))
+    """`perturb_parameters` of the LoRA adapters only."""
+    perturb_parameters(worker, scale, seed, trained_only=True)
 
 
 def full_adapters(worker) -> dict[str, torch.Tensor]:

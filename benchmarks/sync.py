@@ -52,7 +52,7 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     try:
         rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, train.placement,
                                cfg.ray.cpus_per_worker * train.dims.world_size, adapter=AdapterSpec.of(cfg.model.lora))
-        sync = AdapterSync(train, rollout) if cfg.model.lora.rank else \
+        sync = AdapterSync(train, rollout) if cfg.model.lora.syncs_adapters else \
             WeightSync(train, rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
         runs = []
         for _ in range(repeats + 1):

@@ -86,3 +86,18 @@ def sft_config(tiny_model_dir, arith_files, tmp_path):
 
     make.path = str(path)
     return make
+
+
+@pytest.fixture
+def rl_config(tiny_model_dir, arith_files, tmp_path):
+    """test_rlvr's small RL job (`rl_raw`: 2 FSDP2 ranks, 1 colocated engine), as a YAML file plus
+    dotted overrides."""
+    import yaml
+    from test_rlvr import rl_raw
+
+    from rlsys.config.loader import load_config
+    from rlsys.config.schema import RLJobConfig
+
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(rl_raw(tiny_model_dir, arith_files, str(tmp_path / "rl"))))
+    return lambda *overrides: load_config(RLJobConfig, str(path), list(overrides))

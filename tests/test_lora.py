@@ -14,7 +14,6 @@ import pytest
 import ray
 import torch
 import worker_probes as probes
-import yaml
 from parity import ALGO, MICRO_BATCH, parity_batches
 from test_rlvr import COIN, logprob_gap, metrics, rl_raw
 from transformers import AutoModelForCausalLM
@@ -23,7 +22,7 @@ from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import nll_loss
-from rlsys.config.loader import ConfigError, build_config, load_config
+from rlsys.config.loader import ConfigError, build_config
 from rlsys.config.schema import LoraConfig, RLJobConfig
 from rlsys.data.batching import num_targets
 from rlsys.models import lora
@@ -31,14 +30,6 @@ from rlsys.trainers.preflight import check_rl_job
 from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
 
 LORA = {"rank": 8, "alpha": 16.0}
-
-
-@pytest.fixture
-def lora_config(tiny_model_dir, arith_files, tmp_path):
-    """test_rlvr's small RL job (2 FSDP2 ranks, 1 colocated engine), as a YAML file plus overrides."""
-    path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(rl_raw(tiny_model_dir, arith_files, str(tmp_path / "rl"))))
-    return lambda *overrides: load_config(RLJobConfig, str(path), list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +142,10 @@ def test_lora_rl_resume_reproduces_the_metrics(lora_rl, tmp_path):
             assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-6), (step, name)
 
 
-def test_a_rollout_refuses_a_missing_adapter(ray_cluster, lora_config):
+def test_a_rollout_refuses_a_missing_adapter(ray_cluster, rl_config):
     """An engine whose vLLM worker lost the adapter (VeRL #7495: it never arrived) refuses to
     generate, naming it; after the next sync it generates with the trainer's log-probs."""
-    trainer = RLVRTrainer(lora_config("model.lora.rank=8"))
+    trainer = RLVRTrainer(rl_config("model.lora.rank=8"))
     try:
         trainer.sync.run(version=0)
         trainer.train.on_each(probes.perturb_adapters, 0.05, 1)
@@ -169,10 +160,10 @@ def test_a_rollout_refuses_a_missing_adapter(ray_cluster, lora_config):
         trainer.shutdown()
 
 
-def test_a_rollout_refuses_weights_a_sync_did_not_bring(ray_cluster, lora_config):
+def test_a_rollout_refuses_weights_a_sync_did_not_bring(ray_cluster, rl_config):
     """A rollout that asks for the policy of a version its engine never received (a sync that
     did not reach it) fails naming both versions."""
-    trainer = RLVRTrainer(lora_config("model.lora.rank=8"))
+    trainer = RLVRTrainer(rl_config("model.lora.rank=8"))
     try:
         trainer.sync.run(version=1)
         prompts = [(0, trainer.prompts[0].ids, {})]
@@ -184,10 +175,10 @@ def test_a_rollout_refuses_weights_a_sync_did_not_bring(ray_cluster, lora_config
         trainer.shutdown()
 
 
-def test_merged_sync_gives_the_trainers_logprobs(ray_cluster, lora_config):
+def test_merged_sync_gives_the_trainers_logprobs(ray_cluster, rl_config):
     """model.lora.sync=merged: every weight, with the adapters merged in, reaches an engine without
     LoRA, which then samples with the trainer's log-probs; again after the next sync."""
-    trainer = RLVRTrainer(lora_config("model.lora.rank=8", "model.lora.sync=merged"))
+    trainer = RLVRTrainer(rl_config("model.lora.rank=8", "model.lora.sync=merged"))
     try:
         for version in (1, 2):
             trainer.train.on_each(probes.perturb_adapters, 0.05, version)
@@ -203,7 +194,7 @@ def test_merged_sync_gives_the_trainers_logprobs(ray_cluster, lora_config):
 @pytest.mark.parametrize("override, key", [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"),
                                            ("model.lora.target_modules=[no_such_proj]", "model.lora.target_modules"),
                                            ("train.async_mode=one_step", "train.async_mode")])
-def test_lora_refusals_name_the_key(lora_config, override, key):
+def test_lora_refusals_name_the_key(rl_config, override, key):
     with pytest.raises(ConfigError, match=key):
-        check_rl_job(lora_config("model.lora.rank=8", override))
+        check_rl_job(rl_config("model.lora.rank=8", override))
 

@@ -14,9 +14,8 @@ import pytest
 import ray
 import torch
 import worker_probes as probes
-import yaml
 
-from rlsys.config.loader import build_config, load_config
+from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig, TrackingConfig
 from rlsys.data.batching import collate_rollouts
 from rlsys.sync.weight_sync import _gpus_unseen, _Room, plan_buckets
@@ -42,13 +41,6 @@ def rl_raw(model_dir: str, files: dict[str, str], output_dir: str) -> dict:
         "tracking": {"backends": ["jsonl"]},
         "eval": {"files": [files["test"]], "limit": 8, "max_new_tokens": 6},
     }
-
-
-@pytest.fixture
-def rl_config(tiny_model_dir, arith_files, tmp_path):
-    path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(rl_raw(tiny_model_dir, arith_files, str(tmp_path / "rl"))))
-    return lambda *overrides: load_config(RLJobConfig, str(path), list(overrides))
 
 
 def test_gpu_shards_are_read_in_place_only_by_engines_that_see_their_gpus():

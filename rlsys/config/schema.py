@@ -30,6 +30,11 @@ class LoraConfig:
     """RL: what reaches the rollout engines after each step: the adapters alone (vLLM serves them over the base
     it loaded once), or every weight with the adapters merged in (engines without LoRA support, async modes)."""
 
+    @property
+    def syncs_adapters(self) -> bool:
+        """Adapters are trained and the engines receive them alone."""
+        return self.rank > 0 and self.sync == "adapter"
+
 
 @dataclass(config=STRICT)
 class ModelConfig:

@@ -25,8 +25,8 @@ class AdapterSpec:
 
     @classmethod
     def of(cls, lora: LoraConfig) -> AdapterSpec | None:
-        """The adapters a job's engines serve (None without LoRA)."""
-        return cls(lora.rank, lora.alpha, list(lora.target_modules)) if lora.rank else None
+        """The adapters a job's engines serve (None without LoRA, or with merged weights synced)."""
+        return cls(lora.rank, lora.alpha, list(lora.target_modules)) if lora.syncs_adapters else None
 
 
 class ServedAdapter:

@@ -57,7 +57,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     model_config = check_model_dir(cfg.model, "model.path")
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
-    if cfg.model.lora.rank and cfg.model.lora.sync == "adapter" and cfg.train.async_mode != "off":
+    if cfg.model.lora.syncs_adapters and cfg.train.async_mode != "off":
         raise ConfigError("train.async_mode: the adapter sync runs with async_mode: off; for asynchronous RL "
                           "with LoRA set model.lora.sync: merged")
     _check_files(cfg.data.train_files, "data.train_files")

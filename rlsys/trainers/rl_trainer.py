@@ -123,7 +123,7 @@ class RLVRTrainer:
                                         gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share(),
                                         loops=self.agents.loops, tools=cfg.tools,
                                         tool_client=self.tools.client() if self.tools else None,
-                                        tool_schemas=self.agents.schemas, adapter=self._served_adapter())
+                                        tool_schemas=self.agents.schemas, adapter=AdapterSpec.of(cfg.model.lora))
             self.sync = self._weight_sync()
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout, self.prompts, self.sampler, cfg.train.async_mode,
@@ -133,15 +133,11 @@ class RLVRTrainer:
             self.shutdown()
             raise
 
-    def _served_adapter(self) -> AdapterSpec | None:
-        lora = self.cfg.model.lora
-        return AdapterSpec.of(lora) if lora.sync == "adapter" else None
-
     def _weight_sync(self) -> AdapterSync | WeightSync:
         """The adapters alone, or every weight (a LoRA policy's merged, through the object store:
         merged weights are not the shards the ranks keep)."""
         cfg = self.cfg
-        if cfg.model.lora.rank and cfg.model.lora.sync == "adapter":
+        if cfg.model.lora.syncs_adapters:
             return AdapterSync(self.train, self.rollout)
         return WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb,
                           cfg.rollout.sync_shared_memory and not cfg.model.lora.rank)
@@ -329,7 +325,7 @@ class RLVRTrainer:
         resume = self.cfg.train.resume or force
         step = restore_training_state(self.checkpoints, self.train, self.stream or self.sampler,
                                       {"kl_ctrl": self.kl_ctrl}) if resume else 0
-        if step or self.cfg.model.lora.rank:  # the engines start from model.path, without adapters
+        if step or self.cfg.model.lora.syncs_adapters:  # the engines start from model.path, without adapters
             self.sync.run(version=step)
         return step
 

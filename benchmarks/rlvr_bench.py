@@ -226,6 +226,35 @@ def main() -> None:
     how = "read in place" if mean.get("sync/in_place") else f"in {mean['sync/buckets']:.0f} buckets"
     print(f"weight sync: {mean['sync/time_s']:.3f} s = {mean['sync/time_s'] / mean['time/step_s']:.1%} of the step "
           f"({mean['sync/mb']:.1f} MB {how})")
+    print_throughput(cfg, mean)
+
+
+# Dense bf16 peak FLOP/s by device name, for MFU (the vendors' figures without sparsity)
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+
+def print_throughput(cfg: RLJobConfig, mean: dict) -> None:
+    """VeRL's perf/throughput (tokens / (step time x GPUs)) and the update phase's MFU: 6 x the
+    model's parameters (embedding lookup left out, the output layer kept) per trained token."""
+    import torch
+    import transformers
+
+    gpus = cfg.parallel.world_size if torch.cuda.is_available() else 0
+    tokens = mean["throughput/tokens_per_s"] * mean["time/step_s"]
+    print(f"tokens per step {tokens:,.0f}; perf/throughput {tokens / mean['time/step_s'] / max(gpus, 1):,.0f} "
+          f"tokens/s per {'GPU' if gpus else 'process'}")
+    if not gpus:
+        return
+    config = transformers.AutoConfig.from_pretrained(cfg.model.path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" not in name)
+    name = torch.cuda.get_device_name(0)
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name.split()), None)
+    achieved = 6 * params * tokens / mean["time/update_s"] / gpus
+    mfu = f"MFU {achieved / peak:.1%} of {peak / 1e12:.0f} TFLOP/s" if peak else "MFU: peak unknown"
+    print(f"update: {params / 1e6:.0f}M parameters x 6 x tokens = {achieved / 1e12:.1f} TFLOP/s per GPU "
+          f"on {name}; {mfu}")
 
 
 def print_rollout_rates(rows: list[dict], replays: list[dict[str, tuple[int, float]]],

@@ -17,7 +17,7 @@
 # then the training engine (fp32 and bf16 parity with one HF process, CUDA IPC reads, throughput;
 # scripts/gpu_check.py), the memory of a 0.5B-shaped rank, and the pretrain stage through Ray,
 # resumed from its checkpoint. Each check's log goes to $OUT (the device tool) or a temporary
-# directory; each check prints its seconds.
+# directory; each check prints its seconds. GPU_CHECKS="rl_fp32 grpo_05b" runs only the checks it names.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 carry="$repo/.gpu_carry"
@@ -78,6 +78,7 @@ status=0
 check() {  # check NAME COMMAND...: run it, its output into $logs/NAME.log, one line with its seconds
   local name="$1" started=$SECONDS
   shift
+  [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $name "* ]] || return 0  # GPU_CHECKS="a b": only those
   "$@" >"$logs/$name.log" 2>&1
   local rc=$?
   [ $rc = 0 ] || status=1
@@ -121,8 +122,8 @@ if "$py" -c "import ray, vllm" 2>/dev/null; then
   "$py" -c "from benchmarks.sync import QWEN25_05B; from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
   SHOW_LINES=30 check grpo_05b "$py" benchmarks/rlvr_bench.py --model "$out/qwen05b" --data "$arith/data/rl_train.parquet" \
-    --out "$out/bench" --steps 3 --prompts 64 --n 8 --max-new-tokens 256 "ray.gpus_per_worker=$gpus" \
-    rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=32768
+    --out "$out/bench" --steps "${GRPO_STEPS:-3}" --prompts 64 --n 8 --max-new-tokens 256 "ray.gpus_per_worker=$gpus" \
+    rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=16384
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --model "$out/qwen05b" "${common[@]}"
 else
   echo "[gpu_check] SKIP: vllm or ray does not import here; the rollout engine on CUDA is not checked"

@@ -24,11 +24,18 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if on_gpu else "float32"
+    if on_gpu and dtype == "float32":
+        # Triton multiplies fp32 matrices in TF32 unless told otherwise, and vLLM's Triton attention
+        # kernels (FlashAttention has no fp32) take that default: an fp32 engine would then sample
+        # from log-probs ~1e-3 away from the trainer's fp32 ones
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     return LLM(
         model=model_path,
-        dtype=cfg.dtype if cfg.dtype != "auto" else "bfloat16" if on_gpu else "float32",
+        dtype=dtype,
         enforce_eager=not on_gpu,
         kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
+        **({"gpu_memory_utilization": free_memory_fraction()} if on_gpu else {}),
         block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -45,6 +52,14 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         **({"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= lora_rank)}
            if lora_rank else {}),
     )
+
+
+def free_memory_fraction() -> float:
+    """vLLM refuses to start unless `gpu_memory_utilization` x the device's memory is free, even
+    when `kv_cache_memory_bytes` alone sizes its KV cache. A colocated engine starts beside training
+    ranks (or another engine) that already hold memory, so it asks for no more than is free now."""
+    free, total = torch.cuda.mem_get_info()
+    return max(0.01, min(0.9, free / total - 0.01))
 
 
 def cpu_thread_binding(num_threads: int, tensor_parallel_size: int) -> str:

@@ -125,7 +125,7 @@ class WeightSync:
             return False
         reason = _gpus_unseen(ranks, engines) if self.train_group.on_gpu else self._no_room(ranks, engines)
         if reason:
-            log.info("weight sync through Ray's object store, not in place: %s", reason)
+            log.warning("weight sync through Ray's object store, not in place: %s", reason)
         return not reason
 
     def _no_room(self, ranks: list[_Room], engines: list[_Room]) -> str:

@@ -23,20 +23,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import tempfile
-import threading
-import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from rlsys.algorithms.lm_loss import nll_loss
-from rlsys.config.schema import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
-from rlsys.engine.model_engine import EngineSpec, ModelEngine, local_tensor
-from rlsys.host_memory import release_freed_memory
-from rlsys.parallel.dims import ParallelDims
+from rlsys.planner.measure import StepShape, measure
 
 GIB = 2**30
 
@@ -58,106 +49,6 @@ def write_model(out_dir: str, hidden: int, layers: int, heads: int, kv_heads: in
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
     return sum(p.numel() for p in model.parameters())
-
-
-class PeakSampler:
-    """Resident-set high-water mark of this process over a window."""
-
-    def __init__(self):
-        self.peak, self._running = 0, False
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self):
-        self.peak, self._running = self.rss(), True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while self._running:
-            self.peak = max(self.peak, self.rss())
-            time.sleep(0.005)
-
-    def __exit__(self, *exc):
-        self._running = False
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-
-def local_bytes(tensors) -> int:
-    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
-
-
-class CudaPeak:
-    """torch's allocated-bytes high-water mark on this process's GPU over a window."""
-
-    @staticmethod
-    def rss() -> int:
-        return torch.cuda.memory_allocated()
-
-    def __enter__(self):
-        torch.cuda.reset_peak_memory_stats()
-        return self
-
-    def __exit__(self, *exc):
-        torch.cuda.synchronize()
-        self.peak = torch.cuda.max_memory_allocated()
-
-
-def run_rank(rank: int, layout: dict, model_dir: str, port: int, args, results) -> None:
-    parallel = ParallelConfig(**layout)
-    dims = ParallelDims.of(parallel)
-    torch.set_num_threads(max(1, os.cpu_count() // dims.world_size))
-    on_gpu = args.device == "cuda"
-    if on_gpu:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=dims.world_size)
-    spec = EngineSpec(ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank)), OptimConfig(), dims, parallel,
-                      micro_batch_size=args.micro_batch or args.rows, total_steps=10, param_dtype=None)
-    Peak = CudaPeak if on_gpu else PeakSampler
-    baseline = Peak.rss()
-    with Peak() as load:
-        engine = ModelEngine(spec, dims.build_mesh(args.device), torch.device(args.device, rank if on_gpu else None))
-    ids = torch.randint(0, 1000, (args.rows * dims.dp_size, args.seq_len), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    shard = {k: v.tensor_split(dims.dp_size)[dims.coordinates(rank).dp_rank] for k, v in batch.items()}
-    loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
-    for _ in range(args.steps):  # the last step is measured: from the second on, AdamW's state is held
-        started = time.perf_counter()
-        with Peak() as step:
-            engine.forward_backward(shard, loss_fn)
-            grads = local_bytes(p.grad for _, p in engine.named_parameters() if p.grad is not None)
-            engine.optimizer_step()
-            release_freed_memory()
-        step_s = time.perf_counter() - started
-    params = local_bytes(p for _, p in engine.named_parameters())
-    optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
-                        for t in state.values() if t.dim() > 0)
-    results.put((rank, {"params": params, "grads": grads, "optim": optim,
-                        "load_peak": load.peak - baseline, "step_peak": step.peak - baseline, "step_s": step_s}))
-    dist.destroy_process_group()
-
-
-def measure(layout: dict, model_dir: str, args) -> list[dict]:
-    world = ParallelDims(**layout).world_size
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [context.Process(target=run_rank, args=(r, layout, model_dir, port, args, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    by_rank = dict(results.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return [by_rank[r] for r in range(world)]
 
 
 def parse_layout(text: str) -> dict:
@@ -189,6 +80,7 @@ def main() -> None:
                              "size or more on its own and unmaps it when freed (0: glibc's default)")
     args = parser.parse_args()
     layouts = args.layout or [{"dp_shard": 2}, {"tp": 2}, {"dp_shard": 2, "tp": 2}]
+    step = StepShape(args.rows, args.seq_len, args.steps, args.micro_batch, args.lora_rank, args.device)
     if args.mmap_threshold_kb:  # read by glibc when each rank process starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold_kb * 1024)
     with tempfile.TemporaryDirectory() as model_dir:
@@ -208,7 +100,7 @@ def main() -> None:
         for layout in layouts:
             shards = math.prod(layout.get(name, 1) for name in ("dp_shard", "cp", "tp", "pp"))
             name = layout_name(layout)
-            rows = measure(layout, model_dir, args)
+            rows = measure(layout, model_dir, step)
             step_s[name] = max(row["step_s"] for row in rows)
             for rank, row in enumerate(rows):
                 print(f"| {name} | {rank} | {row['params'] / 2**20:.1f} | {row['grads'] / 2**20:.1f} "
@@ -216,14 +108,14 @@ def main() -> None:
                       f"| {row['params'] / (total / shards):.3f} | {row['load_peak'] / 2**20:.0f} "
                       f"| {row['step_peak'] / 2**20:.0f} | {row['step_s']:.2f} |")
     if args.experts:
-        compare_dense(args, layouts, step_s)
+        compare_dense(args, step, layouts, step_s)
 
 
 def layout_name(layout: dict) -> str:
     return " x ".join(f"{k}={v}" for k, v in layout.items())
 
 
-def compare_dense(args, layouts: list[dict], moe_step_s: dict[str, float]) -> None:
+def compare_dense(args, step: StepShape, layouts: list[dict], moe_step_s: dict[str, float]) -> None:
     """Step time of each layout against the dense model of the same active parameters per token."""
     with tempfile.TemporaryDirectory() as model_dir:
         active = write_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
@@ -233,7 +125,7 @@ def compare_dense(args, layouts: list[dict], moe_step_s: dict[str, float]) -> No
         print("|---|---|---|---|")
         for layout in layouts:
             dense_layout = {k: v for k, v in layout.items() if k != "ep"}
-            dense_s = max(row["step_s"] for row in measure(dense_layout, model_dir, args))
+            dense_s = max(row["step_s"] for row in measure(dense_layout, model_dir, step))
             moe_s = moe_step_s[layout_name(layout)]
             print(f"| {layout_name(layout)} | {moe_s:.2f} | {dense_s:.2f} | {moe_s / dense_s:.2f} |")
 

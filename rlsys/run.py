@@ -69,7 +69,33 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", required=True, metavar="FILE", help="YAML config file")
         sub.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
         sub.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="override a config key")
+    plan = stages.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP)
+    plan.add_argument("--config", required=True, metavar="FILE", help="the job's YAML config (RL, SFT or pretrain)")
+    plan.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in the cluster")
+    plan.add_argument("--gpu-memory", type=float, required=True, metavar="GiB", help="memory of one GPU")
+    plan.add_argument("--gpus-per-node", type=int, default=8, metavar="K", help="GPUs of a node (default 8)")
+    plan.add_argument("--prompt-tokens", type=int, default=512, metavar="T",
+                      help="RL: the longest prompt; a sequence is this plus rollout.max_new_tokens (default 512)")
+    plan.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    plan.add_argument("--check", action="store_true",
+                      help="run one step of the recommended layout here, scaled down, beside its estimate")
+    plan.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
+    plan.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="override a config key")
     return parser
+
+
+PLAN_HELP = "which layouts (pp x dp x cp x tp x ep) of a cluster fit the job, what each rank holds, which to run"
+
+
+def _plan(args: argparse.Namespace) -> dict:
+    from rlsys.planner.job import PlanArgs, run_plan
+
+    sizes = (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory), ("--gpus-per-node", args.gpus_per_node))
+    for flag, value in sizes:
+        if value <= 0:
+            raise ConfigError(f"{flag}: must be > 0, got {value:g}")
+    return run_plan(PlanArgs(args.config, args.overrides, args.gpus, args.gpu_memory, args.gpus_per_node,
+                             args.prompt_tokens, args.top, args.check))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_console(args.verbose)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    _, run = STAGES[args.stage]
     interrupt_on_sigterm()
     try:
-        run(args.config, args.overrides)
+        if args.stage == "plan":
+            _plan(args)
+        else:
+            STAGES[args.stage][1](args.config, args.overrides)
     except (ConfigError, DataError) as err:
         print(f"rlsys {args.stage}: error: {err}", file=sys.stderr)
         return 2

@@ -51,6 +51,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     """Turn `model`'s weights into DTensors over `tp_mesh`, in place; parameter names stay HF's.
     A critic's one-output value head is not split: it takes the whole sequence."""
     residual = Shard(1) if sequence_parallel else Replicate()
+    top = top_plan(residual, sequence_parallel, loss_parallel, value_head)
+    # a pipeline stage lacks the embedding, the final norm or the LM head, and most blocks
+    present = {name: style for name, style in top.items() if _has_module(model, name)}
+    parallelize_module(model, tp_mesh, present)
+    for block in model.model.layers:
+        if block is not None:
+            parallelize_module(block, tp_mesh, block_plan(block, residual, sequence_parallel))
+    log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
+             "on" if sequence_parallel else "off", "on" if loss_parallel else "off")
+
+
+def top_plan(residual, sequence_parallel: bool, loss_parallel: bool, value_head: bool) -> dict:
+    """The styles of the modules outside the decoder blocks, by module name."""
     top = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "lm_head": ColwiseParallel(input_layouts=residual,
@@ -62,14 +75,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
                                             use_local_output=True)
     if sequence_parallel:
         top["model.norm"] = SequenceParallel()
-    # a pipeline stage lacks the embedding, the final norm or the LM head, and most blocks
-    present = {name: style for name, style in top.items() if _has_module(model, name)}
-    parallelize_module(model, tp_mesh, present)
-    for block in model.model.layers:
-        if block is not None:
-            parallelize_module(block, tp_mesh, _block_plan(block, residual, sequence_parallel))
-    log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
-             "on" if sequence_parallel else "off", "on" if loss_parallel else "off")
+    return top
 
 
 def _has_module(model: nn.Module, name: str) -> bool:
@@ -79,7 +85,7 @@ def _has_module(model: nn.Module, name: str) -> bool:
         return False
 
 
-def _block_plan(block: nn.Module, residual, sequence_parallel: bool) -> dict:
+def block_plan(block: nn.Module, residual, sequence_parallel: bool) -> dict:
     """A dense MLP is split Megatron's way; an MoE block (`expert_parallel.apply_moe_tp`) is not."""
     dense_mlp = not hasattr(block.mlp, "experts")
     plan = {

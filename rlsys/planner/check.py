@@ -1,0 +1,72 @@
+"""`plan --check`: one training step of a layout on this machine, scaled down (at most 4 ranks,
+each degree at most 2, a tiny model of the same family), with the estimate beside what each
+rank held."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+
+import transformers
+
+from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+from rlsys.parallel.dims import ParallelDims
+from rlsys.planner.estimate import Layout, Precision, Workload, rank_memory
+from rlsys.planner.measure import StepShape, measure
+from rlsys.planner.shards import ModelShapes
+
+MIB = 2**20
+SCALE_ORDER = ("tp", "pp", "cp", "dp_shard", "dp_replicate")
+
+
+def scaled_down(layout: Layout, max_ranks: int = 4) -> Layout:
+    """The layout's parallel dimensions at degree 2, as many as `max_ranks` allows, tp first."""
+    degrees, world = {}, 1
+    for name in SCALE_ORDER:
+        if getattr(layout.dims, name) > 1 and world * 2 <= max_ranks:
+            degrees[name], world = 2, world * 2
+    token_ranks = degrees.get("dp_shard", 1) * degrees.get("cp", 1) * degrees.get("tp", 1)
+    ep = 2 if layout.dims.ep > 1 and token_ranks % 2 == 0 else 1
+    return replace(layout, dims=ParallelDims(**degrees, ep=ep), pp_microbatches=2)
+
+
+def tiny_spec(config, layout: Layout) -> TinyModelSpec:
+    """A tiny model of the config's family that `layout` can split (an uneven vocabulary)."""
+    experts = dict(num_experts=4, moe_type=config.model_type) if layout.dims.ep > 1 or _is_moe(config) else {}
+    return TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=max(4, 2 * layout.dims.pp),
+                         num_attention_heads=4, num_key_value_heads=4, vocab_size=105, **experts)
+
+
+def _is_moe(config) -> bool:
+    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+
+
+def check(config, layout: Layout, step: StepShape = StepShape(rows=2, seq_len=64, steps=2)) -> list[dict]:
+    """Per rank of the scaled-down layout: the estimated and the measured bytes."""
+    small = scaled_down(layout)
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_tiny_model(model_dir, tiny_spec(config, small))
+        shapes = ModelShapes(transformers.AutoConfig.from_pretrained(model_dir))
+        keys = {name: getattr(small.dims, name) for name in (*SCALE_ORDER, "ep")}
+        measured = measure({**keys, "activation_checkpointing": small.activation_checkpointing,
+                            "sequence_parallel": small.sequence_parallel, "pp_microbatches": small.pp_microbatches},
+                           model_dir, step)
+    work = Workload(sequences=step.rows * small.dims.dp_size, seq_len=step.seq_len,
+                    micro_batch_tokens=(step.micro_batch or step.rows) * step.seq_len)
+    precision = Precision(compute_bytes=4)  # one step on CPU computes in fp32
+    rows = []
+    for rank, got in enumerate(measured):
+        estimate = rank_memory(shapes, small, work, precision, rank)
+        rows.append({"layout": small.name, "rank": rank, "estimate": estimate, "measured": got})
+    return rows
+
+
+def check_table(rows: list[dict]) -> str:
+    lines = ["| layout | rank | params MiB est / measured | grads MiB | optimizer MiB | step peak MiB est / measured |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        est, got = row["estimate"], row["measured"]
+        lines.append(f"| {row['layout']} | {row['rank']} | {est.params / MIB:.2f} / {got['params'] / MIB:.2f} "
+                     f"| {est.grads / MIB:.2f} / {got['grads'] / MIB:.2f} | {est.optim / MIB:.2f} / "
+                     f"{got['optim'] / MIB:.2f} | {est.update_peak / MIB:.0f} / {got['step_peak'] / MIB:.0f} |")
+    return "\n".join(lines)

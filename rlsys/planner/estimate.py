@@ -1,0 +1,343 @@
+"""One small model of a training step's memory and traffic on one rank, for a layout.
+
+Memory: the states the rank keeps (parameters, gradients, AdamW's two moments, as FSDP2
+shards them: `shards.rank_shards`; a reference policy's parameters; a critic's states), the
+weights FSDP2 gathers for the unit it runs, the activations a micro-batch saves for backward
+(every block's, or with activation checkpointing each block's input plus one block's), and a
+colocated rollout engine's weights and KV cache while it generates. Traffic: the bytes each
+collective sends per step from one rank, and whether its group spans nodes (ranks fill a node in
+the mesh's row-major order, tp innermost).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlsys.models.moe import num_experts
+from rlsys.parallel.dims import ParallelDims
+from rlsys.planner.shards import ModelShapes, RankShards, rank_shards
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step asks of the training group."""
+
+    sequences: int
+    """Sequences trained on per step (an RL step: prompts x samples)."""
+    seq_len: int
+    """Tokens of the longest sequence (prompt + response)."""
+    micro_batch_tokens: int
+    """Tokens a data-parallel rank runs in one micro-batch (its context-parallel peers split them)."""
+    update_passes: int = 1
+    """Forward + backward passes over the batch per step (PPO epochs)."""
+    forward_passes: int = 0
+    """Forward-only passes (old log-probs, the reference's, the critic's values)."""
+    reference: bool = False
+    critic: bool = False
+    engine_gib: float = 0.0
+    """A colocated rollout engine's KV cache per GPU (its weights are added from the model)."""
+    engine_tp: int = 1
+    engine_released: bool = True
+    """The engine frees its weights and KV cache while the trainer updates (vLLM sleep mode)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    param_bytes: int = FP32
+    """The parameters, their gradients and AdamW's moments (rlsys keeps fp32 masters)."""
+    compute_bytes: int = 2
+    """Activations and FSDP2's gathered weights (bf16 under mixed precision)."""
+    engine_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: ParallelDims
+    activation_checkpointing: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 4
+    stages_per_rank: int = 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.dims.tp > 1
+
+    @property
+    def name(self) -> str:
+        parts = [f"{key}{getattr(self.dims, key)}" for key in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+                 if getattr(self.dims, key) > 1]
+        return " ".join(parts or ["1 rank"]) + (" +ac" if self.activation_checkpointing else "")
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds at its peak."""
+
+    params: int
+    grads: int
+    optim: int
+    reference: int = 0
+    critic: int = 0
+    gathered: int = 0
+    activations: int = 0
+    engine: int = 0
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optim + self.reference + self.critic
+
+    @property
+    def update_peak(self) -> int:
+        return self.states + self.gathered + self.activations
+
+    def peak(self, engine_released: bool) -> int:
+        """The larger of the update's peak and the rollout's (states without gradients, plus the engine)."""
+        rollout = self.states - self.grads + self.engine
+        return max(self.update_peak + (0 if engine_released else self.engine), rollout)
+
+
+@dataclass
+class Traffic:
+    """Bytes one rank sends per step, by collective, within a node and across nodes."""
+
+    intra: dict[str, float] = field(default_factory=dict)
+    inter: dict[str, float] = field(default_factory=dict)
+
+    def add(self, what: str, nbytes: float, across_nodes: bool) -> None:
+        if nbytes > 0:
+            side = self.inter if across_nodes else self.intra
+            side[what] = side.get(what, 0.0) + nbytes
+
+    @property
+    def intra_bytes(self) -> float:
+        return sum(self.intra.values())
+
+    @property
+    def inter_bytes(self) -> float:
+        return sum(self.inter.values())
+
+
+class ModelDims:
+    """The sizes of an HF config the activation and traffic model needs."""
+
+    def __init__(self, config):
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.intermediate = config.intermediate_size
+        self.vocab = config.vocab_size
+        self.layers = config.num_hidden_layers
+        self.experts = num_experts(config)
+        self.top_k = getattr(config, "num_experts_per_tok", 0) or 0
+        self.expert_intermediate = getattr(config, "moe_intermediate_size", None) or self.intermediate
+
+
+def fsdp_wraps(dims: ParallelDims, precision: Precision) -> bool:
+    """`parallelize.needs_fsdp` from degrees: FSDP2 unless one rank computes in its weights' dtype."""
+    return dims.dp_shard * dims.cp * dims.dp_replicate > 1 or precision.compute_bytes != precision.param_bytes \
+        or dims.tp > 1 or dims.ep > 1
+
+
+def rank_memory(shapes: ModelShapes, layout: Layout, work: Workload, precision: Precision, rank: int,
+                critic_shapes: ModelShapes | None = None) -> RankMemory:
+    dims, fsdp = layout.dims, fsdp_wraps(layout.dims, precision)
+    held = rank_shards(shapes, dims, rank, layout.stages_per_rank, fsdp)
+    whole = rank_shards(shapes, dims, rank, layout.stages_per_rank, fsdp=False) if fsdp else held
+    p = precision.param_bytes
+    memory = RankMemory(params=held.elements * p, grads=held.elements * p, optim=2 * held.elements * p)
+    if work.reference:
+        memory.reference = held.elements * p
+    if work.critic and critic_shapes is not None:
+        memory.critic = 4 * rank_shards(critic_shapes, dims, rank, layout.stages_per_rank, fsdp).elements * p
+    memory.gathered = _gathered(shapes, layout, held, whole, precision) if fsdp else 0
+    memory.activations = activation_bytes(ModelDims(shapes.config), layout, work, precision, held)
+    if work.engine_gib:
+        memory.engine = shapes.total * precision.engine_bytes // work.engine_tp + int(work.engine_gib * 2**30)
+    return memory
+
+
+def _gathered(shapes: ModelShapes, layout: Layout, held: RankShards, whole: RankShards,
+              precision: Precision) -> int:
+    """FSDP2's unsharded weights in the compute dtype: a block and the next (prefetched) one plus
+    the root's (the embedding, final norm and LM head: FSDP2 keeps the root gathered from forward
+    to backward), or the whole stage when a pipeline keeps it gathered, or the whole model when
+    one rank's root is the only unit; with each, its unsharded gradients in fp32."""
+    dims = layout.dims
+    if dims.pp > 1 or dims.dp_shard * dims.cp == 1:
+        unsharded = whole.elements
+    else:
+        outside = _outside_blocks(shapes, dims.tp)
+        block = (whole.elements - outside) / max(1, len(whole.layers))
+        unsharded = 2 * block + outside
+    return int(unsharded * (precision.compute_bytes + FP32))
+
+
+def _outside_blocks(shapes: ModelShapes, tp: int) -> float:
+    """Elements of the embedding, final norm and LM head a rank holds before FSDP2."""
+    return sum(math.prod(p.shape) / (tp if p.tp_dim is not None else 1) for p in shapes.params if p.layer is None)
+
+
+def micro_batches(layout: Layout, work: Workload) -> tuple[int, int]:
+    """(micro-batches per step per rank, tokens each micro-batch puts on a rank)."""
+    dims = layout.dims
+    rows = max(1, math.ceil(work.sequences / dims.dp_size))
+    per_rank_tokens = rows * work.seq_len
+    micro_tokens = max(work.seq_len, min(work.micro_batch_tokens, per_rank_tokens))
+    count = math.ceil(per_rank_tokens / micro_tokens)
+    if dims.pp > 1:
+        count = max(count, layout.pp_microbatches)
+        micro_tokens = math.ceil(per_rank_tokens / count)
+    return count, math.ceil(micro_tokens / dims.cp)
+
+
+def layer_activation_bytes(model: ModelDims, tp: int, sequence_parallel: bool, compute: int) -> float:
+    """Bytes one decoder block saves for backward per token on a rank: the norms' fp32 copies
+    (split by tp under sequence parallel), q/k/v and their rotated copies, attention's output,
+    and the MLP's input, gate, up, activation and product (an MoE block: its top-k experts')."""
+    h, q = model.hidden, model.heads * model.head_dim / tp
+    kv = model.kv_heads * model.head_dim / tp
+    norms = 2 * 2 * h * FP32 / (tp if sequence_parallel else 1)
+    attention = compute * (h + 2 * (q + 2 * kv) + 2 * q)
+    if model.experts:
+        mlp = compute * (h + model.top_k * (3 * h + 4 * model.expert_intermediate)) / tp + FP32 * model.experts
+    else:
+        mlp = compute * (h + 4 * model.intermediate / tp)
+    return norms + attention + mlp
+
+
+def activation_bytes(model: ModelDims, layout: Layout, work: Workload, precision: Precision,
+                     held: RankShards) -> int:
+    """Activations one rank holds at the end of its micro-batches' forward: its blocks' (for as
+    many micro-batches as its pipeline stage keeps in flight), and on the last stage the logits,
+    their fp32 copy and its gradient (split over tp: loss parallel)."""
+    dims, b = layout.dims, precision.compute_bytes
+    _, tokens = micro_batches(layout, work)
+    per_layer = layer_activation_bytes(model, dims.tp, layout.sequence_parallel, b)
+    layers = len(held.layers)
+    if layout.activation_checkpointing:
+        block_inputs = layers * tokens * model.hidden * b / (dims.tp if layout.sequence_parallel else 1)
+        blocks = block_inputs + tokens * per_layer
+    else:
+        blocks = layers * tokens * per_layer
+    in_flight = 1
+    if dims.pp > 1:
+        in_flight = layout.pp_microbatches if layout.pp_schedule == "gpipe" else min(dims.pp, layout.pp_microbatches)
+    logits = tokens * model.vocab / dims.tp * (b + 2 * FP32) if held.last_stage or dims.pp == 1 else 0
+    return int(blocks * in_flight + logits)
+
+
+def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether a group of `size` ranks `stride` apart reaches beyond one node."""
+    return size > 1 and stride * size > gpus_per_node
+
+
+def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Precision,
+            gpus_per_node: int) -> Traffic:
+    """Bytes rank 0 (the first stage's) sends per step in each collective, ring algorithms' counts:
+    an all-gather or reduce-scatter of n bytes over g ranks sends n (g - 1) / g, an all-reduce twice
+    that, an all-to-all (g - 1) / g of what it holds."""
+    dims, model, out = layout.dims, ModelDims(shapes.config), Traffic()
+    fsdp = fsdp_wraps(dims, precision)
+    whole = rank_shards(shapes, dims, 0, layout.stages_per_rank, fsdp=False)
+    count, tokens = micro_batches(layout, work)
+    forwards = count * (work.update_passes + work.forward_passes)
+    backwards = count * work.update_passes
+    b, node = precision.compute_bytes, gpus_per_node
+    inner = {"tp": 1, "cp": dims.tp, "dp_shard_cp": dims.tp, "dp_replicate": dims.dp_shard * dims.cp * dims.tp,
+             "pp": dims.ranks_per_stage}
+    shard_group = dims.dp_shard * dims.cp
+    dense, experts = whole.elements - whole.expert_elements, whole.expert_elements
+    if fsdp and shard_group > 1:
+        gathers = forwards + (backwards if dims.pp == 1 else 0)
+        part = (shard_group - 1) / shard_group
+        across = spans_nodes(inner["dp_shard_cp"], shard_group, node)
+        out.add("fsdp all-gather", gathers * dense * b * part, across)
+        out.add("fsdp reduce-scatter", backwards * dense * FP32 * part, across)
+    if fsdp and dims.efsdp > 1 and experts:
+        gathers = forwards + (backwards if dims.pp == 1 else 0)
+        part = (dims.efsdp - 1) / dims.efsdp
+        across = spans_nodes(dims.ep, dims.efsdp, node)
+        out.add("expert fsdp all-gather", gathers * experts * b * part, across)
+        out.add("expert fsdp reduce-scatter", backwards * experts * FP32 * part, across)
+    if dims.dp_replicate > 1:
+        shard = (dense / shard_group + experts / max(1, dims.efsdp)) * FP32
+        part = 2 * (dims.dp_replicate - 1) / dims.dp_replicate
+        across = spans_nodes(inner["dp_replicate"], dims.dp_replicate, node)
+        out.add("hsdp all-reduce", backwards * shard * part, across)
+    layers = len(whole.layers)
+    activation = tokens * model.hidden * b
+    # activations' collectives run again when checkpointed blocks recompute their forward
+    passes = forwards + backwards * (2 if layout.activation_checkpointing else 1)
+    if dims.tp > 1:  # sequence parallel: an all-gather into and a reduce-scatter out of attention and a dense MLP
+        per_layer = 2 if model.experts else 4  # an MoE block runs on its rank's share of the sequence
+        sent = passes * (layers * per_layer + 2) * activation * (dims.tp - 1) / dims.tp
+        out.add("tp all-gather/reduce-scatter", sent, spans_nodes(1, dims.tp, node))
+    if dims.pp > 1:
+        out.add("pp send/recv", (forwards + backwards) * activation, spans_nodes(inner["pp"], dims.pp, node))
+    if dims.cp > 1:
+        heads = (2 * model.heads + 2 * model.kv_heads) * model.head_dim / dims.tp
+        out.add("cp all-to-all", passes * layers * tokens * heads * b * (dims.cp - 1) / dims.cp,
+                spans_nodes(inner["cp"], dims.cp, node))
+    if dims.ep > 1 and model.experts:
+        routed = tokens / dims.tp * model.top_k * model.hidden * b
+        out.add("ep all-to-all", passes * layers * 2 * routed * (dims.ep - 1) / dims.ep,
+                spans_nodes(1, dims.ep, node))
+    return out
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """What the step-time model assumes of the hardware (an H100 node with InfiniBand)."""
+
+    tflops: float = 400.0
+    """Sustained bf16 TFLOP/s of one GPU (about 40% of an H100's dense peak)."""
+    intra_gbps: float = 150.0
+    """GB/s one GPU's collectives reach within a node (NVLink, ring algorithms)."""
+    inter_gbps: float = 40.0
+    """GB/s one GPU's collectives reach across nodes (a 400 Gb/s NIC per GPU)."""
+
+
+OVERLAPPED = ("fsdp", "expert fsdp", "hsdp")
+"""Collectives FSDP2 prefetches while the previous block computes; the rest wait on their inputs."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    bubble: float
+    exposed: float
+    """Communication not hidden behind compute."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.exposed
+
+
+def step_time(shapes: ModelShapes, layout: Layout, work: Workload, moved: Traffic, speeds: Speeds) -> StepTime:
+    """Seconds of one training step on a rank: the matmul FLOPs of every pass (6 per parameter
+    and token for forward + backward, 2 for a forward, 2 more where a block recomputes; experts
+    counted for the top-k a token uses; causal attention's), an even share per GPU; the pipeline's
+    1F1B bubble; the communication compute cannot hide."""
+    model, dims = ModelDims(shapes.config), layout.dims
+    active = shapes.total - shapes.expert_total * (1 - model.top_k / model.experts if model.experts else 0)
+    attention = model.layers * work.seq_len * model.heads * model.head_dim  # per token, forward, causal
+    per_token_forward = 2 * active + 2 * attention
+    recomputed = work.update_passes if layout.activation_checkpointing else 0
+    passes = 3 * work.update_passes + work.forward_passes + recomputed
+    flops = passes * per_token_forward * work.sequences * work.seq_len / dims.world_size
+    compute = flops / (speeds.tflops * 1e12)
+    count, _ = micro_batches(layout, work)
+    bubble = compute * (dims.pp - 1) / count if dims.pp > 1 else 0.0
+    hidden, exposed = 0.0, 0.0
+    for side, gbps in ((moved.intra, speeds.intra_gbps), (moved.inter, speeds.inter_gbps)):
+        for what, nbytes in side.items():
+            seconds = nbytes / (gbps * 1e9)
+            if what.startswith(OVERLAPPED):
+                hidden += seconds
+            else:
+                exposed += seconds
+    return StepTime(compute, bubble, exposed + max(0.0, hidden - compute))

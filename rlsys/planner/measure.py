@@ -1,0 +1,162 @@
+"""One training step of a layout, measured on each rank: the bytes of parameters, gradients
+and optimizer state it holds, and the peak memory of loading the model and of the step.
+`benchmarks/memory.py` prints it for several layouts; the planner's `--check` sets it beside
+its estimate.
+
+Each layout runs in its own gloo (or nccl) process group of spawned processes (no Ray: the
+model engine does not need it). Peak memory on CPU is the rank process's resident set (sampled
+every 5 ms) above its size before the model was built; on GPU, torch's max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+from rlsys.algorithms.lm_loss import nll_loss
+from rlsys.config.schema import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from rlsys.engine.model_engine import EngineSpec, ModelEngine, local_tensor
+from rlsys.host_memory import release_freed_memory
+from rlsys.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The batch of the measured step, and where it runs."""
+
+    rows: int = 4
+    """Rows per data-parallel rank."""
+    seq_len: int = 256
+    steps: int = 1
+    """Training steps; the last one is measured (from the second on, AdamW's state is held)."""
+    micro_batch: int = 0
+    """Rows per micro-batch (0: all the rank's rows)."""
+    lora_rank: int = 0
+    device: str = "cpu"
+
+
+class PeakSampler:
+    """Resident-set high-water mark of this process over a window."""
+
+    def __init__(self):
+        self.peak, self._running = 0, False
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        self.peak, self._running = self.rss(), True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while self._running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self._running = False
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def local_bytes(tensors) -> int:
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+
+
+class CudaPeak:
+    """torch's allocated-bytes high-water mark on this process's GPU over a window."""
+
+    @staticmethod
+    def rss() -> int:
+        return torch.cuda.memory_allocated()
+
+    def __enter__(self):
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated()
+
+
+def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape, results) -> None:
+    warnings.filterwarnings("ignore", category=UserWarning)  # torch's deprecation notes, once per rank
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    parallel = ParallelConfig(**layout)
+    dims = ParallelDims.of(parallel)
+    torch.set_num_threads(max(1, os.cpu_count() // dims.world_size))
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=dims.world_size)
+    spec = EngineSpec(ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank)), OptimConfig(), dims, parallel,
+                      micro_batch_size=args.micro_batch or args.rows, total_steps=10, param_dtype=None)
+    Peak = CudaPeak if on_gpu else PeakSampler
+    baseline = Peak.rss()
+    with Peak() as load:
+        engine = ModelEngine(spec, dims.build_mesh(args.device), torch.device(args.device, rank if on_gpu else None))
+    vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    ids = torch.randint(0, min(vocab, 1000), (args.rows * dims.dp_size, args.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    shard = {k: v.tensor_split(dims.dp_size)[dims.coordinates(rank).dp_rank] for k, v in batch.items()}
+    loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
+    for _ in range(args.steps):  # the last step is measured: from the second on, AdamW's state is held
+        started = time.perf_counter()
+        with Peak() as step:
+            engine.forward_backward(shard, loss_fn)
+            grads = local_bytes(p.grad for _, p in engine.named_parameters() if p.grad is not None)
+            engine.optimizer_step()
+            release_freed_memory()
+        step_s = time.perf_counter() - started
+    params = local_bytes(p for _, p in engine.named_parameters())
+    optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
+                        for t in state.values() if t.dim() > 0)
+    results.put((rank, {"params": params, "grads": grads, "optim": optim,
+                        "load_peak": load.peak - baseline, "step_peak": step.peak - baseline, "step_s": step_s}))
+    dist.destroy_process_group()
+
+
+def measure(layout: dict, model_dir: str, args: StepShape) -> list[dict]:
+    """Per rank of `layout` (a `parallel:` section's keys), what it held in the last step:
+    bytes of params, grads, optim; load_peak, step_peak; step_s."""
+    world = ParallelDims.of(ParallelConfig(**layout)).world_size
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=run_rank, args=(r, layout, model_dir, port, args, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    by_rank = {}
+    while len(by_rank) < world:
+        try:
+            rank, row = results.get(timeout=5)
+            by_rank[rank] = row
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}; its error is above")
+    for p in procs:
+        p.join()
+    return [by_rank[r] for r in range(world)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import signal
 import statistics
 import time
@@ -27,6 +28,8 @@ import ray
 
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
+from rlsys.models.moe import num_experts
+from rlsys.planner.shards import ModelShapes
 
 PHASES = ("generate", "reward", "old_logprob", "reference", "update", "sync")
 
@@ -235,7 +238,8 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12
 
 def print_throughput(cfg: RLJobConfig, mean: dict) -> None:
     """VeRL's perf/throughput (tokens / (step time x GPUs)) and the update phase's MFU: 6 x the
-    model's parameters (embedding lookup left out, the output layer kept) per trained token."""
+    model's active parameters (the embedding lookup left out, the output layer and a token's top-k
+    experts kept) per trained token."""
     import torch
     import transformers
 
@@ -246,11 +250,13 @@ def print_throughput(cfg: RLJobConfig, mean: dict) -> None:
     if not gpus:
         return
     config = transformers.AutoConfig.from_pretrained(cfg.model.path)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" not in name)
+    shapes = ModelShapes(config)
+    embedding = config.vocab_size * config.hidden_size
+    experts = num_experts(config)
+    idle_experts = shapes.expert_total * (1 - config.num_experts_per_tok / experts) if experts else 0
+    params = shapes.total - embedding * (0 if shapes.tied else 1) - idle_experts  # a tied output layer computes
     name = torch.cuda.get_device_name(0)
-    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name.split()), None)
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in re.split(r"[\s-]", name)), None)
     achieved = 6 * params * tokens / mean["time/update_s"] / gpus
     mfu = f"MFU {achieved / peak:.1%} of {peak / 1e12:.0f} TFLOP/s" if peak else "MFU: peak unknown"
     print(f"update: {params / 1e6:.0f}M parameters x 6 x tokens = {achieved / 1e12:.1f} TFLOP/s per GPU "

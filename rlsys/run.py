@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, default=8, metavar="K", help="GPUs of a node (default 8)")
     plan.add_argument("--prompt-tokens", type=int, default=512, metavar="T",
                       help="RL: the longest prompt; a sequence is this plus rollout.max_new_tokens (default 512)")
+    plan.add_argument("--headroom", type=float, default=0.1, metavar="SHARE",
+                      help="share of each GPU's memory kept free for what the estimate does not count (default 0.1)")
     plan.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     plan.add_argument("--check", action="store_true",
                       help="run one step of the recommended layout here, scaled down, beside its estimate")
@@ -95,7 +97,7 @@ def _plan(args: argparse.Namespace) -> dict:
         if value <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {value:g}")
     return run_plan(PlanArgs(args.config, args.overrides, args.gpus, args.gpu_memory, args.gpus_per_node,
-                             args.prompt_tokens, args.top, args.check))
+                             args.prompt_tokens, args.headroom, args.top, args.check))
 
 
 def main(argv: list[str] | None = None) -> int:

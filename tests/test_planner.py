@@ -4,21 +4,17 @@ and the `plan` command's table, recommendation and refusals."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import transformers
 
-from rlsys.parallel.dims import ParallelDims
 from rlsys.planner.check import check
-from rlsys.planner.estimate import Layout, Precision, Workload, rank_memory
+from rlsys.planner.estimate import Precision, Workload, layout_of, micro_batches, rank_memory, spans_nodes
 from rlsys.planner.measure import StepShape, measure
-from rlsys.planner.search import GIB
 from rlsys.planner.shards import ModelShapes, chunk
 from rlsys.run import main
 
-CPU = Precision(compute_bytes=4)  # steps on CPU compute in fp32
+CPU = Precision(compute_bytes=4, mixed=False)  # steps on CPU compute in fp32
 STEP = StepShape(rows=2, seq_len=32, steps=2)
 
 
@@ -32,21 +28,22 @@ def test_chunk_is_torch_chunk():
 
 def estimated_bytes(model_dir: str, layout: dict, step: StepShape) -> list[tuple[int, int, int]]:
     shapes = ModelShapes(transformers.AutoConfig.from_pretrained(model_dir))
-    plan = Layout(ParallelDims(**layout))
-    work = Workload(sequences=step.rows * plan.dims.dp_size, seq_len=step.seq_len,
-                    micro_batch_tokens=step.rows * step.seq_len)
+    plan = layout_of(**layout)
+    work = Workload(sequences=step.rows * plan.dims.dp_size, seq_len=step.seq_len, micro_batch_rows=step.rows)
     memory = [rank_memory(shapes, plan, work, CPU, rank) for rank in range(plan.dims.world_size)]
     return [(m.params, m.grads, m.optim) for m in memory]
 
 
-@pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2}],
+@pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2},
+                                    {"dp_shard": 2, "tp": 2}],
                          ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()))
 def test_rank_bytes_equal_measured_dense(tiny_model_dir, layout):
     measured = [(row["params"], row["grads"], row["optim"]) for row in measure(layout, tiny_model_dir, STEP)]
     assert estimated_bytes(tiny_model_dir, layout, STEP) == measured
 
 
-@pytest.mark.parametrize("layout", [{"dp_shard": 2, "ep": 2}, {"tp": 2, "ep": 2}, {"dp_shard": 2}],
+@pytest.mark.parametrize("layout", [{"dp_shard": 2, "ep": 2}, {"tp": 2, "ep": 2}, {"dp_shard": 2},
+                                    {"dp_shard": 2, "tp": 2, "ep": 2}],
                          ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()))
 def test_rank_bytes_equal_measured_moe(moe_model_dirs, layout):
     model_dir = moe_model_dirs["qwen3_moe"]
@@ -68,9 +65,8 @@ def test_step_peak_within_20_percent_on_05b_shape(tmp_path):
     step = StepShape(rows=2, seq_len=256, steps=2)
     ratios, beyond_states = {}, {}
     for layout in ({"dp_shard": 1}, {"dp_shard": 1, "activation_checkpointing": True}, {"dp_shard": 2}):
-        plan = Layout(ParallelDims(dp_shard=layout["dp_shard"]), layout.get("activation_checkpointing", False))
-        work = Workload(sequences=step.rows * plan.dims.dp_size, seq_len=step.seq_len,
-                        micro_batch_tokens=step.rows * step.seq_len)
+        plan = layout_of(**layout)
+        work = Workload(sequences=step.rows * plan.dims.dp_size, seq_len=step.seq_len, micro_batch_rows=step.rows)
         measured = measure(layout, model_dir, step)
         for rank, row in enumerate(measured):
             estimate = rank_memory(shapes, plan, work, CPU, rank)
@@ -81,12 +77,12 @@ def test_step_peak_within_20_percent_on_05b_shape(tmp_path):
     print("step peak, estimated / measured:", ratios, "\nbeyond the states:", beyond_states)
     assert all(0.8 <= ratio <= 1.2 for ratio in ratios.values()), ratios
     # the activations and gathered weights, apart from the states that dominate the peak
-    assert all(0.6 <= ratio <= 1.4 for ratio in beyond_states.values()), beyond_states
+    assert all(0.7 <= ratio <= 1.3 for ratio in beyond_states.values()), beyond_states
 
 
 def test_check_sets_estimate_beside_measurement():
     config = transformers.AutoConfig.from_pretrained("examples/plan/qwen2.5-32b")
-    rows = check(config, Layout(ParallelDims(pp=4, dp_shard=8, tp=8)))
+    rows = check(config, layout_of(pp=4, dp_shard=8, tp=8, pp_microbatches=8))
     assert [row["layout"] for row in rows] == ["pp2 tp2"] * 4  # at most 4 ranks here, tp first
     for row in rows:
         est, got = row["estimate"], row["measured"]
@@ -99,23 +95,28 @@ def plan_output(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_plan_recommends_a_layout_that_fits(capsys):
-    code, out, _ = plan_output(capsys, "--gpus", "64", "--gpu-memory", "80", "model.path=examples/plan/qwen2.5-32b")
+def test_plan_recommends_a_layout_the_job_runs(capsys):
+    """The recommendation's overrides pass the job's own preflight and give a layout of every GPU."""
+    from rlsys.config.schema import RLJobConfig
+    from rlsys.planner.job import load_job, model_config
+    from rlsys.trainers.preflight import check_layout, check_rl_batch
+
+    model = "model.path=examples/plan/qwen2.5-32b"
+    code, out, _ = plan_output(capsys, "--gpus", "64", "--gpu-memory", "80", model, "train.prompts_per_step=24")
     assert code == 0
-    recommended = next(line for line in out.splitlines() if line.startswith("recommended: "))
     first_row = next(line for line in out.splitlines() if line.startswith("| ") and "layout" not in line)
-    peak, margin = (float(cell) for cell in first_row.split("|")[3:5])
-    assert peak <= 80 and math.isclose(peak + margin, 80, abs_tol=0.11)
-    assert first_row.split("|")[1].strip() in recommended
+    assert float(first_row.split("|")[3]) <= 72  # 80 GiB less the 10% headroom
     overrides = next(line for line in out.splitlines() if "overrides:" in line).split("overrides:")[1].split()
-    degrees = {key.split("=")[0].removeprefix("parallel."): int(key.split("=")[1]) for key in overrides
-               if key.split("=")[1].isdigit()}
-    assert math.prod(degrees.get(name, 1) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")) == 64
+    cfg = load_job("examples/plan/rlvr.yaml", [model, "train.prompts_per_step=24", *overrides])
+    assert isinstance(cfg, RLJobConfig)
+    dims = check_layout(cfg.parallel, model_config(cfg.model.path))
+    check_rl_batch(cfg, dims.dp_size)  # 24 x 8 responses: a data-parallel size of 64 would not divide them
+    assert dims.world_size == 64
 
 
 def test_plan_says_when_nothing_fits(capsys):
     code, out, _ = plan_output(capsys, "--gpus", "2", "--gpu-memory", "24", "model.path=examples/plan/qwen2.5-32b")
-    assert code == 0 and "no layout fits 24 GiB" in out
+    assert code == 0 and "no layout fits 21.6 GiB" in out  # 24 GiB less the 10% headroom
 
 
 def test_plan_bad_input_is_one_line(capsys, tmp_path):
@@ -125,14 +126,19 @@ def test_plan_bad_input_is_one_line(capsys, tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "model.path: no config.json" in err
 
 
-def test_more_memory_never_fits_fewer_layouts():
-    config = transformers.AutoConfig.from_pretrained("examples/plan/qwen3-30b-a3b")
-    shapes = ModelShapes(config)
-    from rlsys.planner.search import Cluster, plan
+def test_micro_batches_follow_the_engine():
+    """A token budget is per rank: under cp a micro-batch holds cp times as many tokens of whole
+    sequences (`ModelEngine._token_budget_sizes`); a pipeline runs pp_microbatches of them."""
+    work = Workload(sequences=64, seq_len=1000, micro_batch_rows=4, micro_batch_tokens=4000)
+    assert micro_batches(layout_of(dp_shard=2), work) == (8, 4000)  # 32 rows a rank, 4 a micro-batch
+    assert micro_batches(layout_of(dp_shard=2, cp=2), work) == (4, 4000)  # 8 rows, split over 2 ranks
+    rows = Workload(sequences=64, seq_len=1000, micro_batch_rows=4)
+    assert micro_batches(layout_of(dp_shard=2, cp=2), rows) == (8, 2000)
+    assert micro_batches(layout_of(pp=2, dp_shard=2, pp_microbatches=8), rows) == (8, 4000)
 
-    work = Workload(sequences=512, seq_len=5120, micro_batch_tokens=16384, reference=True, engine_gib=16)
-    counts = []
-    for memory in (40, 80, 141):
-        ranked, _ = plan(shapes, Cluster(64, memory), work, Precision())
-        counts.append(len([c for c in ranked if c.peak <= memory * GIB]))
-    assert counts == sorted(counts) and counts[-1] > counts[0]
+
+def test_groups_within_and_across_nodes():
+    assert not spans_nodes(1, 8, 8) and spans_nodes(1, 16, 8)
+    assert not spans_nodes(2, 4, 8) and spans_nodes(8, 2, 8)  # tp=2 x 4 peers; pp stages a node apart
+    assert spans_nodes(1, 4, 6)  # 4-rank groups on 6-GPU nodes: the second group straddles two nodes
+    assert not spans_nodes(1, 1, 8)

@@ -40,7 +40,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     fsdp_mesh = dims.fsdp_mesh(mesh)
-    if needs_fsdp(fsdp_mesh, param_dtype, dims.tp, dims.ep):
+    if needs_fsdp(fsdp_mesh.size(), param_dtype, dims.tp, dims.ep):
         # a pipeline stage runs several micro-batches forward before their backward: keep it gathered
         apply_fsdp(model, fsdp_mesh, param_dtype, reshard_after_forward=dims.pp == 1,
                    expert_mesh=dims.expert_fsdp_mesh(expert_mesh) if moe else None)
@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel
     return model
 
 
-def needs_fsdp(fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None, tp: int, ep: int = 1) -> bool:
+def needs_fsdp(fsdp_ranks: int, param_dtype: torch.dtype | None, tp: int, ep: int = 1) -> bool:
     """FSDP2 on a mesh of one rank shards nothing, yet it gathers each unit's weights into a
     copy and copies its gradients out to reduce them. As one unit those copies lived through
     the step; a unit per block made them block by block and micro-batch by micro-batch.
@@ -58,7 +58,7 @@ def needs_fsdp(fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None, tp: int, 
     default), whose casts FSDP2 makes, and under tensor parallel, where it makes the parameters the plan leaves whole
     (norms, a value head) DTensors like the rest: AdamW's fused step takes no mix of the two;
     and under expert parallel, for the same reason."""
-    return fsdp_mesh.size() > 1 or param_dtype is not None or tp > 1 or ep > 1
+    return fsdp_ranks > 1 or param_dtype is not None or tp > 1 or ep > 1
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -5,12 +5,12 @@ rank held."""
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import transformers
 
+from rlsys.models.moe import num_experts
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model
-from rlsys.parallel.dims import ParallelDims
 from rlsys.planner.estimate import Layout, Precision, Workload, rank_memory
 from rlsys.planner.measure import StepShape, measure
 from rlsys.planner.shards import ModelShapes
@@ -27,18 +27,19 @@ def scaled_down(layout: Layout, max_ranks: int = 4) -> Layout:
             degrees[name], world = 2, world * 2
     token_ranks = degrees.get("dp_shard", 1) * degrees.get("cp", 1) * degrees.get("tp", 1)
     ep = 2 if layout.dims.ep > 1 and token_ranks % 2 == 0 else 1
-    return replace(layout, dims=ParallelDims(**degrees, ep=ep), pp_microbatches=2)
+    pipeline = {"pp_microbatches": 2 * layout.stages_per_rank} if "pp" in degrees else {}
+    degrees = {name: degrees.get(name, 1) for name in SCALE_ORDER}
+    return Layout(replace(layout.parallel, **degrees, ep=ep, **pipeline, sequence_parallel=degrees["tp"] > 1,
+                          loss_parallel=degrees["tp"] > 1))
 
 
 def tiny_spec(config, layout: Layout) -> TinyModelSpec:
-    """A tiny model of the config's family that `layout` can split (an uneven vocabulary)."""
-    experts = dict(num_experts=4, moe_type=config.model_type) if layout.dims.ep > 1 or _is_moe(config) else {}
-    return TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=max(4, 2 * layout.dims.pp),
+    """A tiny model that `layout` can split (an uneven vocabulary): Qwen2, or for an MoE model
+    a model of its family."""
+    experts = dict(num_experts=4, moe_type=config.model_type) if num_experts(config) else {}
+    return TinyModelSpec(hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=max(4, 2 * layout.dims.pp * layout.stages_per_rank),
                          num_attention_heads=4, num_key_value_heads=4, vocab_size=105, **experts)
-
-
-def _is_moe(config) -> bool:
-    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
 
 
 def check(config, layout: Layout, step: StepShape = StepShape(rows=2, seq_len=64, steps=2)) -> list[dict]:
@@ -47,13 +48,10 @@ def check(config, layout: Layout, step: StepShape = StepShape(rows=2, seq_len=64
     with tempfile.TemporaryDirectory() as model_dir:
         write_tiny_model(model_dir, tiny_spec(config, small))
         shapes = ModelShapes(transformers.AutoConfig.from_pretrained(model_dir))
-        keys = {name: getattr(small.dims, name) for name in (*SCALE_ORDER, "ep")}
-        measured = measure({**keys, "activation_checkpointing": small.activation_checkpointing,
-                            "sequence_parallel": small.sequence_parallel, "pp_microbatches": small.pp_microbatches},
-                           model_dir, step)
+        measured = measure(asdict(small.parallel), model_dir, step)
     work = Workload(sequences=step.rows * small.dims.dp_size, seq_len=step.seq_len,
-                    micro_batch_tokens=(step.micro_batch or step.rows) * step.seq_len)
-    precision = Precision(compute_bytes=4)  # one step on CPU computes in fp32
+                    micro_batch_rows=step.micro_batch or step.rows)
+    precision = Precision(compute_bytes=4, mixed=False)  # one step on CPU computes in fp32
     rows = []
     for rank, got in enumerate(measured):
         estimate = rank_memory(shapes, small, work, precision, rank)

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import torch
+
+from rlsys.config.schema import ParallelConfig
+from rlsys.data.batching import token_budget_sizes
 from rlsys.models.moe import num_experts
-from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.dims import MESH_DIMS, ParallelDims
+from rlsys.parallel.parallelize import needs_fsdp
+from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.planner.shards import ModelShapes, RankShards, rank_shards
 
 FP32 = 4
@@ -29,8 +36,11 @@ class Workload:
     """Sequences trained on per step (an RL step: prompts x samples)."""
     seq_len: int
     """Tokens of the longest sequence (prompt + response)."""
-    micro_batch_tokens: int
-    """Tokens a data-parallel rank runs in one micro-batch (its context-parallel peers split them)."""
+    micro_batch_rows: int
+    """Rows of a micro-batch (`train.micro_batch_size`), unless a token budget is set."""
+    micro_batch_tokens: int | None = None
+    """The token budget of a micro-batch on one rank (`train.micro_batch_tokens`; under context
+    parallel a micro-batch holds cp times as many tokens of whole sequences)."""
     update_passes: int = 1
     """Forward + backward passes over the batch per step (PPO epochs)."""
     forward_passes: int = 0
@@ -50,26 +60,42 @@ class Precision:
     """The parameters, their gradients and AdamW's moments (rlsys keeps fp32 masters)."""
     compute_bytes: int = 2
     """Activations and FSDP2's gathered weights (bf16 under mixed precision)."""
+    mixed: bool = True
+    """FSDP2 casts to the compute dtype (`parallel.mixed_precision` on a GPU)."""
     engine_bytes: int = 2
 
 
 @dataclass(frozen=True)
 class Layout:
-    dims: ParallelDims
-    activation_checkpointing: bool = False
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 4
-    stages_per_rank: int = 1
+    """A candidate `parallel:` section."""
+
+    parallel: ParallelConfig
+
+    @cached_property
+    def dims(self) -> ParallelDims:
+        return ParallelDims.of(self.parallel)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.parallel.activation_checkpointing
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.dims.tp > 1
+        return self.parallel.sequence_parallel
+
+    @property
+    def stages_per_rank(self) -> int:
+        return stages_per_rank(self.parallel)
 
     @property
     def name(self) -> str:
-        parts = [f"{key}{getattr(self.dims, key)}" for key in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-                 if getattr(self.dims, key) > 1]
+        parts = [f"{key}{getattr(self.dims, key)}" for key in (*MESH_DIMS, "ep") if getattr(self.dims, key) > 1]
         return " ".join(parts or ["1 rank"]) + (" +ac" if self.activation_checkpointing else "")
+
+
+def layout_of(**keys) -> Layout:
+    """A layout from `parallel:` keys (degrees, activation_checkpointing, ...)."""
+    return Layout(ParallelConfig(**keys))
 
 
 @dataclass
@@ -137,9 +163,9 @@ class ModelDims:
 
 
 def fsdp_wraps(dims: ParallelDims, precision: Precision) -> bool:
-    """`parallelize.needs_fsdp` from degrees: FSDP2 unless one rank computes in its weights' dtype."""
-    return dims.dp_shard * dims.cp * dims.dp_replicate > 1 or precision.compute_bytes != precision.param_bytes \
-        or dims.tp > 1 or dims.ep > 1
+    """Whether FSDP2 wraps the model (`parallelize.needs_fsdp`)."""
+    return needs_fsdp(dims.dp_replicate * dims.dp_shard * dims.cp, torch.bfloat16 if precision.mixed else None,
+                      dims.tp, dims.ep)
 
 
 def rank_memory(shapes: ModelShapes, layout: Layout, work: Workload, precision: Precision, rank: int,
@@ -167,7 +193,7 @@ def _gathered(shapes: ModelShapes, layout: Layout, held: RankShards, whole: Rank
     to backward), or the whole stage when a pipeline keeps it gathered, or the whole model when
     one rank's root is the only unit; with each, its unsharded gradients in fp32."""
     dims = layout.dims
-    if dims.pp > 1 or dims.dp_shard * dims.cp == 1:
+    if dims.pp > 1 or dims.dp_replicate * dims.dp_shard * dims.cp == 1:  # one unit, or a stage kept gathered
         unsharded = whole.elements
     else:
         outside = _outside_blocks(shapes, dims.tp)
@@ -182,16 +208,25 @@ def _outside_blocks(shapes: ModelShapes, tp: int) -> float:
 
 
 def micro_batches(layout: Layout, work: Workload) -> tuple[int, int]:
-    """(micro-batches per step per rank, tokens each micro-batch puts on a rank)."""
-    dims = layout.dims
+    """(micro-batches per step on a rank, tokens each puts on a rank), cut as the model engine
+    cuts a data-parallel shard (`ModelEngine._micro_batches`, `_pipeline_micro_batches`)."""
+    dims, parallel = layout.dims, layout.parallel
     rows = max(1, math.ceil(work.sequences / dims.dp_size))
-    per_rank_tokens = rows * work.seq_len
-    micro_tokens = max(work.seq_len, min(work.micro_batch_tokens, per_rank_tokens))
-    count = math.ceil(per_rank_tokens / micro_tokens)
+    if work.micro_batch_tokens:
+        sizes = token_budget_sizes([work.seq_len] * rows, work.micro_batch_tokens * dims.cp)
+    else:
+        sizes = [len(part) for part in _cut(rows, work.micro_batch_rows)]
+    count = len(sizes)
     if dims.pp > 1:
-        count = max(count, layout.pp_microbatches)
-        micro_tokens = math.ceil(per_rank_tokens / count)
-    return count, math.ceil(micro_tokens / dims.cp)
+        count = max(count, parallel.pp_microbatches) if work.micro_batch_tokens else parallel.pp_microbatches
+        if parallel.pp_schedule == "interleaved_1f1b":
+            count = -(-count // dims.pp) * dims.pp
+        sizes = [math.ceil(rows / count)]
+    return count, math.ceil(max(sizes) * work.seq_len / dims.cp)
+
+
+def _cut(rows: int, per_micro_batch: int) -> list[range]:
+    return [range(start, min(rows, start + per_micro_batch)) for start in range(0, rows, per_micro_batch)]
 
 
 def layer_activation_bytes(model: ModelDims, tp: int, sequence_parallel: bool, compute: int) -> float:
@@ -212,8 +247,8 @@ def layer_activation_bytes(model: ModelDims, tp: int, sequence_parallel: bool, c
 def activation_bytes(model: ModelDims, layout: Layout, work: Workload, precision: Precision,
                      held: RankShards) -> int:
     """Activations one rank holds at the end of its micro-batches' forward: its blocks' (for as
-    many micro-batches as its pipeline stage keeps in flight), and on the last stage the logits,
-    their fp32 copy and its gradient (split over tp: loss parallel)."""
+    many micro-batches as its pipeline stage keeps in flight), and on the last stage the logits
+    with their fp32 copies (split over tp: loss parallel)."""
     dims, b = layout.dims, precision.compute_bytes
     _, tokens = micro_batches(layout, work)
     per_layer = layer_activation_bytes(model, dims.tp, layout.sequence_parallel, b)
@@ -225,14 +260,20 @@ def activation_bytes(model: ModelDims, layout: Layout, work: Workload, precision
         blocks = layers * tokens * per_layer
     in_flight = 1
     if dims.pp > 1:
-        in_flight = layout.pp_microbatches if layout.pp_schedule == "gpipe" else min(dims.pp, layout.pp_microbatches)
-    logits = tokens * model.vocab / dims.tp * (b + 2 * FP32) if held.last_stage or dims.pp == 1 else 0
+        count, _ = micro_batches(layout, work)
+        schedule = layout.parallel.pp_schedule
+        in_flight = count if schedule == "gpipe" else min(count, dims.pp * layout.stages_per_rank)
+    # the logits, their fp32 copy, and in the loss's backward its softmax and gradient
+    logits = tokens * model.vocab / dims.tp * (b + 3 * FP32) if held.last_stage or dims.pp == 1 else 0
     return int(blocks * in_flight + logits)
 
 
 def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
-    """Whether a group of `size` ranks `stride` apart reaches beyond one node."""
-    return size > 1 and stride * size > gpus_per_node
+    """Whether some group of `size` ranks `stride` apart reaches beyond one node: the groups
+    tile blocks of stride x size consecutive ranks, which stay within nodes only when a node
+    holds whole blocks."""
+    span = stride * size
+    return size > 1 and (span > gpus_per_node or gpus_per_node % span != 0)
 
 
 def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Precision,
@@ -246,28 +287,31 @@ def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Prec
     count, tokens = micro_batches(layout, work)
     forwards = count * (work.update_passes + work.forward_passes)
     backwards = count * work.update_passes
+    # FSDP2 gathers and reduces per micro-batch; a pipeline schedule keeps its stage gathered and
+    # reduces once, after its last micro-batch
+    schedules = 1 if dims.pp > 1 else count
+    fsdp_gathers = schedules * (work.update_passes + work.forward_passes) + (backwards if dims.pp == 1 else 0)
+    fsdp_reduces = schedules * work.update_passes
     b, node = precision.compute_bytes, gpus_per_node
     inner = {"tp": 1, "cp": dims.tp, "dp_shard_cp": dims.tp, "dp_replicate": dims.dp_shard * dims.cp * dims.tp,
              "pp": dims.ranks_per_stage}
     shard_group = dims.dp_shard * dims.cp
     dense, experts = whole.elements - whole.expert_elements, whole.expert_elements
     if fsdp and shard_group > 1:
-        gathers = forwards + (backwards if dims.pp == 1 else 0)
         part = (shard_group - 1) / shard_group
         across = spans_nodes(inner["dp_shard_cp"], shard_group, node)
-        out.add("fsdp all-gather", gathers * dense * b * part, across)
-        out.add("fsdp reduce-scatter", backwards * dense * FP32 * part, across)
+        out.add("fsdp all-gather", fsdp_gathers * dense * b * part, across)
+        out.add("fsdp reduce-scatter", fsdp_reduces * dense * FP32 * part, across)
     if fsdp and dims.efsdp > 1 and experts:
-        gathers = forwards + (backwards if dims.pp == 1 else 0)
         part = (dims.efsdp - 1) / dims.efsdp
         across = spans_nodes(dims.ep, dims.efsdp, node)
-        out.add("expert fsdp all-gather", gathers * experts * b * part, across)
-        out.add("expert fsdp reduce-scatter", backwards * experts * FP32 * part, across)
+        out.add("expert fsdp all-gather", fsdp_gathers * experts * b * part, across)
+        out.add("expert fsdp reduce-scatter", fsdp_reduces * experts * FP32 * part, across)
     if dims.dp_replicate > 1:
         shard = (dense / shard_group + experts / max(1, dims.efsdp)) * FP32
         part = 2 * (dims.dp_replicate - 1) / dims.dp_replicate
         across = spans_nodes(inner["dp_replicate"], dims.dp_replicate, node)
-        out.add("hsdp all-reduce", backwards * shard * part, across)
+        out.add("hsdp all-reduce", fsdp_reduces * shard * part, across)
     layers = len(whole.layers)
     activation = tokens * model.hidden * b
     # activations' collectives run again when checkpointed blocks recompute their forward

@@ -4,12 +4,13 @@ one to run and why; `--check` runs one step of it here, scaled down, beside its 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 from rlsys.config.loader import ConfigError, load_config
-from rlsys.config.schema import RLJobConfig, TrainJobConfig
-from rlsys.planner.estimate import Precision, Workload
-from rlsys.planner.search import GIB, Candidate, Cluster, plan, reason, table
+from rlsys.config.schema import ParallelConfig, RLJobConfig, TrainJobConfig
+from rlsys.planner.estimate import Layout, Precision, Workload
+from rlsys.planner.search import GIB, Cluster, plan, reason, table
 from rlsys.planner.shards import ModelShapes
 
 
@@ -22,6 +23,7 @@ class PlanArgs:
     gpus_per_node: int = 8
     prompt_tokens: int = 512
     """RL: the longest prompt (the sequence is this plus the response budget)."""
+    headroom: float = 0.1
     top: int = 10
     check: bool = False
 
@@ -38,65 +40,102 @@ def load_job(path: str, overrides: list[str]) -> RLJobConfig | TrainJobConfig:
 
 
 def model_config(path: str):
+    """The HF config the planner reads the model's shape from (weights are not needed)."""
     import transformers
+
+    from rlsys.config.loader import first_line
+    from rlsys.models.moe import moe_family
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.path: no config.json in {path!r} (the planner reads the model's shape from it)")
-    return transformers.AutoConfig.from_pretrained(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        moe_family(config)
+    except Exception as err:  # transformers raises several types for unreadable configs
+        raise ConfigError(f"model.path: {path}/config.json: {first_line(err)}") from None
+    return config
 
 
 def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
-    if isinstance(cfg, RLJobConfig):
-        seq_len = prompt_tokens + cfg.rollout.response_budget
-        kl = cfg.algorithm.kl_coef > 0 or cfg.algorithm.use_kl_in_reward
-        critic = cfg.algorithm.adv_estimator == "gae"
-        colocated = cfg.rollout.placement == "colocated"
-        return Workload(sequences=cfg.train.prompts_per_step * cfg.rollout.n, seq_len=seq_len,
-                        micro_batch_tokens=cfg.train.micro_batch_tokens or cfg.train.micro_batch_size * seq_len,
-                        update_passes=cfg.algorithm.ppo_epochs, forward_passes=1 + kl + critic, reference=kl,
-                        critic=critic, engine_gib=cfg.rollout.engine_memory_gib if colocated else 0.0,
-                        engine_tp=cfg.rollout.tensor_parallel_size, engine_released=cfg.rollout.free_memory_in_update)
-    seq_len = cfg.data.max_seq_len
-    return Workload(sequences=cfg.train.global_batch_size, seq_len=seq_len,
-                    micro_batch_tokens=cfg.train.micro_batch_tokens or cfg.train.micro_batch_size * seq_len)
+    train = cfg.train
+    if isinstance(cfg, TrainJobConfig):
+        return Workload(sequences=train.global_batch_size, seq_len=cfg.data.max_seq_len,
+                        micro_batch_rows=train.micro_batch_size, micro_batch_tokens=train.micro_batch_tokens)
+    algo, rollout = cfg.algorithm, cfg.rollout
+    kl = algo.kl_coef > 0 or algo.use_kl_in_reward
+    critic = algo.adv_estimator == "gae"
+    mini_batches = cfg.train.prompts_per_step // algo.ppo_mini_batch_size if algo.ppo_mini_batch_size else 1
+    updates = algo.ppo_epochs * mini_batches
+    # the trainer recomputes the sampling policy's log-probs unless the update is on-policy (RLTrainer)
+    on_policy = updates == 1 and not algo.use_kl_in_reward and train.async_mode == "off"
+    old_logprobs = algo.old_logprobs == "trainer" or (algo.old_logprobs == "auto" and not on_policy)
+    colocated = rollout.placement == "colocated"
+    return Workload(sequences=train.prompts_per_step * rollout.n, seq_len=prompt_tokens + rollout.response_budget,
+                    micro_batch_rows=train.micro_batch_size, micro_batch_tokens=train.micro_batch_tokens,
+                    update_passes=algo.ppo_epochs * (2 if critic else 1),  # a critic trains beside the policy
+                    forward_passes=old_logprobs + kl + critic, reference=kl, critic=critic,
+                    engine_gib=rollout.engine_memory_gib if colocated else 0.0,
+                    engine_tp=rollout.tensor_parallel_size, engine_released=rollout.free_memory_in_update)
+
+
+def validator(cfg: RLJobConfig | TrainJobConfig, config) -> Callable[[ParallelConfig], None]:
+    """The job's own preflight checks of a candidate `parallel:` section (ConfigError if refused)."""
+    from rlsys.trainers import preflight
+
+    def validate(parallel: ParallelConfig) -> None:
+        dims = preflight.check_layout(parallel, config)
+        preflight.check_lora(cfg.model, parallel, config)
+        if isinstance(cfg, RLJobConfig):
+            preflight.check_algorithm(cfg.algorithm, parallel)
+            preflight.check_rl_batch(cfg, dims.dp_size)
+        else:
+            preflight.check_train_batch(cfg.train, dims.dp_size)
+
+    return validate
 
 
 def precision(cfg) -> Precision:
     """On GPUs ("auto") rlsys computes in bf16 over fp32 masters."""
     params = 2 if cfg.model.dtype == "bfloat16" else 4
-    return Precision(param_bytes=params, compute_bytes=4 if cfg.parallel.mixed_precision == "none" else 2)
+    mixed = cfg.parallel.mixed_precision != "none"
+    return Precision(param_bytes=params, compute_bytes=2 if mixed else params, mixed=mixed)
 
 
-def overrides_of(best: Candidate) -> str:
-    dims = best.layout.dims
-    keys = [f"parallel.{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-            if getattr(dims, name) > 1]
-    if dims.tp > 1:
-        keys += ["parallel.sequence_parallel=true", "parallel.loss_parallel=true"]
-    if best.layout.activation_checkpointing:
-        keys.append("parallel.activation_checkpointing=true")
-    return " ".join(keys)
+def overrides_of(layout: Layout, base: ParallelConfig) -> str:
+    """The `parallel.` keys that turn the job's section into `layout`'s."""
+    chosen = layout.parallel
+    keys = [f"parallel.{f.name}={str(getattr(chosen, f.name)).lower()}" for f in fields(chosen)
+            if getattr(chosen, f.name) != getattr(base, f.name)]
+    return " ".join(keys) or "(none: the config's own layout)"
 
 
 def run_plan(args: PlanArgs) -> dict:
+    if args.prompt_tokens < 1:
+        raise ConfigError(f"--prompt-tokens: must be > 0, got {args.prompt_tokens}")
     cfg = load_job(args.config, args.overrides)
     config = model_config(cfg.model.path)
     shapes = ModelShapes(config)
     work = workload(cfg, args.prompt_tokens)
     critic = ModelShapes(config, value_head=True) if work.critic else None
-    cluster = Cluster(args.gpus, args.gpu_memory_gib, args.gpus_per_node)
-    ranked, considered = plan(shapes, cluster, work, precision(cfg), critic, cfg.parallel.pp_microbatches)
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom: a share of the GPU's memory in [0, 1), got {args.headroom:g}")
+    cluster = Cluster(args.gpus, args.gpu_memory_gib, args.gpus_per_node, args.headroom)
+    ranked, considered = plan(shapes, cluster, work, precision(cfg), cfg.parallel, validator(cfg, config), critic)
     print(f"model {config.model_type}, {shapes.total / 1e9:.2f} B parameters; {work.sequences} sequences of <= "
           f"{work.seq_len} tokens a step; {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
-          f"{cluster.gpus_per_node} a node; {considered} layouts considered\n")
-    fits = ranked and ranked[0].margin(cluster) >= 0
+          f"{cluster.gpus_per_node} a node, {cluster.headroom:.0%} of each kept free; "
+          f"{considered} layouts considered\n")
+    if not ranked:
+        raise ConfigError(f"--gpus: no layout of {cluster.gpus} GPUs that the model and the job take (tp, pp and cp "
+                          f"must divide the model's heads and layers, the data-parallel size the batch)")
     print(table(ranked, cluster, args.top))
-    if not fits:
-        print(f"\nno layout fits {cluster.gpu_memory_gib:g} GiB: the closest need {ranked[0].peak / GIB:.1f} GiB "
+    best = ranked[0]
+    if best.margin(cluster) < 0:
+        print(f"\nno layout fits {cluster.usable_bytes / GIB:.1f} GiB: the closest need {best.peak / GIB:.1f} GiB "
               f"(more GPUs, a shorter micro-batch (train.micro_batch_tokens) or a smaller engine share)")
         return {"fits": False}
-    best = ranked[0]
-    print(f"\nrecommended: {best.layout.name}: {reason(best, cluster)}\n  overrides: {overrides_of(best)}")
+    print(f"\nrecommended: {best.layout.name}: {reason(best, cluster)}\n"
+          f"  overrides: {overrides_of(best.layout, cfg.parallel)}")
     if args.check:
         from rlsys.planner.check import check, check_table
 

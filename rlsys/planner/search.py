@@ -11,11 +11,12 @@ least model parallelism (tp, pp, cp) and the least traffic across nodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
-from rlsys.parallel.dims import LayoutError, ParallelDims
-from rlsys.parallel.tp import TP_FAMILIES
+from rlsys.config.loader import ConfigError
+from rlsys.config.schema import ParallelConfig
+from rlsys.parallel.dims import MESH_DIMS
 from rlsys.planner.estimate import (
     Layout,
     Precision,
@@ -38,7 +39,14 @@ class Cluster:
     gpus: int
     gpu_memory_gib: float
     gpus_per_node: int = 8
+    headroom: float = 0.1
+    """Share of each GPU's memory left for what the estimate does not count: the CUDA context,
+    NCCL's buffers, the allocator's fragmentation."""
     speeds: Speeds = Speeds()
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_gib * GIB * (1 - self.headroom)
 
 
 @dataclass
@@ -51,7 +59,8 @@ class Candidate:
     time: StepTime
 
     def margin(self, cluster: Cluster) -> float:
-        return cluster.gpu_memory_gib * GIB - self.peak
+        """Bytes to spare below the usable memory (the GPU's less the headroom)."""
+        return cluster.usable_bytes - self.peak
 
     @property
     def model_parallel(self) -> int:
@@ -75,23 +84,28 @@ def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (first, *rest)
 
 
-def layouts(shapes: ModelShapes, cluster: Cluster, work: Workload, pp_microbatches: int = 4) -> Iterator[Layout]:
-    """Layouts of `cluster.gpus` ranks the model takes, tp within a node, every data-parallel
-    rank with at least one sequence."""
-    config, experts = shapes.config, shapes.expert_total > 0
-    tp_ok = config.model_type in TP_FAMILIES
-    for pp, dp_replicate, dp_shard, cp, tp in factorizations(cluster.gpus, 5):
-        if tp > cluster.gpus_per_node or (tp > 1 and not tp_ok) or dp_replicate * dp_shard > work.sequences:
+def layouts(shapes: ModelShapes, cluster: Cluster, work: Workload, base: ParallelConfig,
+            validate: Callable[[ParallelConfig], None]) -> Iterator[Layout]:
+    """Layouts of `cluster.gpus` ranks, tp within a node, every data-parallel rank with a
+    sequence: `base` (the job's `parallel:` section) with each set of degrees, sequence and loss
+    parallel under tp, enough pipeline micro-batches for its schedule, with and without activation
+    checkpointing; those `validate` (the job's own preflight) refuses are left out."""
+    experts = shapes.expert_total > 0
+    for pp, dp_replicate, dp_shard, cp, tp in factorizations(cluster.gpus, len(MESH_DIMS)):
+        if tp > cluster.gpus_per_node or dp_replicate * dp_shard > work.sequences:
             continue
         token_ranks = dp_shard * cp * tp
         for ep in [e for e in range(1, token_ranks + 1) if token_ranks % e == 0] if experts else [1]:
-            try:
-                dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
-                dims.check_model(config)
-            except LayoutError:
-                continue
+            microbatches = base.pp_microbatches if pp == 1 else -(-max(base.pp_microbatches, pp) // pp) * pp
             for checkpointing in (False, True):
-                yield Layout(dims, checkpointing, pp_microbatches=max(pp_microbatches, pp))
+                parallel = replace(base, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
+                                   sequence_parallel=tp > 1, loss_parallel=tp > 1, pp_microbatches=microbatches,
+                                   activation_checkpointing=checkpointing)
+                try:
+                    validate(parallel)
+                except ConfigError:
+                    continue
+                yield Layout(parallel)
 
 
 def evaluate(shapes: ModelShapes, layout: Layout, work: Workload, precision: Precision, cluster: Cluster,
@@ -106,11 +120,12 @@ def evaluate(shapes: ModelShapes, layout: Layout, work: Workload, precision: Pre
     return Candidate(layout, worst, worst_peak, moved, step_time(shapes, layout, work, moved, cluster.speeds))
 
 
-def plan(shapes: ModelShapes, cluster: Cluster, work: Workload, precision: Precision,
-         critic_shapes: ModelShapes | None = None, pp_microbatches: int = 4) -> tuple[list[Candidate], int]:
-    """The layouts that fit, best first, and how many were considered."""
+def plan(shapes: ModelShapes, cluster: Cluster, work: Workload, precision: Precision, base: ParallelConfig,
+         validate: Callable[[ParallelConfig], None], critic_shapes: ModelShapes | None = None
+         ) -> tuple[list[Candidate], int]:
+    """The layouts that fit, best first (else the 5 closest to fitting), and how many were considered."""
     candidates = [evaluate(shapes, layout, work, precision, cluster, critic_shapes)
-                  for layout in layouts(shapes, cluster, work, pp_microbatches)]
+                  for layout in layouts(shapes, cluster, work, base, validate)]
     fitting = [c for c in candidates if c.margin(cluster) >= 0]
     if not fitting:  # nothing fits: show the closest
         return sorted(candidates, key=lambda c: c.peak)[:5], len(candidates)
@@ -121,8 +136,9 @@ def reason(best: Candidate, cluster: Cluster) -> str:
     """Why the planner picks `best`, in the decision order it ranks by."""
     dims, time, parts = best.layout.dims, best.time, []
     parts.append(f"fits with {best.margin(cluster) / GIB:.1f} GiB to spare on its fullest rank")
-    parts.append(f"the shortest estimated training step of those that fit, {time.total:.1f} s (compute "
-                 f"{time.compute:.1f}, pipeline bubble {time.bubble:.1f}, communication not hidden {time.exposed:.1f})")
+    parts.append(f"among the shortest estimated training steps (within 5%) of those that fit, {time.total:.1f} s "
+                 f"(compute {time.compute:.1f}, pipeline bubble {time.bubble:.1f}, communication not hidden "
+                 f"{time.exposed:.1f})")
     inter = best.traffic.inter_bytes
     parts.append("no collective crosses a node" if inter == 0 else
                  f"{inter / 1e9:.1f} GB per rank per step cross nodes")
@@ -137,8 +153,8 @@ def reason(best: Candidate, cluster: Cluster) -> str:
 
 
 def table(candidates: list[Candidate], cluster: Cluster, limit: int = 10) -> str:
-    rows = ["| layout | step s | peak GiB | margin GiB | states GiB | activations GiB | engine GiB | intra-node GB | "
-            "inter-node GB |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| layout | step s | peak GiB | margin GiB | states GiB | activations + gathered GiB | engine GiB "
+            "| intra-node GB | inter-node GB |", "|---|---|---|---|---|---|---|---|---|"]
     for c in candidates[:limit]:
         m = c.memory
         rows.append(f"| {c.layout.name} | {c.time.total:.1f} | {c.peak / GIB:.1f} | {c.margin(cluster) / GIB:.1f} "

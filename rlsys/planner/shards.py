@@ -5,8 +5,9 @@ FSDP2, split the way those layers split it.
 DTensor and FSDP2 both cut a dimension as `torch.chunk` does: pieces of ceil(n / parts), the
 last ones smaller or empty. FSDP2 cuts the local tensor tensor parallel left (dim 0; an
 expert's dim 1, after expert parallel cut dim 0 by expert). The plans are `rlsys.parallel`'s
-own (`tp.top_plan`, `tp.block_plan`, `pipeline_stages.stage_layers`, `parallelize.needs_fsdp`),
-read off a model built on the meta device, so a change there changes the estimate.
+own (`tp.top_plan`, `tp.block_plan`, `pipeline_stages.stage_layers`; whether FSDP2 wraps at all:
+`parallelize.needs_fsdp`), read off a model built on the meta device, so a change there changes
+the estimate.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class RankShards:
     expert_elements: int
     layers: tuple[int, ...]
     """The decoder layers its pipeline stages hold."""
-    first_stage: bool
     last_stage: bool
+    """It holds the final norm and the LM head (and computes the logits)."""
 
 
 def rank_shards(shapes: ModelShapes, dims: ParallelDims, rank: int, stages_per_rank: int = 1,
@@ -141,7 +142,7 @@ def rank_shards(shapes: ModelShapes, dims: ParallelDims, rank: int, stages_per_r
         count = math.prod(shape)
         elements += count
         expert_elements += count if param.expert else 0
-    return RankShards(elements, expert_elements, layers, first, last)
+    return RankShards(elements, expert_elements, layers, last)
 
 
 def _on_stage(param: Param, layers: tuple[int, ...], first: bool, last: bool, pipelined: bool) -> bool:

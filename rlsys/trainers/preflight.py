@@ -18,6 +18,7 @@ from rlsys.config.schema import (
     ParallelConfig,
     RayConfig,
     RLJobConfig,
+    TrainConfig,
     TrainJobConfig,
 )
 from rlsys.models.moe import moe_family
@@ -35,16 +36,7 @@ def check_train_job(cfg: TrainJobConfig) -> None:
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     _check_files(cfg.data.train_files, "data.train_files")
-    train, dp = cfg.train, dims.dp_size
-    if train.micro_batch_tokens is not None:
-        if train.global_batch_size % dp:
-            raise ConfigError(f"train.global_batch_size: {train.global_batch_size} is not divisible by the "
-                              f"data-parallel size ({dp})")
-    elif train.global_batch_size % (train.micro_batch_size * dp):
-        raise ConfigError(
-            f"train.global_batch_size: {train.global_batch_size} is not divisible by "
-            f"train.micro_batch_size ({train.micro_batch_size}) x data-parallel size ({dp})"
-        )
+    check_train_batch(cfg.train, dims.dp_size)
     if cfg.eval is not None:
         _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, dims.world_size)
@@ -67,11 +59,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
     check_algorithm(cfg.algorithm, cfg.parallel)
     _check_algorithm_against_job(cfg)
-    dp = dims.dp_size
-    responses = (mini or prompts) * cfg.rollout.n
-    if responses % dp:
-        raise ConfigError(f"train.prompts_per_step: {responses} responses per update cannot be split evenly "
-                          f"across {dp} data-parallel ranks")
+    check_rl_batch(cfg, dims.dp_size)
     if cfg.reward.overlong_buffer_len >= cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below "
                           f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens})")
@@ -89,6 +77,27 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         gpus = cfg.rollout.gpus_per_engine * cfg.rollout.tensor_parallel_size
         check_resources(cfg.rollout.num_engines, cfg.rollout.cpus_per_engine, gpus, "rollout.cpus_per_engine",
                         cfg.ray.num_cpus)
+
+
+def check_train_batch(train: TrainConfig, dp: int) -> None:
+    """The global batch splits evenly over the data-parallel ranks (and their micro-batches)."""
+    if train.micro_batch_tokens is not None:
+        if train.global_batch_size % dp:
+            raise ConfigError(f"train.global_batch_size: {train.global_batch_size} is not divisible by the "
+                              f"data-parallel size ({dp})")
+    elif train.global_batch_size % (train.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size: {train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size ({train.micro_batch_size}) x data-parallel size ({dp})"
+        )
+
+
+def check_rl_batch(cfg: RLJobConfig, dp: int) -> None:
+    """Each update's responses split evenly over the data-parallel ranks."""
+    responses = (cfg.algorithm.ppo_mini_batch_size or cfg.train.prompts_per_step) * cfg.rollout.n
+    if responses % dp:
+        raise ConfigError(f"train.prompts_per_step: {responses} responses per update cannot be split evenly "
+                          f"across {dp} data-parallel ranks")
 
 
 def check_eval_job(cfg: EvalJobConfig) -> None:

@@ -179,15 +179,14 @@ def rank_memory(shapes: ModelShapes, layout: Layout, work: Workload, precision: 
         memory.reference = held.elements * p
     if work.critic and critic_shapes is not None:
         memory.critic = 4 * rank_shards(critic_shapes, dims, rank, layout.stages_per_rank, fsdp).elements * p
-    memory.gathered = _gathered(shapes, layout, held, whole, precision) if fsdp else 0
+    memory.gathered = _gathered(shapes, layout, whole, precision) if fsdp else 0
     memory.activations = activation_bytes(ModelDims(shapes.config), layout, work, precision, held)
     if work.engine_gib:
         memory.engine = shapes.total * precision.engine_bytes // work.engine_tp + int(work.engine_gib * 2**30)
     return memory
 
 
-def _gathered(shapes: ModelShapes, layout: Layout, held: RankShards, whole: RankShards,
-              precision: Precision) -> int:
+def _gathered(shapes: ModelShapes, layout: Layout, whole: RankShards, precision: Precision) -> int:
     """FSDP2's unsharded weights in the compute dtype: a block and the next (prefetched) one plus
     the root's (the embedding, final norm and LM head: FSDP2 keeps the root gathered from forward
     to backward), or the whole stage when a pipeline keeps it gathered, or the whole model when

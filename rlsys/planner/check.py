@@ -1,6 +1,6 @@
 """`plan --check`: one training step of a layout on this machine, scaled down (at most 4 ranks,
-each degree at most 2, a tiny model of the same family), with the estimate beside what each
-rank held."""
+each degree at most 2, a tiny Qwen2, or for an MoE model a tiny model of its family), with the
+estimate beside what each rank held."""
 
 from __future__ import annotations
 

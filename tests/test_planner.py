@@ -98,8 +98,8 @@ def plan_output(capsys, *args: str) -> tuple[int, str, str]:
 def test_plan_recommends_a_layout_the_job_runs(capsys):
     """The recommendation's overrides pass the job's own preflight and give a layout of every GPU."""
     from rlsys.config.schema import RLJobConfig
-    from rlsys.planner.job import load_job, model_config
-    from rlsys.trainers.preflight import check_layout, check_rl_batch
+    from rlsys.planner.job import load_job
+    from rlsys.trainers.preflight import check_layout, check_rl_batch, read_model_config
 
     model = "model.path=examples/plan/qwen2.5-32b"
     code, out, _ = plan_output(capsys, "--gpus", "64", "--gpu-memory", "80", model, "train.prompts_per_step=24")
@@ -109,7 +109,7 @@ def test_plan_recommends_a_layout_the_job_runs(capsys):
     overrides = next(line for line in out.splitlines() if "overrides:" in line).split("overrides:")[1].split()
     cfg = load_job("examples/plan/rlvr.yaml", [model, "train.prompts_per_step=24", *overrides])
     assert isinstance(cfg, RLJobConfig)
-    dims = check_layout(cfg.parallel, model_config(cfg.model.path))
+    dims = check_layout(cfg.parallel, read_model_config(cfg.model.path, "model.path"))
     check_rl_batch(cfg, dims.dp_size)  # 24 x 8 responses: a data-parallel size of 64 would not divide them
     assert dims.world_size == 64
 
@@ -123,7 +123,7 @@ def test_plan_bad_input_is_one_line(capsys, tmp_path):
     code, _, err = plan_output(capsys, "--gpus", "0", "--gpu-memory", "80")
     assert code == 2 and err.strip() == "rlsys plan: error: --gpus: must be > 0, got 0"
     code, _, err = plan_output(capsys, "--gpus", "8", "--gpu-memory", "80", f"model.path={tmp_path}")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "model.path: no config.json" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "model.path: not a Hugging Face model directory" in err
 
 
 def test_micro_batches_follow_the_engine():

@@ -517,6 +517,23 @@ class RLJobConfig(JobConfig):
     eval: EvalConfig | None = None
     """Validation split, scored with greedy decoding by the rollout engines."""
 
+    @property
+    def mini_batches_per_step(self) -> int:
+        mini = self.algorithm.ppo_mini_batch_size
+        return self.train.prompts_per_step // mini if mini else 1
+
+    @property
+    def old_logprobs_source(self) -> Literal["current", "trainer", "rollout"]:
+        """Where the update's old log-probs come from. `auto`: the update's own forward when the
+        update is on-policy (one update a step, synchronous, no KL in the reward, which needs the
+        sampling policy's log-probs first), else a trainer forward pass before the update."""
+        algo = self.algorithm
+        if algo.old_logprobs != "auto":
+            return algo.old_logprobs
+        on_policy = (algo.ppo_epochs * self.mini_batches_per_step == 1 and not algo.use_kl_in_reward
+                     and self.train.async_mode == "off")  # asynchronous: older weights sampled
+        return "current" if on_policy else "trainer"
+
 
 @dataclass(config=STRICT)
 class EvalJobConfig(JobConfig):

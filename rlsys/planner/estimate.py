@@ -292,13 +292,14 @@ def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Prec
     fsdp_gathers = schedules * (work.update_passes + work.forward_passes) + (backwards if dims.pp == 1 else 0)
     fsdp_reduces = schedules * work.update_passes
     b, node = precision.compute_bytes, gpus_per_node
-    inner = {"tp": 1, "cp": dims.tp, "dp_shard_cp": dims.tp, "dp_replicate": dims.dp_shard * dims.cp * dims.tp,
+    # ranks between neighbours of each group: the product of the degrees inside it in the mesh
+    stride = {"tp": 1, "cp": dims.tp, "dp_shard_cp": dims.tp, "dp_replicate": dims.dp_shard * dims.cp * dims.tp,
              "pp": dims.ranks_per_stage}
     shard_group = dims.dp_shard * dims.cp
     dense, experts = whole.elements - whole.expert_elements, whole.expert_elements
     if fsdp and shard_group > 1:
         part = (shard_group - 1) / shard_group
-        across = spans_nodes(inner["dp_shard_cp"], shard_group, node)
+        across = spans_nodes(stride["dp_shard_cp"], shard_group, node)
         out.add("fsdp all-gather", fsdp_gathers * dense * b * part, across)
         out.add("fsdp reduce-scatter", fsdp_reduces * dense * FP32 * part, across)
     if fsdp and dims.efsdp > 1 and experts:
@@ -309,7 +310,7 @@ def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Prec
     if dims.dp_replicate > 1:
         shard = (dense / shard_group + experts / max(1, dims.efsdp)) * FP32
         part = 2 * (dims.dp_replicate - 1) / dims.dp_replicate
-        across = spans_nodes(inner["dp_replicate"], dims.dp_replicate, node)
+        across = spans_nodes(stride["dp_replicate"], dims.dp_replicate, node)
         out.add("hsdp all-reduce", fsdp_reduces * shard * part, across)
     layers = len(whole.layers)
     activation = tokens * model.hidden * b
@@ -318,13 +319,13 @@ def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Prec
     if dims.tp > 1:  # sequence parallel: an all-gather into and a reduce-scatter out of attention and a dense MLP
         per_layer = 2 if model.experts else 4  # an MoE block runs on its rank's share of the sequence
         sent = passes * (layers * per_layer + 2) * activation * (dims.tp - 1) / dims.tp
-        out.add("tp all-gather/reduce-scatter", sent, spans_nodes(1, dims.tp, node))
+        out.add("tp all-gather/reduce-scatter", sent, spans_nodes(stride["tp"], dims.tp, node))
     if dims.pp > 1:
-        out.add("pp send/recv", (forwards + backwards) * activation, spans_nodes(inner["pp"], dims.pp, node))
+        out.add("pp send/recv", (forwards + backwards) * activation, spans_nodes(stride["pp"], dims.pp, node))
     if dims.cp > 1:
         heads = (2 * model.heads + 2 * model.kv_heads) * model.head_dim / dims.tp
         out.add("cp all-to-all", passes * layers * tokens * heads * b * (dims.cp - 1) / dims.cp,
-                spans_nodes(inner["cp"], dims.cp, node))
+                spans_nodes(stride["cp"], dims.cp, node))
     if dims.ep > 1 and model.experts:
         routed = tokens / dims.tp * model.top_k * model.hidden * b
         out.add("ep all-to-all", passes * layers * 2 * routed * (dims.ep - 1) / dims.ep,

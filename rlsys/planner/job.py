@@ -3,7 +3,6 @@ one to run and why; `--check` runs one step of it here, scaled down, beside its 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -12,6 +11,7 @@ from rlsys.config.schema import ParallelConfig, RLJobConfig, TrainJobConfig
 from rlsys.planner.estimate import Layout, Precision, Workload
 from rlsys.planner.search import GIB, Cluster, plan, reason, table
 from rlsys.planner.shards import ModelShapes
+from rlsys.trainers import preflight
 
 
 @dataclass(frozen=True)
@@ -39,23 +39,6 @@ def load_job(path: str, overrides: list[str]) -> RLJobConfig | TrainJobConfig:
             raise rl_error from None
 
 
-def model_config(path: str):
-    """The HF config the planner reads the model's shape from (weights are not needed)."""
-    import transformers
-
-    from rlsys.config.loader import first_line
-    from rlsys.models.moe import moe_family
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model.path: no config.json in {path!r} (the planner reads the model's shape from it)")
-    try:
-        config = transformers.AutoConfig.from_pretrained(path)
-        moe_family(config)
-    except Exception as err:  # transformers raises several types for unreadable configs
-        raise ConfigError(f"model.path: {path}/config.json: {first_line(err)}") from None
-    return config
-
-
 def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
     train = cfg.train
     if isinstance(cfg, TrainJobConfig):
@@ -64,11 +47,7 @@ def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
     algo, rollout = cfg.algorithm, cfg.rollout
     kl = algo.kl_coef > 0 or algo.use_kl_in_reward
     critic = algo.adv_estimator == "gae"
-    mini_batches = cfg.train.prompts_per_step // algo.ppo_mini_batch_size if algo.ppo_mini_batch_size else 1
-    updates = algo.ppo_epochs * mini_batches
-    # the trainer recomputes the sampling policy's log-probs unless the update is on-policy (RLTrainer)
-    on_policy = updates == 1 and not algo.use_kl_in_reward and train.async_mode == "off"
-    old_logprobs = algo.old_logprobs == "trainer" or (algo.old_logprobs == "auto" and not on_policy)
+    old_logprobs = cfg.old_logprobs_source == "trainer"  # a forward pass of its own
     colocated = rollout.placement == "colocated"
     return Workload(sequences=train.prompts_per_step * rollout.n, seq_len=prompt_tokens + rollout.response_budget,
                     micro_batch_rows=train.micro_batch_size, micro_batch_tokens=train.micro_batch_tokens,
@@ -80,7 +59,6 @@ def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
 
 def validator(cfg: RLJobConfig | TrainJobConfig, config) -> Callable[[ParallelConfig], None]:
     """The job's own preflight checks of a candidate `parallel:` section (ConfigError if refused)."""
-    from rlsys.trainers import preflight
 
     def validate(parallel: ParallelConfig) -> None:
         dims = preflight.check_layout(parallel, config)
@@ -113,7 +91,7 @@ def run_plan(args: PlanArgs) -> dict:
     if args.prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens: must be > 0, got {args.prompt_tokens}")
     cfg = load_job(args.config, args.overrides)
-    config = model_config(cfg.model.path)
+    config = preflight.read_model_config(cfg.model.path, "model.path")  # the shape is enough: no weights needed
     shapes = ModelShapes(config)
     work = workload(cfg, args.prompt_tokens)
     critic = ModelShapes(config, value_head=True) if work.critic else None

@@ -155,20 +155,25 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
 def check_model_dir(model: ModelConfig, key: str):
     """A Hugging Face causal-LM directory: a config transformers reads, weights, tokenizer files.
     Returns the model's config."""
-    from transformers import AutoConfig
-
-    _require(model.path, key)
-    if not os.path.isfile(os.path.join(model.path, "config.json")):
-        raise ConfigError(f"{key}: not a Hugging Face model directory (no config.json): {model.path}")
-    try:
-        config = AutoConfig.from_pretrained(model.path)
-    except Exception as err:  # transformers raises several types for unreadable configs
-        raise ConfigError(f"{key}: {model.path}/config.json cannot be read by transformers: {first_line(err)}") \
-            from None
+    config = read_model_config(model.path, key)
     if not any(glob.glob(os.path.join(model.path, pattern)) for pattern in _WEIGHT_FILES):
         raise ConfigError(f"{key}: no weights in {model.path} (expected *.safetensors or pytorch_model*.bin)")
     if not any(os.path.isfile(os.path.join(model.path, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"{key}: no tokenizer files in {model.path} (expected one of {', '.join(_TOKENIZER_FILES)})")
+    return config
+
+
+def read_model_config(path: str, key: str):
+    """The config of the model directory `path`, which transformers reads and rlsys can train."""
+    from transformers import AutoConfig
+
+    _require(path, key)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{key}: not a Hugging Face model directory (no config.json): {path}")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as err:  # transformers raises several types for unreadable configs
+        raise ConfigError(f"{key}: {path}/config.json cannot be read by transformers: {first_line(err)}") from None
     try:
         moe_family(config)
     except ValueError as err:

@@ -100,12 +100,8 @@ class RLVRTrainer:
         self.tokenizer, self.prompts = data.tokenizer, data.prompts
         self.evaluator, self.agents = data.evaluator, data.agents
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
-        self.updates_per_step = cfg.algorithm.ppo_epochs * self._mini_batches_per_step()
-        self.old_logprobs = cfg.algorithm.old_logprobs
-        if self.old_logprobs == "auto":  # the in-reward KL needs the sampling policy's log-probs first
-            on_policy = (self.updates_per_step == 1 and not cfg.algorithm.use_kl_in_reward
-                         and cfg.train.async_mode == "off")  # asynchronous: older weights sampled
-            self.old_logprobs = "current" if on_policy else "trainer"
+        self.updates_per_step = cfg.algorithm.ppo_epochs * cfg.mini_batches_per_step
+        self.old_logprobs = cfg.old_logprobs_source
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
@@ -286,7 +282,7 @@ class RLVRTrainer:
         log-probs of a trainer pass, else the first mini-batch's, taken by its update before
         any optimizer step (None when neither exists)."""
         algo = self.cfg.algorithm
-        num_minis = self._mini_batches_per_step()
+        num_minis = self.cfg.mini_batches_per_step
         sums: dict[str, float] = {}
         sampler_logprobs = batch["old_logprobs"] if self.old_logprobs == "trainer" else None
         for _ in range(algo.ppo_epochs):
@@ -341,10 +337,6 @@ class RLVRTrainer:
                 group.shutdown()
 
     # -- set-up helpers ---------------------------------------------------------
-
-    def _mini_batches_per_step(self) -> int:
-        mini = self.cfg.algorithm.ppo_mini_batch_size
-        return self.cfg.train.prompts_per_step // mini if mini else 1
 
     def _trainer_gpu_share(self) -> float:
         """Colocated on GPU, trainer and engine split each rank's GPU (Ray fractional GPUs)."""

@@ -226,6 +226,11 @@ class ToolsConfig:
     """Time for one call; past it the model sees an error."""
     num_workers: int = Field(default=2, gt=0)
     """Tool worker actors; each runs every tool, many calls at once."""
+    sandbox: dict[str, Any] = Field(default_factory=dict)
+    """The `python` tool's sandbox when it is named in `names`: SandboxLimits' fields (wall_s, cpu_s, memory_mb,
+    processes, disk_mb, file_mb, open_files, stack_mb) and allow_weaker (run where this machine cannot give every
+    layer of isolation; otherwise the stage refuses to start, naming the missing layer). A tool YAML's `config`
+    sets them per tool."""
 
 
 @dataclass(config=STRICT)

@@ -11,7 +11,9 @@ or, with `fn_name`, the arguments of a call to that function and its expected re
 0.0 otherwise; `continuous: true` (in the term's kwargs) gives the fraction of cases passed,
 as VeRL's `continuous` option does. A case passes when its run exits cleanly and its output,
 stripped of trailing whitespace line by line, equals the expected one. `sandbox_url` runs the
-cases on a Sandbox Fusion server (its `run_code` API) instead of this machine.
+cases on a Sandbox Fusion server (its `run_code` API) instead of this machine; without it,
+a machine that cannot give every layer of the local sandbox refuses the term before the run
+starts, unless `allow_weaker: true`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from rlsys.rewards.registry import register_reward
 from rlsys.sandbox.fusion import run_remote
-from rlsys.sandbox.local import SandboxLimits, SandboxResult, run_python
+from rlsys.sandbox.local import SandboxLimits, SandboxResult, require_isolation, run_python
 
 _FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)```", re.DOTALL)
 _CALL_TEMPLATE = """
@@ -35,14 +37,28 @@ print(_json.dumps(_result))
 
 @register_reward("code_exec")
 def code_exec(data_source, solution_str, ground_truth, extra_info=None, continuous: bool = False,
-              timeout_s: float = 10.0, memory_mb: int = 1024, sandbox_url: str = "") -> dict:
+              timeout_s: float = 10.0, memory_mb: int = 1024, sandbox_url: str = "",
+              allow_weaker: bool = False) -> dict:
     tests = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
     program = extract_program(solution_str)
-    limits = SandboxLimits(wall_s=timeout_s, cpu_s=int(timeout_s) + 1, memory_mb=memory_mb)
+    limits = _limits(timeout_s, memory_mb, allow_weaker)
     cases = _cases(tests, program)
     passed = sum(_passes(_run(code, stdin, limits, sandbox_url), expected) for code, stdin, expected in cases)
     fraction = passed / len(cases) if cases else 0.0
     return {"score": fraction if continuous else float(bool(cases) and passed == len(cases)), "pass_rate": fraction}
+
+
+def check_kwargs(kwargs: dict) -> None:
+    """Before the run: the local sandbox holds every layer, or the term accepts weaker isolation."""
+    if not kwargs.get("sandbox_url"):
+        require_isolation(_limits(1.0, 1024, bool(kwargs.get("allow_weaker", False))))
+
+
+code_exec.check_kwargs = check_kwargs
+
+
+def _limits(timeout_s: float, memory_mb: int, allow_weaker: bool) -> SandboxLimits:
+    return SandboxLimits(wall_s=timeout_s, cpu_s=int(timeout_s) + 1, memory_mb=memory_mb, allow_weaker=allow_weaker)
 
 
 def extract_program(response: str) -> str:

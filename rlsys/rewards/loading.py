@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlsys.config.loader import ConfigError
+from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.schema import RewardTerm
 from rlsys.rewards.registry import RewardFn, get_reward, registered_rewards
 from rlsys.user_code import import_user_code
@@ -56,7 +56,20 @@ def resolve_term(term: RewardTerm, key: str) -> RewardFunction:
         raise ConfigError(f"{key}.name: unknown reward {term.name!r}; registered: "
                           f"{', '.join(registered_rewards())} (or give {key}.path)")
     keywords = _bind(fn, term.batched, term.kwargs, key)
+    _check_kwargs(fn, term.kwargs, key)
     return RewardFunction(fn, keywords, term.batched, dict(term.kwargs), search_path)
+
+
+def _check_kwargs(fn: RewardFn, kwargs: dict, key: str) -> None:
+    """A reward may check its kwargs against the machine before the run (`fn.check_kwargs(kwargs)`,
+    as `code_exec` checks its sandbox); what it raises is a config error naming the term."""
+    check = getattr(fn, "check_kwargs", None)
+    if check is None:
+        return
+    try:
+        check(kwargs)
+    except Exception as err:  # the reward's own refusal
+        raise ConfigError(f"{key}.kwargs: {type(err).__name__}: {first_line(err)}") from None
 
 
 def eval_term(spec: str) -> RewardTerm:

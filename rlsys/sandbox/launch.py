@@ -1,161 +1,141 @@
-"""The sandbox's launcher: a fresh, single-threaded Python process that confines itself, then
-becomes the program to run (`os.execv`). Run as `python -I -S launch.py SETTINGS_JSON -- ARGV...`.
+"""The sandbox's launcher: `python -I -S launch.py SETTINGS_JSON -- ARGV...`, started by
+`rlsys.sandbox.local.run_python`. It confines a fresh, single-threaded process tree, then
+executes the program in it. It imports nothing of rlsys (only its sibling modules, which use
+the standard library): it runs before any confinement and must start fast.
 
-It imports nothing of rlsys (it runs before any confinement and must start fast), and it
-exists as a process of its own because confining happens between fork and exec, which is
-unsafe to do in Python from a multi-threaded process (a Ray worker).
+Three processes, each applying the layers that belong to it:
+1. the launcher joins the run's cgroups (memory and process budget) and unshares the mount,
+   PID, network, IPC, UTS and cgroup namespaces (through a user namespace without root);
+2. its child is PID 1 of the new PID namespace, the run's init: it builds the run's root
+   file system (`rootfs`), forks the program's process, reaps every orphan, and reports the
+   program's exit status; when it ends, the kernel kills whatever is left in the namespace;
+3. the program's process sets its resource limits, becomes an unprivileged user, confines
+   itself with Landlock and the seccomp filter, and executes the program.
 
-In order, each step only where the machine allows it (`rlsys.sandbox.local.guarantees`):
-1. resource limits: CPU seconds, address space, file size, open files, no core files;
-2. the run's process budget: as root, a pids cgroup of its own (its processes are also
-   killed through it); otherwise the user's process limit, set to what the user already
-   runs plus the budget;
-3. no network: a network namespace of its own (as root; otherwise through an unprivileged
-   user namespace where the kernel allows one);
-4. as root, every capability dropped (the run keeps user id 0 but none of root's powers);
-5. Landlock (Linux 5.13+): reading and executing only beneath the directories Python and
-   the system need, writing only beneath the working directory (and /dev/null); from
-   Landlock ABI 4 no TCP bind or connect; from ABI 6 no signals to, and no abstract
-   sockets of, processes outside the sandbox.
+Every layer is reported, held or with why not, as one JSON line on the report file
+descriptor; `require` refuses to execute the program when one is missing, and `probe` stops
+there either way (`rlsys.sandbox.local.layers`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import resource
 import sys
+import time
 
-_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # x86-64 and arm64 alike
-_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 38, 24
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
-_RULE_PATH_BENEATH = 1
-_CAPABILITY_VERSION_3 = 0x20080522
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-_FS_REMOVE_DIR, _FS_REMOVE_FILE = 1 << 4, 1 << 5
-_FS_MAKE_ALL = sum(1 << bit for bit in range(6, 13))  # char, dir, regular, socket, fifo, block, symlink
-_FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14
-_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
-_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+import confine  # noqa: E402  (siblings, found through the line above)
+import landlock  # noqa: E402
+import rootfs  # noqa: E402
 
-_libc = ctypes.CDLL(None, use_errno=True)
+REFUSED = 126
+"""The program's process's exit code when a required layer is missing."""
 
 
-class _PathBeneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+class Reporter:
+    """Writes the run's report: one JSON object per line. Its copies in the forked processes
+    share the descriptor (closed when the program is executed) and the layers missing so far."""
 
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.missing: dict[str, str] = {}
+        self.started = time.perf_counter()
 
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version (0: none)."""
-    version = _libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    return max(0, version)
+    def layer(self, name: str, why: str) -> None:
+        """`name` holds when `why` is empty; the seconds since the last report are its cost."""
+        now = time.perf_counter()
+        self._write({"layer": name, "why": why, "s": now - self.started})
+        self.started = now
+        if why:
+            self.missing[name] = why
 
+    def write(self, **fields) -> None:
+        self._write(fields)
 
-def _read_access() -> int:
-    return _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
-
-
-def _write_access(abi: int) -> int:
-    access = _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_ALL
-    if abi >= 2:
-        access |= _FS_REFER
-    if abi >= 3:
-        access |= _FS_TRUNCATE
-    return access
-
-
-def restrict_with_landlock(readable: list[str], writable: list[str]) -> list[str]:
-    """Allow reading beneath `readable` and writing beneath `writable` only; deny TCP and, where
-    the ABI has them, outside signals and abstract sockets. Returns what holds."""
-    abi = landlock_abi()
-    if abi < 1:
-        return []
-    read, write = _read_access(), _write_access(abi)
-    fields, held = [read | write], ["files"]
-    if abi >= 4:
-        fields.append(_NET_BIND_TCP | _NET_CONNECT_TCP)
-        held.append("tcp")
-    if abi >= 6:
-        fields.append(_SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL)
-        held.append("signals")
-    attr = (ctypes.c_uint64 * len(fields))(*fields)
-    ruleset = _libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
-                            ctypes.c_uint32(0))
-    if ruleset < 0:
-        return []
-    for paths, access in ((readable, read), (writable, read | write)):
-        for path in paths:
-            _add_rule(ruleset, path, access, abi)
-    _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    restricted = _libc.syscall(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) == 0
-    os.close(ruleset)
-    return held if restricted else []
-
-
-def _add_rule(ruleset: int, path: str, access: int, abi: int) -> None:
-    try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
-        return
-    if not os.path.isdir(path):  # a file takes only file rights (/dev/null is written, never made into)
-        access &= _FS_EXECUTE | _FS_READ_FILE | _FS_WRITE_FILE | (_FS_TRUNCATE if abi >= 3 else 0)
-    rule = _PathBeneath(access, fd)
-    _libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0))
-    os.close(fd)
-
-
-def _limit(kind: int, value: int) -> None:
-    resource.setrlimit(kind, (value, value))
-
-
-def _drop_capabilities() -> None:
-    """As root: no capability left, in any set, for this process and what it executes."""
-    for capability in range(64):
-        _libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0)
-    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
-    data = (ctypes.c_uint32 * 6)()
-    _libc.capset(header, data)
-
-
-def _processes_of(uid: int) -> int:
-    """How many tasks (threads included, as the kernel counts them) run under `uid`."""
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}").st_uid == uid:
-                count += len(os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            continue
-    return count
-
-
-def _apply(settings: dict) -> None:
-    resource.setrlimit(resource.RLIMIT_CPU, (settings["cpu_s"], settings["cpu_s"] + 1))  # SIGXCPU, then SIGKILL
-    _limit(resource.RLIMIT_AS, settings["memory_bytes"])
-    _limit(resource.RLIMIT_FSIZE, settings["file_bytes"])
-    _limit(resource.RLIMIT_NOFILE, settings["open_files"])
-    _limit(resource.RLIMIT_CORE, 0)
-    root = os.geteuid() == 0
-    if settings.get("cgroup"):
-        with open(os.path.join(settings["cgroup"], "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-    elif not root:
-        _limit(resource.RLIMIT_NPROC, _processes_of(os.getuid()) + settings["processes"])
-    _libc.unshare(_CLONE_NEWNET if root else _CLONE_NEWUSER | _CLONE_NEWNET)  # failing: Landlock's TCP rule stays
-    if root:
-        _drop_capabilities()
-    restrict_with_landlock(settings["readable"], [settings["workdir"], "/dev/null"])
+    def _write(self, record: dict) -> None:
+        os.write(self.fd, (json.dumps(record) + "\n").encode())
 
 
 def main() -> None:
     separator = sys.argv.index("--")
-    settings = json.loads(sys.argv[1])
-    argv = sys.argv[separator + 1:]
-    _apply(settings)
-    os.execv(argv[0], argv)
+    settings, argv = json.loads(sys.argv[1]), sys.argv[separator + 1:]
+    reporter = Reporter(settings["report_fd"])
+    os.set_inheritable(reporter.fd, False)  # the program never holds it
+    for name, why in settings["missing"].items():
+        reporter.layer(name, why)
+    root = os.geteuid() == 0
+    for name, path in settings["cgroups"].items():
+        reporter.layer(name, confine.join_cgroup(path))
+    namespaces = confine.unshare_namespaces(root)
+    for name in ("network", "ipc"):
+        reporter.layer(name, namespaces)
+    init = os.fork()
+    if init == 0:
+        _run_init(settings, argv, reporter, namespaces, root)
+    os.waitpid(init, 0)
+    os._exit(0)
+
+
+def _run_init(settings: dict, argv: list[str], reporter: Reporter, namespaces: str, root: bool) -> None:
+    """PID 1 of the run: its root file system, then the program's process and every orphan reaped."""
+    try:
+        confine.die_with_parent()
+        home = _enter_root(settings, reporter, namespaces)
+        program = os.fork()
+        if program == 0:
+            _run_program(settings, argv, reporter, home, root)
+        while True:
+            pid, status = os.wait()
+            if pid == program:
+                reporter.write(status=status)
+                break
+    finally:
+        os._exit(0)
+
+
+def _enter_root(settings: dict, reporter: Reporter, namespaces: str) -> str:
+    """The run's own root (the program's home is its working directory), or where there is none,
+    the host directory the program was written in."""
+    workdir = settings["workdir"]
+    why, proc = namespaces, False
+    if not why:
+        new_root = os.path.join(workdir, "root")
+        os.mkdir(new_root, 0o700)
+        try:
+            proc = rootfs.build_and_enter(new_root, settings["readable"], settings["disk_bytes"], settings["uid"],
+                                          settings["gid"], os.path.join(workdir, rootfs.PROGRAM))
+        except OSError as err:
+            why = f"building the run's root file system: {err}"
+    reporter.layer("mount", why)
+    reporter.layer("pid", why or ("" if proc else "no /proc of its own could be mounted"))
+    if why:
+        os.chown(workdir, settings["uid"], settings["gid"])
+        return workdir
+    return rootfs.HOME
+
+
+def _run_program(settings: dict, argv: list[str], reporter: Reporter, home: str, root: bool) -> None:
+    try:
+        os.chdir(home)
+        confine.limit_resources(settings)
+        reporter.layer("user", confine.become_unprivileged(settings["uid"], settings["gid"], root))
+        tmp = "/tmp" if home == rootfs.HOME else home
+        writable = [home, tmp, "/dev/shm", "/dev/null"] if home == rootfs.HOME else [home, "/dev/null"]
+        reporter.layer("landlock", landlock.restrict(settings["readable"] + ["/etc", "/dev", "/proc"], writable))
+        seccomp = bytes.fromhex(settings["seccomp"])
+        reporter.layer("seccomp", confine.install_seccomp(seccomp) if seccomp else "no filter was compiled")
+        if settings["probe"]:
+            os._exit(0)
+        if settings["require"] and reporter.missing:
+            reporter.write(refused=reporter.missing)
+            os._exit(REFUSED)
+        env = dict(settings["env"], HOME=home, TMPDIR=tmp)
+        os.execve(argv[0], argv, env)
+    except BaseException as err:  # noqa: BLE001  (whatever failed, the program does not run)
+        reporter.write(launch_error=f"{type(err).__name__}: {err}")
+    os._exit(REFUSED)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,30 @@
-"""Run untrusted Python in a subprocess confined on this machine.
+"""Run untrusted Python on this machine, confined: the code a model writes is hostile.
 
-Each run gets an empty working directory of its own, a scrubbed environment, limits on
-wall time, CPU time, memory, processes, file size and open files, no network, read access
-to the system's and Python's directories only, and no write access outside its directory
-(`rlsys.sandbox.launch` applies them). At the end, however it ended, every process the run
-started is killed: through its pids cgroup (as root), or by its session and as orphans of
-this process (it is made a child subreaper).
+Each run is a process tree of its own (`rlsys.sandbox.launch` builds it) with, in layers:
+- `memory`, `pids`: cgroups of its own, a memory and a process budget for all its processes
+  together, through which every one of them is also killed at the end;
+- `mount`: a root file system of its own: an empty tmpfs of `disk_mb` (its home directory,
+  /tmp and /dev/shm), the system's and Python's directories read-only, a minimal /etc and
+  /dev; no other file, Unix socket or device of the machine is in view;
+- `pid`: a PID namespace with its own /proc: only its own processes are in view or in reach;
+- `network`, `ipc`: namespaces with no network interface up, no abstract Unix socket, System
+  V object or message queue of the machine's;
+- `user`: an unprivileged user id that owns nothing on the machine, with no capability;
+- `landlock`: reads and executes beneath the system's and Python's directories only, writes
+  beneath its home, /tmp and /dev/shm only, no TCP, no signal or abstract socket outside;
+- `seccomp`: no new namespace, mount, ptrace, bpf, io_uring, key or kernel-module call, no
+  socket but IPv4/IPv6 ones (`rlsys.sandbox.syscall_filter`);
+and per process: CPU time, address space, file size, open files and stack size limits.
 
-What holds depends on the machine (`guarantees()` says): Landlock needs Linux 5.13 (TCP
-rules 6.7, signal scoping 6.12); a network namespace needs root or unprivileged user
-namespaces; a pids cgroup of its own needs root and a pids controller. Without one the
-process limit counts all of this user's processes (the run's budget on top of what the
-user runs), and a process that leaves the run's session is found as an orphan.
+`layers()` says what holds on this machine. A run where one is missing is refused
+(`SandboxUnavailable`) unless its limits accept weaker isolation (`allow_weaker`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import itertools
+import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -28,39 +34,65 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from rlsys.sandbox.launch import landlock_abi
+from rlsys.sandbox import syscall_filter
+from rlsys.sandbox.cgroups import RunCgroups
+from rlsys.sandbox.orphans import become_subreaper, kill_orphans
 
+log = logging.getLogger(__name__)
 _LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
+_REFUSED = 126  # launch.REFUSED (the launcher is not importable as part of rlsys)
 _OUTPUT_LIMIT = 1 << 16
 """Bytes of stdout and stderr kept (each); the file-size limit bounds what a run writes."""
-_PR_SET_CHILD_SUBREAPER = 36
-_runs = itertools.count()
+SANDBOX_UID = 65534
+"""The user (and group) a run's program is, as root: nobody, which owns nothing the run can see."""
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+"""The program's environment (the launcher adds HOME and TMPDIR): nothing of the caller's."""
+LAYERS = ("memory", "pids", "mount", "pid", "network", "ipc", "user", "landlock", "seccomp")
+
+
+class SandboxUnavailable(RuntimeError):
+    """A layer of isolation the run requires is missing on this machine."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
+    """What one run may use. Each budget is per run (all its processes together) or per process."""
+
     wall_s: float = 10.0
-    """Wall-clock time; past it every process of the run is killed."""
+    """Per run: wall-clock time; past it every process of the run is killed."""
     cpu_s: int = 10
-    """CPU seconds of each process (SIGXCPU, then SIGKILL)."""
+    """Per process: CPU seconds (SIGXCPU, then SIGKILL)."""
     memory_mb: int = 1024
-    """Address space of each process: a larger allocation fails (MemoryError in Python)."""
+    """Per run: memory of all its processes and its files (a memory cgroup; past it the kernel kills
+    one). Each process's address space is capped at the same figure, so one allocation past it fails
+    with MemoryError."""
     processes: int = 32
-    """Processes and threads the run may have at once."""
+    """Per run: processes and threads at once."""
+    disk_mb: int = 64
+    """Per run: the files it writes, in its home, /tmp and /dev/shm together (one tmpfs)."""
     file_mb: int = 16
-    """Largest file the run may write (its stdout and stderr included)."""
+    """Per process: the largest file it may write (stdout and stderr included); a write past it fails
+    (Python: OSError, File too large)."""
     open_files: int = 64
+    """Per process: open file descriptors."""
+    stack_mb: int = 8
+    """Per process: the main thread's stack, so runaway native recursion fails fast."""
+    allow_weaker: bool = False
+    """Run even where this machine cannot give every layer (`layers()` says which); otherwise such a
+    run raises SandboxUnavailable."""
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     status: str
-    """"ok" (exit code 0), "error" (another exit code), "timeout" (wall or CPU time), or "killed"
-    (a signal: the file-size limit, or the program's own)."""
+    """"ok" (exit code 0), "error" (another exit code), "timeout" (wall or CPU time), or "killed" (a
+    signal: the memory budget, a native stack overflow, or the program's own)."""
     exit_code: int | None
     stdout: str
     stderr: str
     wall_s: float
+    layers: dict[str, float] | None = None
+    """Seconds the launcher spent on each layer of this run."""
 
     @property
     def ok(self) -> bool:
@@ -71,164 +103,187 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
     """Run `code` as a Python program reading `stdin`, confined as the module says."""
     workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
     outputs = tempfile.mkdtemp(prefix="rlsys-sandbox-out-")
-    cgroup = _new_cgroup(limits.processes) if os.geteuid() == 0 else None
-    if cgroup is None:
-        _become_subreaper()
+    cgroups = RunCgroups(limits.processes, limits.memory_mb << 20)
     try:
-        with open(os.path.join(workdir, "main.py"), "w") as f:
+        program = os.path.join(workdir, "main.py")
+        with open(program, "w") as f:
             f.write(code)
-        return _run(workdir, outputs, stdin, limits, cgroup)
+        os.chmod(program, 0o644)
+        report, result = _launch(workdir, outputs, stdin, limits, cgroups, probe=False)
+        if "refused" in report:
+            raise SandboxUnavailable(_refusal(report["refused"]))
+        return result
     finally:
-        if cgroup is not None:
-            _remove_cgroup(cgroup)
+        cgroups.remove()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(outputs, ignore_errors=True)
 
 
+@functools.cache
+def layers() -> dict[str, str]:
+    """Each layer of isolation: "" where this machine gives it, otherwise why not (measured once per
+    process by a probe run that applies every layer and stops before executing anything)."""
+    workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
+    outputs = tempfile.mkdtemp(prefix="rlsys-sandbox-out-")
+    limits = SandboxLimits()
+    cgroups = RunCgroups(limits.processes, limits.memory_mb << 20)
+    try:
+        open(os.path.join(workdir, "main.py"), "w").close()
+        report, _ = _launch(workdir, outputs, "", limits, cgroups, probe=True)
+    finally:
+        cgroups.remove()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(outputs, ignore_errors=True)
+    found = report.get("layers", {})
+    return {name: found.get(name, "the probe did not reach it") for name in LAYERS}
+
+
 def guarantees() -> dict[str, bool]:
-    """What the sandbox enforces on this machine."""
-    abi, root = landlock_abi(), os.geteuid() == 0
-    cgroup = _new_cgroup(1) if root else None
-    if cgroup is not None:
-        _remove_cgroup(cgroup)
-    return {"reads and writes confined (Landlock)": abi >= 1,
-            "no network": root or abi >= 4,
-            "a process budget of its own, every process killed through it (pids cgroup)": cgroup is not None,
-            "no signals to processes outside": abi >= 6}
+    """Whether each layer holds on this machine."""
+    return {name: not why for name, why in layers().items()}
 
 
-def _run(workdir: str, outputs: str, stdin: str, limits: SandboxLimits, cgroup: str | None) -> SandboxResult:
-    settings = {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.file_mb << 20,
-                "open_files": limits.open_files, "processes": limits.processes, "workdir": workdir,
-                "cgroup": cgroup, "readable": _readable()}
-    command = [sys.executable, "-I", "-S", _LAUNCH, json.dumps(settings), "--", sys.executable, "-I", "-B", "main.py"]
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-           "PYTHONHASHSEED": "0"}
+def limits_from(settings: dict) -> SandboxLimits:
+    """SandboxLimits from a config mapping; an unknown key is a ValueError naming it."""
+    unknown = sorted(set(settings) - set(SandboxLimits.__dataclass_fields__))
+    if unknown:
+        known = ", ".join(SandboxLimits.__dataclass_fields__)
+        raise ValueError(f"unknown sandbox setting {unknown[0]!r}; known: {known}")
+    return SandboxLimits(**settings)
+
+
+def require_isolation(limits: SandboxLimits) -> None:
+    """Where a stage that runs code is configured, before anything runs: raise SandboxUnavailable
+    when a layer is missing and `limits` do not accept weaker isolation; log what holds."""
+    missing = {name: why for name, why in layers().items() if why}
+    if missing and not limits.allow_weaker:
+        raise SandboxUnavailable(f"{_refusal(missing)}; allow_weaker: true (tools.sandbox for the python tool, "
+                                 "the term's kwargs for code_exec) runs with what holds")
+    _log_layers()
+
+
+@functools.cache
+def _log_layers() -> None:
+    missing = {name: why for name, why in layers().items() if why}
+    held = [name for name in LAYERS if name not in missing]
+    weaker = "; weaker isolation accepted, missing: " + "; ".join(f"{k} ({v})" for k, v in missing.items())
+    log.info("code sandbox layers held: %s%s", ", ".join(held), weaker if missing else "")
+
+
+def _refusal(missing: dict[str, str]) -> str:
+    missing = {name: missing[name] for name in sorted(missing, key=LAYERS.index)}
+    name, why = next(iter(missing.items()))
+    more = f" (and {len(missing) - 1} more layer(s): {', '.join(list(missing)[1:])})" if len(missing) > 1 else ""
+    return f"the code sandbox's {name} layer is missing on this machine: {why}{more}"
+
+
+def _launch(workdir: str, outputs: str, stdin: str, limits: SandboxLimits, cgroups: RunCgroups,
+            probe: bool) -> tuple[dict, SandboxResult]:
+    """Start the launcher, wait for it within the wall limit, and read its report."""
+    report_read, report_write = os.pipe()
+    command = [sys.executable, "-I", "-S", _LAUNCH, json.dumps(_settings(workdir, limits, cgroups, report_write,
+                                                                         probe)),
+               "--", sys.executable, "-I", "-B", "main.py"]
     stdout_path, stderr_path = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
+    subreaper = not cgroups.paths and become_subreaper()
     started = time.monotonic()
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        process = subprocess.Popen(command, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                   start_new_session=True)
+        process = subprocess.Popen(command, cwd=workdir, env=_ENV, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                   start_new_session=True, pass_fds=(report_write,))
+        os.close(report_write)
         timed_out = False
         try:
             process.communicate(stdin.encode(), timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _kill_everything(process.pid, cgroup)
+            _kill_everything(process.pid, cgroups, subreaper)
             process.wait()
     elapsed = time.monotonic() - started
-    code = process.returncode
-    status = _status(code, timed_out)
-    return SandboxResult(status, code if code >= 0 else None, _read(stdout_path), _read(stderr_path), elapsed)
+    report = _read_report(report_read)
+    result = _result(report, timed_out, cgroups, limits, elapsed, _read(stdout_path), _read(stderr_path))
+    return report, result
 
 
-def _status(code: int, timed_out: bool) -> str:
-    if timed_out or code == -signal.SIGXCPU:
-        return "timeout"
-    if code < 0:
-        return "killed"
-    return "ok" if code == 0 else "error"
-
-
-def _kill_everything(pid: int, cgroup: str | None) -> None:
-    """Kill the run's session, then whatever escaped it: every process left in its cgroup, or
-    every orphan of this process (a child subreaper)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for _ in range(50):
-        left = _cgroup_processes(cgroup) if cgroup is not None else _orphans(pid)
-        if not left:
-            return
-        for process in left:
-            _kill(process, reap=cgroup is None)
-        time.sleep(0.01)
+def _settings(workdir: str, limits: SandboxLimits, cgroups: RunCgroups, report_fd: int, probe: bool) -> dict:
+    bpf, no_filter = syscall_filter.compiled()
+    missing = dict(cgroups.missing, **({"seccomp": no_filter} if no_filter else {}))
+    return {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.file_mb << 20,
+            "open_files": limits.open_files, "stack_bytes": limits.stack_mb << 20, "disk_bytes": limits.disk_mb << 20,
+            "nproc": 0 if "pids" in cgroups.paths else _user_processes() + limits.processes,
+            "cgroups": cgroups.paths, "missing": missing, "workdir": workdir, "readable": _readable(),
+            "uid": SANDBOX_UID if os.geteuid() == 0 else os.getuid(),
+            "gid": SANDBOX_UID if os.geteuid() == 0 else os.getgid(),
+            "seccomp": bpf.hex(), "env": _ENV, "report_fd": report_fd, "require": not limits.allow_weaker,
+            "probe": probe}
 
 
 def _readable() -> list[str]:
     """What a run may read: the system's directories and this Python's (its install, the venv)."""
-    system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/dev", "/proc"]
+    system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin"]
     python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
     return system + sorted(python)
 
 
-def _new_cgroup(processes: int) -> str | None:
-    """A pids cgroup of its own (v1 or v2) with `processes` at most, or None where there is none."""
-    name = f"rlsys-sandbox-{os.getpid()}-{next(_runs)}"
-    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        path = os.path.join(base, name)
-        try:
-            os.mkdir(path)
-        except OSError:
-            continue
-        try:
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(processes))
-            return path
-        except OSError:
-            os.rmdir(path)
-    return None
-
-
-def _cgroup_processes(cgroup: str) -> list[int]:
-    try:
-        with open(os.path.join(cgroup, "cgroup.procs")) as f:
-            return [int(line) for line in f if line.strip()]
-    except OSError:
-        return []
-
-
-def _remove_cgroup(cgroup: str) -> None:
-    for _ in range(100):
-        try:
-            os.rmdir(cgroup)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:  # busy until its last process is reaped
-            for process in _cgroup_processes(cgroup):
-                _kill(process)
-            time.sleep(0.01)
-
-
-def _orphans(run_pid: int) -> list[int]:
-    """This process's children other than the run's own process (reparented here as a subreaper)."""
-    me, children = os.getpid(), []
+def _user_processes() -> int:
+    """Tasks (threads included, as the kernel counts them for RLIMIT_NPROC) of this user: without a
+    pids cgroup, the run's budget comes on top of them."""
+    count, uid = 0, os.getuid()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                count += len(os.listdir(f"/proc/{pid}/task"))
         except OSError:
             continue
-        if int(fields[1]) == me and int(pid) != run_pid and fields[0] != "Z":
-            children.append(int(pid))
-    return [pid for pid in children if _is_sandboxed(pid)]
+    return count
 
 
-def _is_sandboxed(pid: int) -> bool:
-    """Whether a process runs in a sandbox's environment (its TMPDIR is a run's directory)."""
+def _kill_everything(pid: int, cgroups: RunCgroups, subreaper: bool) -> None:
+    """Kill the launcher's session (its init's death empties the run's PID namespace), then whatever
+    is left: every process in the run's cgroups, or every orphan of this process."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return b"TMPDIR=" + tempfile.gettempdir().encode() + b"/rlsys-sandbox-" in f.read()
-    except OSError:
-        return False
-
-
-def _kill(pid: int, reap: bool = False) -> None:
-    """SIGKILL `pid`; `reap` it too when it is an orphan of this process (not the run's own
-    process, whose status `Popen.wait` collects)."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-        if reap:
-            os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
         pass
+    if cgroups.paths:
+        cgroups.kill_all()
+    elif subreaper:
+        kill_orphans(pid)
 
 
-def _become_subreaper() -> None:
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+def _read_report(fd: int) -> dict:
+    """The launcher's report: each layer's outcome and cost, the program's wait status, a refusal."""
+    with os.fdopen(fd, "rb") as f:
+        lines = f.read().decode(errors="replace").splitlines()
+    report: dict = {"layers": {}, "costs": {}}
+    for line in lines:
+        record = json.loads(line)
+        if "layer" in record:
+            report["layers"][record["layer"]] = record["why"]
+            report["costs"][record["layer"]] = record["s"]
+        else:
+            report.update(record)
+    return report
+
+
+def _result(report: dict, timed_out: bool, cgroups: RunCgroups, limits: SandboxLimits, elapsed: float,
+            stdout: str, stderr: str) -> SandboxResult:
+    status_word = report.get("status")
+    if "launch_error" in report:
+        stderr += f"\n[sandbox: {report['launch_error']}]"
+    if timed_out:
+        return SandboxResult("timeout", None, stdout, stderr, elapsed, report["costs"])
+    if status_word is None:  # the run's init did not report: it was killed
+        return SandboxResult("killed", None, stdout, stderr, elapsed, report["costs"])
+    if os.WIFSIGNALED(status_word):
+        number = os.WTERMSIG(status_word)
+        if number == signal.SIGXCPU:
+            return SandboxResult("timeout", None, stdout, stderr, elapsed, report["costs"])
+        if cgroups.out_of_memory():
+            stderr += f"\n[killed: the run's memory budget of {limits.memory_mb} MiB was exceeded]"
+        return SandboxResult("killed", None, stdout, stderr, elapsed, report["costs"])
+    code = os.WEXITSTATUS(status_word)
+    return SandboxResult("ok" if code == 0 else "error", code, stdout, stderr, elapsed, report["costs"])
 
 
 def _read(path: str) -> str:

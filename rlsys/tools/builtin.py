@@ -8,7 +8,7 @@ import asyncio
 import operator
 from typing import Any
 
-from rlsys.sandbox.local import SandboxLimits, run_python
+from rlsys.sandbox.local import limits_from, require_isolation, run_python
 from rlsys.tools.base import BaseTool, OpenAIFunctionToolSchema, ToolResponse
 from rlsys.tools.registry import register_tool
 
@@ -50,11 +50,13 @@ def _evaluate(node: ast.AST):
 @register_tool("python")
 class PythonTool(BaseTool):
     """Runs the model's code in the sandbox and answers with its output: stdout, then stderr when
-    it failed. `config`: any of SandboxLimits' fields (wall_s, cpu_s, memory_mb, processes, ...)."""
+    it failed. `config`: SandboxLimits' fields (wall_s, cpu_s, memory_mb, disk_mb, ..., allow_weaker);
+    built where a layer of the sandbox is missing and weaker isolation is not accepted, it refuses."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
-        limits = {key: value for key, value in (config or {}).items() if key in SandboxLimits.__dataclass_fields__}
-        self.limits = SandboxLimits(**limits)
+        settings = {key: value for key, value in (config or {}).items() if key != "type"}  # VeRL's `type: native`
+        self.limits = limits_from(settings)
+        require_isolation(self.limits)
         super().__init__(config or {}, tool_schema or OpenAIFunctionToolSchema.model_validate({
             "type": "function",
             "function": {"name": "python", "description": "Run a Python program and read what it prints.",

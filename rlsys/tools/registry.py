@@ -79,9 +79,11 @@ class FunctionTool(BaseTool):
         return ToolResponse(text=str(result)), 0.0, {}
 
 
-def load_tools(names: list[str], config_file: str, key: str = "tools") -> list[ToolSpec]:
-    """The tools of `tools.names` and `tools.config_file`, each built once here to check it."""
-    specs = [_named_spec(name, f"{key}.names[{i}]") for i, name in enumerate(names)]
+def load_tools(names: list[str], config_file: str, key: str = "tools",
+               configs: dict[str, dict] | None = None) -> list[ToolSpec]:
+    """The tools of `tools.names` and `tools.config_file`, each built once here to check it;
+    `configs` holds the config of a tool class named in `names`, by tool name."""
+    specs = [_named_spec(name, f"{key}.names[{i}]", configs or {}) for i, name in enumerate(names)]
     if config_file:
         specs.extend(_yaml_specs(config_file, f"{key}.config_file"))
     seen: set[str] = set()
@@ -92,7 +94,7 @@ def load_tools(names: list[str], config_file: str, key: str = "tools") -> list[T
     return specs
 
 
-def _named_spec(name: str, key: str) -> ToolSpec:
+def _named_spec(name: str, key: str, configs: dict[str, dict]) -> ToolSpec:
     if ":" in name:
         path, _, attribute = name.rpartition(":")
         entry = getattr(import_user_code(path, key), attribute, None)
@@ -105,7 +107,8 @@ def _named_spec(name: str, key: str) -> ToolSpec:
         raise ConfigError(f"{key}: unknown tool {name!r}; registered: {', '.join(TOOLS.names())} "
                           "(or give path/to/file.py:Name)")
     schema = _function_schema(tool_name, entry, key) if not inspect.isclass(entry) else {}
-    return _checked(ToolSpec(tool_name, entry, {}, schema), key)
+    config = dict(configs.get(tool_name) or {}) if inspect.isclass(entry) else {}
+    return _checked(ToolSpec(tool_name, entry, config, schema), key)
 
 
 def _yaml_specs(path: str, key: str) -> list[ToolSpec]:

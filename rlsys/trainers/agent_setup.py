@@ -47,7 +47,7 @@ def agent_setup(loops: dict[str, str], tools: ToolsConfig) -> AgentSetup:
     names the key of what does not resolve."""
     import rlsys.tools  # noqa: F401  (registers the built-in tools)
 
-    specs = load_tools(tools.names, tools.config_file)
+    specs = load_tools(tools.names, tools.config_file, configs={"python": tools.sandbox})
     if tools.parser not in TOOL_PARSERS:
         raise ConfigError(f"tools.parser: unknown parser {tools.parser!r}; registered: "
                           f"{', '.join(TOOL_PARSERS.names())}")

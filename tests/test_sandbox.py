@@ -285,7 +285,7 @@ import json
 from rlsys.config.loader import ConfigError
 from rlsys.config.schema import RewardTerm
 from rlsys.rewards.loading import resolve_term
-from rlsys.sandbox.local import SandboxLimits, layers, run_python
+from rlsys.sandbox.local import SandboxLimits, SandboxUnavailable, layers, run_python
 from rlsys.tools.registry import load_tools
 import rlsys.tools
 out = {'missing': sorted(name for name, why in layers().items() if why)}

@@ -22,10 +22,12 @@ and per process: CPU time, address space, file size, open files and stack size l
 
 from __future__ import annotations
 
+import ast
 import functools
-import json
 import logging
+import marshal
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -181,28 +183,44 @@ def _launch(workdir: str, outputs: str, stdin: str, limits: SandboxLimits, cgrou
             probe: bool) -> tuple[dict, SandboxResult]:
     """Start the launcher, wait for it within the wall limit, and read its report."""
     report_read, report_write = os.pipe()
-    command = [sys.executable, "-I", "-S", _LAUNCH, json.dumps(_settings(workdir, limits, cgroups, report_write,
-                                                                         probe)),
-               "--", sys.executable, "-I", "-B", "main.py"]
-    stdout_path, stderr_path = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
+    settings = _settings(workdir, limits, cgroups, report_write, probe)
+    command = [sys.executable, "-I", "-S", _LAUNCH, marshal.dumps(settings).hex(), "--", sys.executable, "-I", "-B",
+               "main.py"]
+    paths = {name: os.path.join(outputs, name) for name in ("stdin", "stdout", "stderr")}
+    with open(paths["stdin"], "w") as f:
+        f.write(stdin)
     subreaper = not cgroups.paths and become_subreaper()
     started = time.monotonic()
-    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        process = subprocess.Popen(command, cwd=workdir, env=_ENV, stdin=subprocess.PIPE, stdout=out, stderr=err,
+    with open(paths["stdin"], "rb") as given, open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
+        process = subprocess.Popen(command, cwd=workdir, env=_ENV, stdin=given, stdout=out, stderr=err,
                                    start_new_session=True, pass_fds=(report_write,))
         os.close(report_write)
-        timed_out = False
         try:
-            process.communicate(stdin.encode(), timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            timed_out = not _exits_within(process, limits.wall_s)
         finally:
             _kill_everything(process.pid, cgroups, subreaper)
             process.wait()
     elapsed = time.monotonic() - started
     report = _read_report(report_read)
-    result = _result(report, timed_out, cgroups, limits, elapsed, _read(stdout_path), _read(stderr_path))
+    result = _result(report, timed_out, cgroups, limits, elapsed, _read(paths["stdout"]), _read(paths["stderr"]))
     return report, result
+
+
+def _exits_within(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for the launcher's exit, woken by it through a pidfd (Popen.wait with a timeout polls,
+    sleeping up to 50 ms between looks)."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except OSError:  # Linux before 5.3
+        try:
+            process.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        return bool(select.select([pidfd], [], [], timeout_s)[0])
+    finally:
+        os.close(pidfd)
 
 
 def _settings(workdir: str, limits: SandboxLimits, cgroups: RunCgroups, report_fd: int, probe: bool) -> dict:
@@ -257,7 +275,7 @@ def _read_report(fd: int) -> dict:
         lines = f.read().decode(errors="replace").splitlines()
     report: dict = {"layers": {}, "costs": {}}
     for line in lines:
-        record = json.loads(line)
+        record = ast.literal_eval(line)
         if "layer" in record:
             report["layers"][record["layer"]] = record["why"]
             report["costs"][record["layer"]] = record["s"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 
 HOME = "/home/sandbox"
 """The program's home and working directory inside the new root."""
@@ -128,9 +127,10 @@ def _mount_proc(new_root: str) -> bool:
 def _pivot_root(new_root: str) -> None:
     """Make `new_root` the root and detach the old one (pivot_root(".", ".") stacks the old root
     on the new one, and the lazy unmount takes it away)."""
-    number = _SYS_PIVOT_ROOT.get(platform.machine())
+    machine = os.uname().machine
+    number = _SYS_PIVOT_ROOT.get(machine)
     if number is None:
-        raise OSError(f"pivot_root: no system call number known for {platform.machine()}")
+        raise OSError(f"pivot_root: no system call number known for {machine}")
     os.chdir(new_root)
     if _libc.syscall(number, b".", b".") != 0:
         raise _error("pivot_root", new_root)

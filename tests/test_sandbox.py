@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 
 import pytest
@@ -38,6 +39,11 @@ def sandboxed_processes() -> list[str]:
         except OSError:
             continue
     return left
+
+
+def shared_memory_mb() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:")) / 1024
 
 
 class Listener:
@@ -263,6 +269,85 @@ print(written)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "rlsys-sandbox-*"))) <= before
 
 
+def test_one_cpu_budget_for_all_of_a_runs_processes():
+    """Two busy processes for a second of wall time against half a CPU: the kernel's count of their
+    CPU time."""
+    hostile = """
+import os, time
+for _ in range(2):
+    if os.fork() == 0:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+os.wait()
+os.wait()
+times = os.times()
+print(times.children_user + times.children_system)
+"""
+    result = run_python(hostile, "", SandboxLimits(wall_s=8.0, cpu_s=5, cpus=0.5))
+    assert result.ok, result
+    assert float(result.stdout) < 0.5 * 1.0 + 0.25
+
+
+def test_files_hidden_in_a_socket_cycle_do_not_outlive_the_run():
+    """Memfds sent into a cycle of Unix sockets that carry each other, then every descriptor closed:
+    only the kernel's collector frees them, which runs when some Unix socket closes."""
+    hostile = """
+import os, socket
+fds = []
+for _ in range(8):
+    fd = os.memfd_create('held')
+    os.write(fd, b'q' * (16 << 20))
+    fds.append(fd)
+a, b = socket.socketpair()
+socket.send_fds(a, [b'x'], [a.fileno(), b.fileno()] + fds)
+for fd in fds:
+    os.close(fd)
+print('hidden')
+"""
+    before = shared_memory_mb()
+    result = run_python(hostile, "", SandboxLimits(wall_s=5.0, memory_mb=512))
+    assert result.stdout == "hidden\n", result
+    for _ in range(50):  # the collector runs on the kernel's work queue
+        if shared_memory_mb() < before + 64:
+            break
+        time.sleep(0.05)
+    assert shared_memory_mb() < before + 64
+
+
+def test_a_caller_confined_by_its_cgroup_stays_confined_with_its_runs(tmp_path):
+    """A run's cgroups sit beneath the caller's: 300 MB in a run of a caller held to 200 MB fails."""
+    cgroup = f"/sys/fs/cgroup/memory/rlsys-test-caller-{uuid.uuid4().hex[:8]}"
+    os.mkdir(cgroup)
+    try:
+        with open(f"{cgroup}/memory.limit_in_bytes", "w") as f:
+            f.write(str(200 << 20))
+        caller = f"""
+import os
+open({cgroup!r} + '/cgroup.procs', 'w').write(str(os.getpid()))
+from rlsys.sandbox.local import SandboxLimits, run_python
+result = run_python("block = bytearray(b'1') * (300 << 20)\\nprint('held')", limits=SandboxLimits(memory_mb=512))
+print(result.status, result.stdout.strip())
+"""
+        done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True, timeout=60)
+    finally:
+        os.rmdir(cgroup)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "killed" and "held" not in done.stdout
+
+
+def test_a_caller_with_many_open_files_and_a_program_reading_dev_stdin():
+    """A trainer may hold over a thousand descriptors; a program may read its input as a file."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        result = run_python("print(open('/dev/stdin').read().upper())", "input", LIMITS)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert (result.status, result.stdout) == ("ok", "INPUT\n"), result
+
+
 def test_runaway_native_recursion_fails_fast():
     """The caller's stack limit may be unlimited (some launchers set it): the run has its own."""
     soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
@@ -309,7 +394,7 @@ print(json.dumps(out))
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
-    assert found["missing"] == ["memory", "pids", "user"]
+    assert found["missing"] == ["cpu", "memory", "pids", "user"]
     assert "the code sandbox's memory layer is missing on this machine: not root" in found["run"]
     assert found["tool"].startswith("tools.names[0]: tool 'python' cannot be built: SandboxUnavailable: the code")
     assert found["reward"].startswith("reward.terms[0].kwargs: SandboxUnavailable: the code sandbox's memory layer")

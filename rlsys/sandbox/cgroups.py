@@ -1,7 +1,9 @@
-"""The run's cgroups: a process budget (pids) and a memory budget (memory) of its own, all its
-processes together, on the machine's cgroup version (v1: a hierarchy per controller; v2:
-one directory holding both). Through them every process of the run is found and killed at
-its end, and a kill by the memory budget is told apart from the program's own signal.
+"""The run's cgroups: a memory, a process and a CPU budget of its own, for all its processes
+together, on the machine's cgroup version (v1: a hierarchy per controller; v2: one directory
+holding all three). Each is made beneath the caller's own cgroup, so a caller confined by
+its cgroup stays confined with its runs. Through them every process of the run is found and
+killed at its end, and a kill by the memory budget is told apart from the program's own
+signal.
 
 Creating them needs root; without it each is missing, with why (`rlsys.sandbox.local.layers`).
 """
@@ -14,24 +16,29 @@ import signal
 import time
 
 _ROOT = "/sys/fs/cgroup"
-_LIMIT_FILES = {"pids": "pids.max", "memory": "memory.max"}
-_V1_LIMIT_FILES = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}
+_CPU_PERIOD_US = 100_000
 _runs = itertools.count()
 
 
 class RunCgroups:
     """The run's cgroups by controller (`paths`), and why any is missing (`missing`)."""
 
-    def __init__(self, processes: int, memory_bytes: int):
+    def __init__(self, memory_bytes: int, processes: int, cpus: float):
         self.paths: dict[str, str] = {}
         self.missing: dict[str, str] = {}
         name = f"rlsys-sandbox-{os.getpid()}-{next(_runs)}"
-        limits = {"pids": str(processes), "memory": str(memory_bytes)}
-        for controller, limit in limits.items():
+        quota = max(1000, int(cpus * _CPU_PERIOD_US))
+        limits = {"memory": {"v1": [("memory.limit_in_bytes", str(memory_bytes)),
+                                    ("memory.memsw.limit_in_bytes", str(memory_bytes))],  # swap too, where counted
+                             "v2": [("memory.max", str(memory_bytes)), ("memory.swap.max", "0")]},
+                  "pids": {"v1": [("pids.max", str(processes))], "v2": [("pids.max", str(processes))]},
+                  "cpu": {"v1": [("cpu.cfs_period_us", str(_CPU_PERIOD_US)), ("cpu.cfs_quota_us", str(quota))],
+                          "v2": [("cpu.max", f"{quota} {_CPU_PERIOD_US}")]}}
+        for controller, files in limits.items():
             if os.geteuid() != 0:
                 self.missing[controller] = "not root: no cgroup of the run's own"
                 continue
-            path = _create(controller, name, limit)
+            path = _create(controller, name, files)
             if path:
                 self.paths[controller] = path
             else:
@@ -87,39 +94,35 @@ class RunCgroups:
                     time.sleep(0.01)
 
 
-def _create(controller: str, name: str, limit: str) -> str | None:
-    """A cgroup `name` with `limit` on `controller`: in its v1 hierarchy, or else in the v2 one
-    (the same directory for both controllers)."""
-    for base, limit_file in ((os.path.join(_ROOT, controller), _V1_LIMIT_FILES[controller]),
-                             (_ROOT, _LIMIT_FILES[controller])):
-        if not os.path.exists(os.path.join(base, "cgroup.procs")):  # not a cgroup file system
+def _create(controller: str, name: str, files: dict[str, list[tuple[str, str]]]) -> str | None:
+    """A cgroup `name` with its limits on `controller`: in the controller's v1 hierarchy, else in
+    the v2 one (one directory for every controller); beneath the caller's cgroup where the
+    kernel allows, else at the top."""
+    for version, hierarchy in (("v1", os.path.join(_ROOT, controller)), ("v2", _ROOT)):
+        if not os.path.exists(os.path.join(hierarchy, "cgroup.procs")):  # not a cgroup file system
             continue
-        path = os.path.join(base, name)
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError:
-            continue
-        try:
-            _write(path, limit_file, limit)
-            _no_swap(path, controller, limit)
-            return path
-        except OSError:
-            _remove_if_empty(path)
+        for parent in (hierarchy + _own_cgroup(controller if version == "v1" else ""), hierarchy):
+            path = os.path.join(parent, name)
+            try:
+                os.makedirs(path, exist_ok=True)
+                for file, value in files[version]:
+                    if file == files[version][0][0] or os.path.exists(os.path.join(path, file)):
+                        with open(os.path.join(path, file), "w") as f:
+                            f.write(value)
+                return path
+            except OSError:
+                _remove_if_empty(path)
     return None
 
 
-def _write(path: str, name: str, value: str) -> None:
-    with open(os.path.join(path, name), "w") as f:
-        f.write(value)
-
-
-def _no_swap(path: str, controller: str, limit: str) -> None:
-    """The memory budget holds swap too (memory+swap in v1, no swap in v2), where the files exist."""
-    if controller != "memory":
-        return
-    for name, value in (("memory.memsw.limit_in_bytes", limit), ("memory.swap.max", "0")):
-        if os.path.exists(os.path.join(path, name)):
-            _write(path, name, value)
+def _own_cgroup(controller: str) -> str:
+    """This process's cgroup path in `controller`'s v1 hierarchy, or in the v2 one ("")."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controller in controllers.split(",") if controller else not controllers:
+                return path.rstrip("/")
+    return ""
 
 
 def _remove_if_empty(path: str) -> None:

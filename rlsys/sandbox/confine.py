@@ -59,6 +59,19 @@ def die_with_parent() -> None:
     _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
+def stdin_in_memory() -> None:
+    """The program's standard input as an in-memory file of its own, which it may reopen
+    (`/dev/stdin`); Landlock would refuse reopening the caller's file."""
+    chunks = []
+    while chunk := os.read(0, 1 << 16):
+        chunks.append(chunk)
+    memory = os.memfd_create("stdin")
+    os.write(memory, b"".join(chunks))
+    os.lseek(memory, 0, os.SEEK_SET)
+    os.dup2(memory, 0)
+    os.close(memory)
+
+
 def limit_resources(settings: dict) -> None:
     """This process's limits, inherited by what it starts (each process has its own)."""
     cpu_s = settings["cpu_s"]

@@ -120,6 +120,7 @@ def _enter_root(settings: dict, reporter: Reporter, namespaces: str) -> str:
 def _run_program(settings: dict, argv: list[str], reporter: Reporter, home: str, root: bool) -> None:
     try:
         os.chdir(home)
+        confine.stdin_in_memory()
         confine.limit_resources(settings)
         reporter.layer("user", confine.become_unprivileged(settings["uid"], settings["gid"], root))
         tmp = "/tmp" if home == rootfs.HOME else home

@@ -1,20 +1,24 @@
 """Run untrusted Python on this machine, confined: the code a model writes is hostile.
 
 Each run is a process tree of its own (`rlsys.sandbox.launch` builds it) with, in layers:
-- `memory`, `pids`: cgroups of its own, a memory and a process budget for all its processes
-  together, through which every one of them is also killed at the end;
+- `memory`, `pids`, `cpu`: cgroups of its own beneath the caller's, a memory, a process and
+  a CPU budget for all its processes together, through which every one of them is also
+  killed at the end;
 - `mount`: a root file system of its own: an empty tmpfs of `disk_mb` (its home directory,
   /tmp and /dev/shm), the system's and Python's directories read-only, a minimal /etc and
   /dev; no other file, Unix socket or device of the machine is in view;
 - `pid`: a PID namespace with its own /proc: only its own processes are in view or in reach;
 - `network`, `ipc`: namespaces with no network interface up, no abstract Unix socket, System
   V object or message queue of the machine's;
-- `user`: an unprivileged user id that owns nothing on the machine, with no capability;
+- `user`: an unprivileged user id of its own that owns nothing on the machine, with no
+  capability;
 - `landlock`: reads and executes beneath the system's and Python's directories only, writes
   beneath its home, /tmp and /dev/shm only, no TCP, no signal or abstract socket outside;
 - `seccomp`: no new namespace, mount, ptrace, bpf, io_uring, key or kernel-module call, no
   socket but IPv4/IPv6 ones (`rlsys.sandbox.syscall_filter`);
-and per process: CPU time, address space, file size, open files and stack size limits.
+and per process: CPU time, address space, file size, open files and stack size limits. At
+the end, however it ended, nothing of the run is left: its processes, files, cgroups, and
+files it hid in Unix sockets in flight (`_collect_unix_garbage`).
 
 `layers()` says what holds on this machine. A run where one is missing is refused
 (`SandboxUnavailable`) unless its limits accept weaker isolation (`allow_weaker`).
@@ -27,9 +31,11 @@ import functools
 import logging
 import marshal
 import os
+import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,11 +51,13 @@ _LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
 _REFUSED = 126  # launch.REFUSED (the launcher is not importable as part of rlsys)
 _OUTPUT_LIMIT = 1 << 16
 """Bytes of stdout and stderr kept (each); the file-size limit bounds what a run writes."""
-SANDBOX_UID = 65534
-"""The user (and group) a run's program is, as root: nobody, which owns nothing the run can see."""
+SANDBOX_UIDS = range(1_500_000_000, 1_500_000_000 + (1 << 24))
+"""As root, each run's program is a user (and group) drawn from here: one that owns nothing on the
+machine, and rarely the same for two runs at once, so that they share no per-user kernel limit
+(inotify instances, file descriptors in flight, pipe buffers)."""
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 """The program's environment (the launcher adds HOME and TMPDIR): nothing of the caller's."""
-LAYERS = ("memory", "pids", "mount", "pid", "network", "ipc", "user", "landlock", "seccomp")
+LAYERS = ("memory", "pids", "cpu", "mount", "pid", "network", "ipc", "user", "landlock", "seccomp")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -70,6 +78,8 @@ class SandboxLimits:
     with MemoryError."""
     processes: int = 32
     """Per run: processes and threads at once."""
+    cpus: float = 1.0
+    """Per run: CPUs its processes may keep busy together (a CPU cgroup's quota)."""
     disk_mb: int = 64
     """Per run: the files it writes, in its home, /tmp and /dev/shm together (one tmpfs)."""
     file_mb: int = 16
@@ -105,7 +115,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
     """Run `code` as a Python program reading `stdin`, confined as the module says."""
     workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
     outputs = tempfile.mkdtemp(prefix="rlsys-sandbox-out-")
-    cgroups = RunCgroups(limits.processes, limits.memory_mb << 20)
+    cgroups = RunCgroups(limits.memory_mb << 20, limits.processes, limits.cpus)
     try:
         program = os.path.join(workdir, "main.py")
         with open(program, "w") as f:
@@ -119,6 +129,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
         cgroups.remove()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(outputs, ignore_errors=True)
+        _collect_unix_garbage()
 
 
 @functools.cache
@@ -128,7 +139,7 @@ def layers() -> dict[str, str]:
     workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
     outputs = tempfile.mkdtemp(prefix="rlsys-sandbox-out-")
     limits = SandboxLimits()
-    cgroups = RunCgroups(limits.processes, limits.memory_mb << 20)
+    cgroups = RunCgroups(limits.memory_mb << 20, limits.processes, limits.cpus)
     try:
         open(os.path.join(workdir, "main.py"), "w").close()
         report, _ = _launch(workdir, outputs, "", limits, cgroups, probe=True)
@@ -218,7 +229,9 @@ def _exits_within(process: subprocess.Popen, timeout_s: float) -> bool:
         except subprocess.TimeoutExpired:
             return False
     try:
-        return bool(select.select([pidfd], [], [], timeout_s)[0])
+        poller = select.poll()  # not select.select: a caller may hold descriptors numbered past 1023
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(timeout_s * 1000))
     finally:
         os.close(pidfd)
 
@@ -230,10 +243,26 @@ def _settings(workdir: str, limits: SandboxLimits, cgroups: RunCgroups, report_f
             "open_files": limits.open_files, "stack_bytes": limits.stack_mb << 20, "disk_bytes": limits.disk_mb << 20,
             "nproc": 0 if "pids" in cgroups.paths else _user_processes() + limits.processes,
             "cgroups": cgroups.paths, "missing": missing, "workdir": workdir, "readable": _readable(),
-            "uid": SANDBOX_UID if os.geteuid() == 0 else os.getuid(),
-            "gid": SANDBOX_UID if os.geteuid() == 0 else os.getgid(),
+            **_user(),
             "seccomp": bpf.hex(), "env": _ENV, "report_fd": report_fd, "require": not limits.allow_weaker,
             "probe": probe}
+
+
+def _user() -> dict[str, int]:
+    """As root, a user of the run's own (its group of the same number); otherwise the caller's."""
+    if os.geteuid() != 0:
+        return {"uid": os.getuid(), "gid": os.getgid()}
+    uid = SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))]
+    return {"uid": uid, "gid": uid}
+
+
+def _collect_unix_garbage() -> None:
+    """Closing a Unix socket makes the kernel collect unreachable sockets in flight: a program can
+    hide files (memfds, its tmpfs) in a cycle of sockets that carry each other, which would
+    otherwise outlive the run, its cgroup and its namespaces until any Unix socket closes."""
+    ends = socket.socketpair()
+    for end in ends:
+        end.close()
 
 
 def _readable() -> list[str]:

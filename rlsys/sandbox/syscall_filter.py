@@ -9,8 +9,11 @@ EPERM:
 - other processes: ptrace, process_vm_readv/writev, kcmp, pidfd_getfd;
 - kernel surfaces: bpf, perf_event_open, userfaultfd, io_uring (its requests would not pass
   through this filter), the key calls, modules, kexec, reboot, swap, acct, syslog, ...;
-- sockets of any family but IPv4 and IPv6: no Unix socket (by path or abstract name),
-  netlink, packet, vsock or any other; socketpair stays (multiprocessing uses it).
+- io_setup: kernel AIO contexts are one budget for the whole machine;
+- `socket` of any family but IPv4 and IPv6: no Unix socket to connect by path or abstract
+  name, no netlink, packet, vsock or any other; `socketpair` of Unix sockets only
+  (multiprocessing uses it). A filter cannot tell a socket's family at bind or connect, so a
+  socketpair's socket could still bind a name: only the run's own namespaces would see it.
 A system call made through another ABI (32-bit x86 or x32 on x86-64) kills the process, so
 none of the above can be reached through other numbers.
 """
@@ -32,7 +35,7 @@ _REFUSED = (
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "keyctl", "add_key", "request_key", "init_module", "finit_module", "delete_module", "kexec_load",
     "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "lookup_dcookie", "syslog",
-    "uselib", "vhangup", "open_by_handle_at", "name_to_handle_at", "fanotify_init",
+    "uselib", "vhangup", "open_by_handle_at", "name_to_handle_at", "fanotify_init", "io_setup",
 )
 _SOCKET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 _LARGEST_FAMILY = 64
@@ -57,6 +60,7 @@ def compiled() -> tuple[bytes, str]:
         if family not in _SOCKET_FAMILIES:
             _add(rules, seccomp, refuse, "socket", seccomp.Arg(0, seccomp.EQ, family))
     _add(rules, seccomp, refuse, "socket", seccomp.Arg(0, seccomp.GE, _LARGEST_FAMILY))
+    _add(rules, seccomp, refuse, "socketpair", seccomp.Arg(0, seccomp.NE, socket.AF_UNIX))
     with tempfile.TemporaryFile() as out:
         rules.export_bpf(out)
         out.seek(0)

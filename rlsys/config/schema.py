@@ -228,7 +228,7 @@ class ToolsConfig:
     """Tool worker actors; each runs every tool, many calls at once."""
     sandbox: dict[str, Any] = Field(default_factory=dict)
     """The `python` tool's sandbox when it is named in `names`: SandboxLimits' fields (wall_s, cpu_s, memory_mb,
-    processes, disk_mb, file_mb, open_files, stack_mb) and allow_weaker (run where this machine cannot give every
+    processes, cpus, disk_mb, file_mb, open_files, stack_mb) and allow_weaker (run where this machine cannot give every
     layer of isolation; otherwise the stage refuses to start, naming the missing layer). A tool YAML's `config`
     sets them per tool."""
 

@@ -48,7 +48,6 @@ from rlsys.sandbox.orphans import become_subreaper, kill_orphans
 
 log = logging.getLogger(__name__)
 _LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
-_REFUSED = 126  # launch.REFUSED (the launcher is not importable as part of rlsys)
 _OUTPUT_LIMIT = 1 << 16
 """Bytes of stdout and stderr kept (each); the file-size limit bounds what a run writes."""
 SANDBOX_UIDS = range(1_500_000_000, 1_500_000_000 + (1 << 24))
@@ -113,40 +112,17 @@ class SandboxResult:
 
 def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` as a Python program reading `stdin`, confined as the module says."""
-    workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
-    outputs = tempfile.mkdtemp(prefix="rlsys-sandbox-out-")
-    cgroups = RunCgroups(limits.memory_mb << 20, limits.processes, limits.cpus)
-    try:
-        program = os.path.join(workdir, "main.py")
-        with open(program, "w") as f:
-            f.write(code)
-        os.chmod(program, 0o644)
-        report, result = _launch(workdir, outputs, stdin, limits, cgroups, probe=False)
-        if "refused" in report:
-            raise SandboxUnavailable(_refusal(report["refused"]))
-        return result
-    finally:
-        cgroups.remove()
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(outputs, ignore_errors=True)
-        _collect_unix_garbage()
+    report, result = _launch(code, stdin, limits, probe=False)
+    if "refused" in report:
+        raise SandboxUnavailable(_refusal(report["refused"]))
+    return result
 
 
 @functools.cache
 def layers() -> dict[str, str]:
     """Each layer of isolation: "" where this machine gives it, otherwise why not (measured once per
     process by a probe run that applies every layer and stops before executing anything)."""
-    workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
-    outputs = tempfile.mkdtemp(prefix="rlsys-sandbox-out-")
-    limits = SandboxLimits()
-    cgroups = RunCgroups(limits.memory_mb << 20, limits.processes, limits.cpus)
-    try:
-        open(os.path.join(workdir, "main.py"), "w").close()
-        report, _ = _launch(workdir, outputs, "", limits, cgroups, probe=True)
-    finally:
-        cgroups.remove()
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(outputs, ignore_errors=True)
+    report, _ = _launch("", "", SandboxLimits(), probe=True)
     found = report.get("layers", {})
     return {name: found.get(name, "the probe did not reach it") for name in LAYERS}
 
@@ -190,8 +166,26 @@ def _refusal(missing: dict[str, str]) -> str:
     return f"the code sandbox's {name} layer is missing on this machine: {why}{more}"
 
 
-def _launch(workdir: str, outputs: str, stdin: str, limits: SandboxLimits, cgroups: RunCgroups,
-            probe: bool) -> tuple[dict, SandboxResult]:
+def _launch(code: str, stdin: str, limits: SandboxLimits, probe: bool) -> tuple[dict, SandboxResult]:
+    """The run's directories and cgroups, made before and removed after it, whatever happens."""
+    workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
+    outputs = tempfile.mkdtemp(prefix="rlsys-sandbox-out-")
+    cgroups = RunCgroups(limits.memory_mb << 20, limits.processes, limits.cpus)
+    try:
+        program = os.path.join(workdir, "main.py")
+        with open(program, "w") as f:
+            f.write(code)
+        os.chmod(program, 0o644)
+        return _start_and_wait(workdir, outputs, stdin, limits, cgroups, probe)
+    finally:
+        cgroups.remove()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(outputs, ignore_errors=True)
+        _collect_unix_garbage()
+
+
+def _start_and_wait(workdir: str, outputs: str, stdin: str, limits: SandboxLimits, cgroups: RunCgroups,
+                    probe: bool) -> tuple[dict, SandboxResult]:
     """Start the launcher, wait for it within the wall limit, and read its report."""
     report_read, report_write = os.pipe()
     settings = _settings(workdir, limits, cgroups, report_write, probe)

@@ -51,7 +51,7 @@ def code_exec(data_source, solution_str, ground_truth, extra_info=None, continuo
 def check_kwargs(kwargs: dict) -> None:
     """Before the run: the local sandbox holds every layer, or the term accepts weaker isolation."""
     if not kwargs.get("sandbox_url"):
-        require_isolation(_limits(1.0, 1024, bool(kwargs.get("allow_weaker", False))))
+        require_isolation(SandboxLimits(allow_weaker=bool(kwargs.get("allow_weaker", False))))
 
 
 code_exec.check_kwargs = check_kwargs

@@ -123,8 +123,9 @@ def _run_program(settings: dict, argv: list[str], reporter: Reporter, home: str,
         confine.stdin_in_memory()
         confine.limit_resources(settings)
         reporter.layer("user", confine.become_unprivileged(settings["uid"], settings["gid"], root))
-        tmp = "/tmp" if home == rootfs.HOME else home
-        writable = [home, tmp, "/dev/shm", "/dev/null"] if home == rootfs.HOME else [home, "/dev/null"]
+        own_root = home == rootfs.HOME
+        tmp = "/tmp" if own_root else home
+        writable = [home, tmp, "/dev/shm", "/dev/null"] if own_root else [home, "/dev/null"]
         reporter.layer("landlock", landlock.restrict(settings["readable"] + ["/etc", "/dev", "/proc"], writable))
         seccomp = bytes.fromhex(settings["seccomp"])
         reporter.layer("seccomp", confine.install_seccomp(seccomp) if seccomp else "no filter was compiled")

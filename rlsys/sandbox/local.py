@@ -309,22 +309,21 @@ def _read_report(fd: int) -> dict:
 
 def _result(report: dict, timed_out: bool, cgroups: RunCgroups, limits: SandboxLimits, elapsed: float,
             stdout: str, stderr: str) -> SandboxResult:
-    status_word = report.get("status")
+    status_word, code = report.get("status"), None
     if "launch_error" in report:
         stderr += f"\n[sandbox: {report['launch_error']}]"
     if timed_out:
-        return SandboxResult("timeout", None, stdout, stderr, elapsed, report["costs"])
-    if status_word is None:  # the run's init did not report: it was killed
-        return SandboxResult("killed", None, stdout, stderr, elapsed, report["costs"])
-    if os.WIFSIGNALED(status_word):
-        number = os.WTERMSIG(status_word)
-        if number == signal.SIGXCPU:
-            return SandboxResult("timeout", None, stdout, stderr, elapsed, report["costs"])
-        if cgroups.out_of_memory():
+        status = "timeout"
+    elif status_word is None:  # the run's init did not report: it was killed
+        status = "killed"
+    elif os.WIFSIGNALED(status_word):
+        status = "timeout" if os.WTERMSIG(status_word) == signal.SIGXCPU else "killed"
+        if status == "killed" and cgroups.out_of_memory():
             stderr += f"\n[killed: the run's memory budget of {limits.memory_mb} MiB was exceeded]"
-        return SandboxResult("killed", None, stdout, stderr, elapsed, report["costs"])
-    code = os.WEXITSTATUS(status_word)
-    return SandboxResult("ok" if code == 0 else "error", code, stdout, stderr, elapsed, report["costs"])
+    else:
+        code = os.WEXITSTATUS(status_word)
+        status = "ok" if code == 0 else "error"
+    return SandboxResult(status, code, stdout, stderr, elapsed, report["costs"])
 
 
 def _read(path: str) -> str:

@@ -56,9 +56,9 @@ def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None
     calls, rows, calls_by_step, replays = [], [], [], []
     rollout = trainer.rollout.rollout
 
-    def recorded(*args):
+    def recorded(*args, **kwargs):  # the bare engine replays the positional arguments (no weight version)
         calls.append(args)
-        return rollout(*args)
+        return rollout(*args, **kwargs)
 
     trainer.rollout.rollout = recorded
     try:
@@ -226,10 +226,21 @@ def main() -> None:
             print(f"{phase:<14}{mean[key]:>10.3f}{mean[key] / mean['time/step_s']:>9.1%}")
     print(f"{'step':<14}{mean['time/step_s']:>10.3f}")
     print_rollout_rates(measured, replays[1:], after_shutdown)
+    print_sync(cfg, mean)
+    print_throughput(cfg, mean)
+
+
+def print_sync(cfg: RLJobConfig, mean: dict) -> None:
+    """The weight sync's time and rate beside a copy of the same bytes on the device the shards are on."""
+    import torch
+    from sync import memcpy_time  # this directory's benchmarks/sync.py
+
+    device = "cuda" if cfg.ray.gpus_per_worker and torch.cuda.is_available() else "cpu"
+    floor = memcpy_time(int(mean["sync/mb"] * 2**20), device)
     how = "read in place" if mean.get("sync/in_place") else f"in {mean['sync/buckets']:.0f} buckets"
     print(f"weight sync: {mean['sync/time_s']:.3f} s = {mean['sync/time_s'] / mean['time/step_s']:.1%} of the step "
-          f"({mean['sync/mb']:.1f} MB {how})")
-    print_throughput(cfg, mean)
+          f"({mean['sync/mb']:.1f} MB {how}: {mean['sync/mb'] / 1024 / mean['sync/time_s']:.2f} GiB/s; a {device} "
+          f"copy of the same bytes {mean['sync/mb'] / 1024 / floor:.1f} GiB/s, {floor / mean['sync/time_s']:.2f}x)")
 
 
 # Dense bf16 peak FLOP/s by device name, for MFU (the vendors' figures without sparsity)

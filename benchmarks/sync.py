@@ -9,8 +9,8 @@
 Builds the training group (any layout, given as config overrides) and one colocated
 vLLM engine, runs the trainer -> engine sync `--repeats` times and prints its median
 time and MB/s, then the median time of copying the same number of bytes from one
-tensor into another in this process (torch's memcpy, all threads): the floor of any
-host-memory path.
+tensor into another in this process, on the device the shards are on (torch's copy: all
+threads on CPU, a device-to-device copy on a GPU): the floor of any path.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def ensure_model(path: str) -> None:
 
 
 def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[float], dict[str, float]]:
-    from rlsys.actors.cluster import ensure_ray
+    from rlsys.actors.cluster import ensure_ray, gpu_shares
     from rlsys.actors.rollout_group import RolloutGroup
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
@@ -47,11 +47,13 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     from rlsys.sync.weight_sync import WeightSync
 
     ensure_ray(cfg.ray)
-    train = TrainGroup(build_worker_spec(cfg, 1, 1), cfg.ray)
+    train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, cfg.rollout.placement)
+    train = TrainGroup(build_worker_spec(cfg, 1, 1), cfg.ray, gpu_share=train_gpus)
     rollout = None
     try:
         rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, train.placement,
-                               cfg.ray.cpus_per_worker * train.dims.world_size, adapter=AdapterSpec.of(cfg.model.lora))
+                               cfg.ray.cpus_per_worker * train.dims.world_size, gpu_share=engine_gpus,
+                               adapter=AdapterSpec.of(cfg.model.lora), fp32_head=cfg.model.fp32_lm_head)
         sync = AdapterSync(train, rollout) if cfg.model.lora.syncs_adapters else \
             WeightSync(train, rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
         runs = []
@@ -66,14 +68,18 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     return [r["sync/time_s"] for r in runs[1:]], runs[-1]
 
 
-def memcpy_time(nbytes: int, repeats: int = 5) -> float:
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+def memcpy_time(nbytes: int, device: str, repeats: int = 5) -> float:
+    """Median seconds to copy `nbytes` from one tensor into another on `device` (where the shards are)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         started = time.perf_counter()
         dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def main() -> None:
@@ -90,15 +96,17 @@ def main() -> None:
         "parallel.dp_shard=2", "rollout.engine_memory_gib=0.25", "ray.include_dashboard=false", *args.overrides])
     times, last = sync_times(cfg, args.repeats, args.release)
     seconds, mb = statistics.median(times), last["sync/mb"]
-    floor = memcpy_time(int(mb * 2**20))
-    how = "read in place from shared memory" if last["sync/in_place"] else f"in {last['sync/buckets']:.0f} buckets"
+    device = "cuda" if cfg.ray.gpus_per_worker and torch.cuda.is_available() else "cpu"
+    floor = memcpy_time(int(mb * 2**20), device)
+    where = "through CUDA IPC" if device == "cuda" else "from shared memory"
+    how = f"read in place {where}" if last["sync/in_place"] else f"in {last['sync/buckets']:.0f} buckets"
     how += f" (LoRA rank {cfg.model.lora.rank} adapters)" if cfg.model.lora.rank else ""
     print(f"\nweight sync of {mb:,.1f} MB {how} "
           f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> 1 engine"
           f"{', weights freed before each' if args.release else ''}), "
           f"median of {args.repeats}:")
     print(f"  sync    {seconds:8.3f} s  {mb / seconds:10,.0f} MB/s")
-    print(f"  memcpy  {floor:8.3f} s  {mb / floor:10,.0f} MB/s   (same bytes, one process)")
+    print(f"  memcpy  {floor:8.3f} s  {mb / floor:10,.0f} MB/s   (same bytes, one process, {device})")
     print(f"  sync / memcpy time: {seconds / floor:.1f}x")
 
 

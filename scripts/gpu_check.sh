@@ -72,18 +72,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$py" -c "import vllm, ray; print('[gpu_check] vllm', vllm.__version__, 'ray', ray.__version__)" 2>&1 | tail -3
 gpus="$("$py" -c "import torch; print(int(torch.cuda.is_available()))")"
 logs="${OUT:-$(mktemp -d)}"
+results="$logs/results.md"  # every check's summary as it finishes: a cut run keeps what it measured
 out="$(mktemp -d)"
+nvidia-smi --query-gpu=name --format=csv,noheader >"$results" 2>/dev/null || echo "no GPU" >"$results"
 status=0
 
-check() {  # check NAME COMMAND...: run it, its output into $logs/NAME.log, one line with its seconds
+check() {  # check NAME COMMAND...: run it, its output into $logs/NAME.log, its summary into $results
   local name="$1" started=$SECONDS
   shift
   [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $name "* ]] || return 0  # GPU_CHECKS="a b": only those
   "$@" >"$logs/$name.log" 2>&1
   local rc=$?
   [ $rc = 0 ] || status=1
-  echo "[gpu_check] $name: $([ $rc = 0 ] && echo ok || echo "FAIL (exit $rc)") in $((SECONDS - started)) s"
-  grep -a -E "^\[|Error|error:" "$logs/$name.log" | grep -v "^\[gpu_check\]" | tail -n "${SHOW_LINES:-8}"
+  {
+    echo "[gpu_check] $name: $([ $rc = 0 ] && echo ok || echo "FAIL (exit $rc)") in $((SECONDS - started)) s"
+    grep -a -E "^\[|^  |Error|error:" "$logs/$name.log" | grep -v "^\[gpu_check\]" | tail -n "${SHOW_LINES:-8}"
+  } | tee -a "$results"
 }
 
 arith="$carry/arith"
@@ -113,18 +117,21 @@ print(f"[rl] {len(times)} steps, median {times[len(times) // 2]:.2f} s; reward {
       f"the engine freed {max(freed, default=0):.2f} GiB for each update")
 PY
 }
-if "$py" -c "import ray, vllm" 2>/dev/null; then
-  check eval_sft "$py" -m rlsys.run eval --config examples/arith/eval.yaml "output_dir=$out/eval" "model.path=$arith/sft" \
-    "eval.files=[$arith/data/test.parquet]"
-  check rl_bf16 rl rl_bf16 train.steps=20
-  grep -a -h "Sleep mode freed\|sleep mode\|woke up" "$logs/rl_bf16.log" | sed 's/^.*\] //' | sort | uniq -c | head -4
-  check rl_fp32 rl rl_fp32 train.steps=5 parallel.mixed_precision=none rollout.dtype=float32
+if "$py" -c "import ray, vllm" 2>/dev/null; then  # in order of value: a cut run keeps the first checks
   "$py" -c "from benchmarks.sync import QWEN25_05B; from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
   SHOW_LINES=30 check grpo_05b "$py" benchmarks/rlvr_bench.py --model "$out/qwen05b" --data "$arith/data/rl_train.parquet" \
     --out "$out/bench" --steps "${GRPO_STEPS:-3}" --prompts 64 --n 8 --max-new-tokens 256 "ray.gpus_per_worker=$gpus" \
     rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=16384
+  SHOW_LINES=12 check logprob_gap "$py" benchmarks/logprob_gap.py --model "$arith/sft" \
+    --data "$arith/data/rl_train.parquet" --out "$logs/results.jsonl"
+  check rl_fp32_head rl rl_fp32_head train.steps=5 model.fp32_lm_head=true
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --model "$out/qwen05b" "${common[@]}"
+  check rl_bf16 rl rl_bf16 train.steps="${RL_STEPS:-20}"
+  grep -a -h "Sleep mode freed\|sleep mode\|woke up" "$logs/rl_bf16.log" 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c | head -4
+  check eval_sft "$py" -m rlsys.run eval --config examples/arith/eval.yaml "output_dir=$out/eval" "model.path=$arith/sft" \
+    "eval.files=[$arith/data/test.parquet]"
+  check rl_fp32 rl rl_fp32 train.steps=5 parallel.mixed_precision=none rollout.dtype=float32
 else
   echo "[gpu_check] SKIP: vllm or ray does not import here; the rollout engine on CUDA is not checked"
 fi

@@ -82,3 +82,57 @@ def test_one_cpu_rank_trains_its_own_parameters_with_fsdps_gradients(tied_model_
             assert abs(grad).sum() > 0, name
             torch.testing.assert_close(torch.from_numpy(plain["grads"][name]), torch.from_numpy(grad), rtol=1e-5,
                                        atol=1e-7, msg=name)
+
+
+def _head_outputs(model_dir: str, store: str, conn) -> None:
+    """The LM head's input, weight (as it multiplies it) and output in a bf16 mixed-precision
+    step, with and without `model.fp32_lm_head`, and whether gradients reached the weights."""
+    import torch.distributed as dist
+
+    from rlsys.algorithms.lm_loss import nll_loss
+    from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from rlsys.engine.model_engine import EngineSpec, ModelEngine, full_tensor
+    from rlsys.parallel.dims import ParallelDims
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    results = {}
+    for fp32_head in (False, True):
+        parallel = ParallelConfig()
+        dims = ParallelDims.of(parallel)
+        spec = EngineSpec(ModelConfig(path=model_dir, fp32_lm_head=fp32_head), OptimConfig(), dims, parallel,
+                          micro_batch_size=2, total_steps=1, param_dtype=torch.bfloat16)
+        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        seen = {}
+        engine.parts[0].lm_head.register_forward_hook(lambda module, args, out: seen.update(
+            hidden=args[0].detach().clone(), weight=module.weight.detach().clone(), logits=out.detach().clone()))
+        engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
+        grads = [full_tensor(p.grad) for _, p in engine.named_parameters()]
+        results[fp32_head] = {**{k: v.float().numpy() for k, v in seen.items()},
+                              "dtypes": (seen["hidden"].dtype, seen["weight"].dtype, seen["logits"].dtype),
+                              "all_grads": all(g is not None and g.abs().sum() > 0 for g in grads)}
+    conn.send(results)
+    dist.destroy_process_group()
+
+
+def test_fp32_lm_head_multiplies_the_bf16_operands_in_fp32(tied_model_dir, tmp_path):
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    rank = context.Process(target=_head_outputs, args=(tied_model_dir, str(tmp_path / "store"), child_conn),
+                           daemon=True)
+    rank.start()
+    try:
+        while rank.is_alive() and not conn.poll(1):
+            pass
+        assert conn.poll(), "the rank died before sending its results"
+        results = conn.recv()
+    finally:
+        rank.join(timeout=30)
+    rounded, fp32 = results[False], results[True]
+    assert rounded["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    assert fp32["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.float32)  # FSDP's cast weight, fp32 logits
+    exact = torch.from_numpy(fp32["hidden"]) @ torch.from_numpy(fp32["weight"]).T
+    torch.testing.assert_close(torch.from_numpy(fp32["logits"]), exact, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(exact.to(torch.bfloat16).float(), exact)  # the rounding it removes is there to remove
+    assert rounded["all_grads"] and fp32["all_grads"]

@@ -83,6 +83,15 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def gpu_shares(gpus_per_worker: float, placement: str) -> tuple[float, float]:
+    """GPUs a training rank's actor and its colocated rollout engine take of the rank's bundle: they
+    split it (Ray fractional GPUs), so that both see the GPU and the engine can read the rank's
+    shards through CUDA IPC. A separate engine takes none of it."""
+    if placement == "colocated":
+        return gpus_per_worker / 2, gpus_per_worker / 2
+    return gpus_per_worker, 0.0
+
+
 def check_resources(num_workers: int, cpus: float, gpus: float, key: str, local_cpus: int | None = None) -> None:
     """Fail fast, naming the config key and the remedy, when the cluster cannot place
     `num_workers` bundles of `cpus` CPUs and `gpus` GPUs (each bundle on a single node).

@@ -25,12 +25,13 @@ class RolloutGroup(ActorGroup):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
-                 adapter: AdapterSpec | None = None):
+                 adapter: AdapterSpec | None = None, fp32_head: bool = False):
         """colocated: engine i sits in bundle i of the training group's placement group and takes
         no extra CPUs (generation and training alternate); separate: a placement group of its own.
         `loops`: the agent loops the engines run, by name; `tool_client` (`ToolPool.client()`) the
         tool workers their loops call; `adapter`: the engines serve the policy's LoRA adapter over the
-        base model, which they load once and keep (no memory release)."""
+        base model, which they load once and keep (no memory release); `fp32_head`: the engines compute logits
+        in fp32 (`model.fp32_lm_head`)."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
         self.own_placement = None
@@ -51,7 +52,8 @@ class RolloutGroup(ActorGroup):
         try:
             self.actors = [
                 spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory, loops,
-                      tools, tool_client, tool_schemas, adapter, env=ENGINE_ENV, num_cpus=num_cpus, num_gpus=num_gpus,
+                      tools, tool_client, tool_schemas, adapter, fp32_head, env=ENGINE_ENV, num_cpus=num_cpus,
+                      num_gpus=num_gpus,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(
                           placement, placement_group_bundle_index=i % bundles))
                 for i in range(cfg.num_engines)

@@ -71,9 +71,10 @@ class RolloutWorker:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int,
                  releases_memory: bool = False, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
-                 adapter: AdapterSpec | None = None):
+                 adapter: AdapterSpec | None = None, fp32_head: bool = False):
         """`loops`: the agent loop classes this engine runs, by the name `rollout` asks for; `adapter`:
-        generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once."""
+        generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once;
+        `fp32_head`: logits in fp32 (`model.fp32_lm_head`)."""
         redirect_actor_output()
         torch.set_num_threads(num_threads)
         on_gpu = torch.cuda.is_available()
@@ -83,7 +84,7 @@ class RolloutWorker:
             keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
         self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu,
-                              lora_rank=adapter.rank if adapter else 0)
+                              lora_rank=adapter.rank if adapter else 0, fp32_head=fp32_head)
         self.memory = EngineMemory(self.llm, on_gpu)
         self.engine = RequestEngine(self.llm)
         self.adapter = ServedAdapter(self.llm, adapter) if adapter else None

@@ -48,6 +48,10 @@ class ModelConfig:
     `router_aux_loss_coef`, 0 turns it off."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters (rank 0: none)."""
+    fp32_lm_head: bool = False
+    """Compute the logits in fp32 from bf16 hidden states and weights, in the trainer and in the rollout
+    engines (vLLM's `head_dtype`): removes the bf16 rounding of the logits from the engine/trainer log-prob gap
+    (TRL's `cast_lm_head_to_fp32`, NeMo-RL's `fp32_lm_head`). Nothing changes where compute is already fp32."""
 
 
 @dataclass(config=STRICT)

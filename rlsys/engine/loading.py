@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsys.config.schema import ModelConfig, ParallelConfig
 from rlsys.models import lora
+from rlsys.models.head import compute_logits_in_fp32
 from rlsys.models.moe import FUSED, MoEFamily, moe_family
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import parallelize
@@ -61,6 +62,8 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
         if value_head and _has_lm_head(part):
             with torch.no_grad():
                 part.lm_head.weight.zero_()
+        elif model_cfg.fp32_lm_head and _has_lm_head(part):
+            compute_logits_in_fp32(part.lm_head)
         _init_rotary_buffers(part, device)
     return parts
 

@@ -16,8 +16,10 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks a vLLM engine can be built for (`max_lora_rank`)."""
 
 
-def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool = False, lora_rank: int = 0):
-    """`lora_rank`: serve LoRA adapters up to this rank (0: none)."""
+def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool = False, lora_rank: int = 0,
+               fp32_head: bool = False):
+    """`lora_rank`: serve LoRA adapters up to this rank (0: none); `fp32_head`: logits computed in fp32
+    from the bf16 hidden states and weights, as the trainer's with `model.fp32_lm_head`."""
     # In-process engine core: starts in seconds and lives inside a Ray actor.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -48,6 +50,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         enable_sleep_mode=sleep_mode,
         # log-probs of the distribution sampled from (after temperature), which the trainer reproduces
         logprobs_mode="processed_logprobs",
+        **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head and dtype != "float32" else {}),
         seed=seed,
         **({"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= lora_rank)}
            if lora_rank else {}),

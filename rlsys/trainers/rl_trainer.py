@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.cluster import ensure_ray, gpu_shares
 from rlsys.actors.phases import PhaseTimer, set_phase
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.train_group import TrainGroup
@@ -113,13 +113,15 @@ class RLVRTrainer:
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
                                      with_reference=cfg.algorithm.needs_reference,
                                      critic=cfg.critic if self.with_critic else None)
-            self.train = TrainGroup(spec, cfg.ray, gpu_share=self._trainer_gpu_share())
+            train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, cfg.rollout.placement)
+            self.train = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
             self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
                                         cfg.ray.cpus_per_worker * self.train.dims.world_size,
-                                        gpu_share=cfg.ray.gpus_per_worker - self._trainer_gpu_share(),
+                                        gpu_share=engine_gpus,
                                         loops=self.agents.loops, tools=cfg.tools,
                                         tool_client=self.tools.client() if self.tools else None,
-                                        tool_schemas=self.agents.schemas, adapter=AdapterSpec.of(cfg.model.lora))
+                                        tool_schemas=self.agents.schemas, adapter=AdapterSpec.of(cfg.model.lora),
+                                        fp32_head=cfg.model.fp32_lm_head)
             self.sync = self._weight_sync()
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout, self.prompts, self.sampler, cfg.train.async_mode,
@@ -335,14 +337,6 @@ class RLVRTrainer:
         for group in (self.rollout, self.train):
             if group is not None:
                 group.shutdown()
-
-    # -- set-up helpers ---------------------------------------------------------
-
-    def _trainer_gpu_share(self) -> float:
-        """Colocated on GPU, trainer and engine split each rank's GPU (Ray fractional GPUs)."""
-        colocated = self.cfg.rollout.placement == "colocated"
-        return self.cfg.ray.gpus_per_worker / 2 if colocated else self.cfg.ray.gpus_per_worker
-
 
 
 def run_rlvr(cfg: RLJobConfig) -> dict:

@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss, token_logprobs
 from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
-from rlsys.engine.model_engine import EngineSpec, ModelEngine, full_tensor
+from rlsys.engine.model_engine import EngineSpec, ModelEngine
+from rlsys.engine.weights import full_tensor
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 from rlsys.parallel.dims import ParallelDims
 from rlsys.sync.shards import shared_pieces
@@ -277,7 +278,7 @@ def sharing_rank(conn, port: int, model_dir: str, batch) -> None:
     try:
         engine, _ = build_engine(model_dir, device, {"dp_shard": 1}, "bf16", micro_batch_size=len(batch["input_ids"]),
                                  optim=OptimConfig(lr=1e-3))
-        conn.send(engine.share_shards(list(engine.parameter_nbytes())))
+        conn.send(engine.weights.share_shards(list(engine.weights.parameter_nbytes())))
         conn.send(full_parameters(engine))
         conn.recv()
         engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))

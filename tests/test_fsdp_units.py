@@ -20,7 +20,8 @@ def _one_rank_steps(model_dir: str, store: str, conn) -> None:
 
     from rlsys.algorithms.lm_loss import nll_loss
     from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine, full_tensor
+    from rlsys.engine.model_engine import EngineSpec, ModelEngine
+    from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -91,7 +92,8 @@ def _head_outputs(model_dir: str, store: str, conn) -> None:
 
     from rlsys.algorithms.lm_loss import nll_loss
     from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine, full_tensor
+    from rlsys.engine.model_engine import EngineSpec, ModelEngine
+    from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)

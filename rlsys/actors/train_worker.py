@@ -22,6 +22,7 @@ from rlsys.config.schema import CriticConfig, LoraConfig, ModelConfig, OptimConf
 from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
+from rlsys.engine.state import export_hf
 from rlsys.host_memory import releases_freed_memory
 from rlsys.parallel.dims import ParallelDims
 from rlsys.sync.shards import ShardBucket, Shared, pack
@@ -157,42 +158,45 @@ class TrainWorker:
 
     def parameter_nbytes(self) -> dict[str, int]:
         """The weights the engines receive, by HF name (a LoRA policy's: merged)."""
-        return self.policy.merged_nbytes() if self.policy.lora else self.policy.parameter_nbytes()
+        weights = self.policy.weights
+        return weights.merged_nbytes() if self.policy.lora else weights.parameter_nbytes()
 
     def sync_shards(self, names: list[str]) -> ShardBucket | None:
         """This rank's shards of `names`, for the engines to reassemble (None when it
         holds only replicas of them)."""
-        shards = self.policy.merged_shards(names) if self.policy.lora else self.policy.local_shards(names)
+        weights = self.policy.weights
+        shards = weights.merged_shards(names) if self.policy.lora else weights.local_shards(names)
         return pack(shards) if shards else None
 
     def adapter_shards(self) -> ShardBucket | None:
         """This rank's shards of the policy's LoRA adapters (None: it holds only replicas)."""
-        shards = self.policy.local_shards(self.policy.adapter_names())
+        shards = self.policy.weights.local_shards(self.policy.weights.adapter_names())
         return pack(shards) if shards else None
 
     def share_shards(self, names: list[str]) -> list[Shared]:
         """Handles to this rank's shards of `names` (moved into shared memory on CPU) for engines on
         this machine to read in place at every sync (none of them: this rank holds only replicas)."""
-        return self.policy.share_shards(names)
+        return self.policy.weights.share_shards(names)
 
     # -- state --------------------------------------------------------------
 
     @releases_freed_memory
     def save_checkpoint(self, path: str) -> None:
-        self.policy.save(path, self.rank)
+        self.policy.state.save(path, self.rank)
         if self.critic is not None:
             os.makedirs(os.path.join(path, "critic"), exist_ok=True)
-            self.critic.save(os.path.join(path, "critic"), self.rank)
+            self.critic.state.save(os.path.join(path, "critic"), self.rank)
 
     @releases_freed_memory
     def load_checkpoint(self, path: str) -> None:
-        self.policy.load(path, self.rank)
+        self.policy.state.load(path, self.rank)
         if self.critic is not None:
-            self.critic.load(os.path.join(path, "critic"), self.rank)
+            self.critic.state.load(os.path.join(path, "critic"), self.rank)
 
     @releases_freed_memory
     def export_hf(self, out_dir: str) -> None:
-        self.policy.export_hf(out_dir, writes_stage=self.where.leads_stage, writes_config=self.rank == 0)
+        export_hf(self.policy.weights, self.spec.model, out_dir, self.where.pp, self.spec.dims.pp,
+                  writes_stage=self.where.leads_stage, writes_config=self.rank == 0)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

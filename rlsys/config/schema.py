@@ -348,8 +348,8 @@ class RewardConfig:
     num_workers: int = Field(default=2, gt=0)
     """Reward actors scoring in parallel, off the driver."""
     overlong_buffer_len: int = Field(default=0, ge=0)
-    """DAPO's overlong shaping: a response longer than rollout.max_new_tokens minus this many
-    tokens loses up to overlong_penalty_factor, linearly (0: off)."""
+    """DAPO's overlong shaping: a response longer than the response budget (rollout.max_response_tokens,
+    else rollout.max_new_tokens) minus this many tokens loses up to overlong_penalty_factor, linearly (0: off)."""
     overlong_penalty_factor: float = Field(default=1.0, ge=0)
     """The penalty of a response that fills the whole generation budget."""
 

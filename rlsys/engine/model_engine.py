@@ -17,44 +17,30 @@ layout, and its metric sums add up across data-parallel ranks the same way.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from rlsys.algorithms.lm_loss import LossFn, is_token_level
 from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.loading import load_parallel_model
+from rlsys.engine.schedule import lr_multiplier
+from rlsys.engine.state import RankState
+from rlsys.engine.weights import RankWeights, full_tensor
 from rlsys.models import lora
-from rlsys.models.moe import moe_family
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
 from rlsys.parallel.pipeline_schedule import run_schedule
 from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
-from rlsys.sync.shards import Shared, share
 
 
 @dataclass(frozen=True)
@@ -74,25 +60,6 @@ class EngineSpec:
     tokens, so under context parallel cp times as many of whole sequences (as VeRL's Ulysses)."""
 
 
-def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to min_ratio at total_steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def follow_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
-    """Set a restored scheduler's optimizer to this run's schedule (peak `lr`) at the restored
-    step. The checkpoint holds the saved run's lr, which its next step would still take when the
-    schedule changed on resume (a larger `train.steps`, say); an unchanged one gives the same lr."""
-    scheduler.base_lrs = [lr] * len(scheduler.optimizer.param_groups)
-    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, group_lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = group_lr
-    scheduler._last_lr = lrs
-
-
 class ModelEngine:
     def __init__(self, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, trainable: bool = True):
         self.spec, self.mesh, self.device = spec, mesh, device
@@ -109,14 +76,15 @@ class ModelEngine:
         self.fsdp_size = spec.dims.fsdp_mesh(mesh).size()
         self.fsdp_parts = [part for part in self.parts if isinstance(part, FSDPModule)]
         self.optimizers, self.schedulers = [], []
-        self.shard_offsets: dict[str, tuple[int, ...] | None] = {}
-        self.shared_storages: dict[str, int] = {}
-        """Address of each shared shard's storage (`share_shards`): an engine reads it in place."""
         if trainable:
             self._build_optimizers()
         else:
             for part in self.parts:
                 part.eval().requires_grad_(False)
+        self.weights = RankWeights(self.parts, spec.model.lora)
+        """What the weight sync and the export read (`rlsys.engine.weights`)."""
+        self.state = RankState(self.parts, self.optimizers, self.schedulers, spec.model, spec.optim.lr)
+        """Checkpoints (`rlsys.engine.state`)."""
 
     def _build_optimizers(self) -> None:
         optim = self.spec.optim
@@ -155,10 +123,8 @@ class ModelEngine:
         return self.spec.model.lora.rank > 0
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under their HF names (stages never share a name); with LoRA, the
-        names of the wrapped model (`rlsys.models.lora`)."""
-        for part in self.parts:
-            yield from part.named_parameters()
+        """This rank's parameters under their HF names (`RankWeights.named_parameters`)."""
+        return self.weights.named_parameters()
 
     @contextlib.contextmanager
     def adapters_off(self):
@@ -378,205 +344,14 @@ class ModelEngine:
             optimizer.step()
             scheduler.step()
         self.zero_grad()
-        self._check_shared()
-        if self.shared_storages and self.device.type == "cuda":
+        self.weights.check_shared()
+        if self.weights.shared_storages and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the engines read the shards outside this process's streams
         return {"grad_norm": grad_norm, "lr": lr}
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-
-    # -- weights --------------------------------------------------------------
-
-    def parameter_nbytes(self) -> dict[str, int]:
-        """Full (unsharded) size of each of this rank's parameters, by HF name, in module order."""
-        return {name: p.numel() * p.element_size() for name, p in self.named_parameters()}
-
-    def full_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors of `names`, gathered from every mesh axis but pp (a collective
-        over the ranks of this pipeline stage: each iterates in the same order)."""
-        for part in self.fsdp_parts:
-            part.reshard()
-        params = dict(self.named_parameters())
-        for name in names:
-            param = params[name]
-            yield name, full_tensor(param).detach()
-
-    @torch.no_grad()
-    def local_shards(self, names: list[str]) -> list[tuple[str, torch.Tensor, tuple, tuple]]:
-        """This rank's shard of each of `names` as (name, shard, full shape, offset of the shard
-        in the full tensor): no collective. A rank holding a replica of a shard (a Replicate
-        placement at a coordinate other than 0: another data-parallel replica, a tensor-parallel
-        peer's copy of a norm) yields nothing for it, so each element is sent once. (Without
-        grad mode `to_local` needs no `detach`, whose dispatch through DTensor is most of the
-        cost here.)"""
-        for part in self.fsdp_parts:
-            part.reshard()
-        params = dict(self.named_parameters())
-        shards = []
-        for name in names:
-            param = params[name]
-            if name not in self.shard_offsets:  # fixed by the layout: worked out on the first sync
-                self.shard_offsets[name] = _shard_offset(param)
-            if self.shard_offsets[name] is not None:
-                shards.append((name, local_tensor(param), tuple(param.shape), self.shard_offsets[name]))
-        return shards
-
-    def merged_nbytes(self) -> dict[str, int]:
-        """`parameter_nbytes` of a LoRA model with its adapters merged: the base layers' HF names."""
-        return {lora.base_name(name): nbytes for name, nbytes in self.parameter_nbytes().items()
-                if not lora.is_adapter(name)}
-
-    @torch.no_grad()
-    def merged_shards(self, names: list[str]) -> list[tuple[str, torch.Tensor, tuple, tuple]]:
-        """`local_shards` of the merged weights `names` (HF names): this rank's rows of each adapted
-        layer's W + alpha / rank * B @ A, from its own rows of W and B (FSDP2 splits both along their
-        output rows alike) and the whole of A, gathered: a collective over the ranks of the stage."""
-        for part in self.fsdp_parts:
-            part.reshard()
-        params = dict(self.named_parameters())
-        wrapped = {lora.base_name(name): name for name in params if not lora.is_adapter(name)}
-        shards = []
-        for name in names:
-            param = params[wrapped[name]]
-            shard = local_tensor(param)
-            layer = lora.adapted_layer(wrapped[name])
-            if layer is not None:
-                a_name, b_name = lora.adapter_names(layer)
-                shard = lora.merge(shard, full_tensor(params[a_name]), local_tensor(params[b_name]),
-                                   self.spec.model.lora)
-            offset = _shard_offset(param)
-            if offset is not None:
-                shards.append((name, shard, tuple(param.shape), offset))
-        return shards
-
-    def share_shards(self, names: list[str]) -> list[Shared]:
-        """Handles to the `local_shards` of `names` for an engine on this machine to read in place
-        on every sync: moved into shared memory on CPU, where they are on a GPU (`rlsys.sync.shards.share`)."""
-        shards = self.local_shards(names)
-        shared = share(shards)
-        self.shared_storages.update((name, local.untyped_storage().data_ptr()) for name, local, _, _ in shards)
-        return shared
-
-    def _check_shared(self) -> None:
-        """An engine reading a shard in place would go on reading a storage the parameter left."""
-        if not self.shared_storages:
-            return
-        params = dict(self.named_parameters())
-        for name, address in self.shared_storages.items():
-            if local_tensor(params[name]).untyped_storage().data_ptr() != address:
-                raise RuntimeError(f"{name}: its shard moved out of the shared memory the rollout engines read")
-
-    # -- state ----------------------------------------------------------------
-
-    def _state(self) -> dict:
-        """Model and optimizer state of every part, keyed by HF names (so any layout can read it)."""
-        flat = StateDictOptions(flatten_optimizer_state_dict=True)
-        model, optim = {}, {}
-        for part in self.parts:
-            model.update(get_model_state_dict(part))
-        if self.lora:  # the frozen base is the model on disk
-            model = {name: tensor for name, tensor in model.items() if lora.is_adapter(name)}
-        for part, optimizer in zip(self.parts, self.optimizers):
-            optim.update(get_optimizer_state_dict(part, optimizer, options=flat))
-        return {"model": model, "optim": optim}
-
-    def save(self, path: str, rank: int) -> None:
-        dcp.save(self._state(), checkpoint_id=os.path.join(path, "model_optim"))
-        extra = {"schedulers": [s.state_dict() for s in self.schedulers], "rng": torch.get_rng_state()}
-        torch.save(extra, os.path.join(path, f"rank{rank}.pt"))
-
-    def load(self, path: str, rank: int) -> None:
-        state = self._state()
-        dcp.load(state, checkpoint_id=os.path.join(path, "model_optim"))
-        flat = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
-        for part, optimizer in zip(self.parts, self.optimizers):
-            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, optimizer, state["optim"], options=flat)
-        extra = torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=False)
-        for scheduler, scheduler_state in zip(self.schedulers, extra["schedulers"]):
-            scheduler.load_state_dict(scheduler_state)
-            follow_schedule(scheduler, self.spec.optim.lr)
-        torch.set_rng_state(extra["rng"])
-
-    def export_hf(self, out_dir: str, writes_stage: bool, writes_config: bool) -> None:
-        """A Hugging Face directory of the full model (a collective), under the names on disk
-        `save_pretrained` writes (`rlsys.models.moe` for MoE experts). Each pipeline stage's
-        writer saves that stage's full tensors as one safetensors shard; with several
-        stages, the config writer then adds the index mapping names to shards."""
-        os.makedirs(out_dir, exist_ok=True)
-        pp = self.spec.dims.pp
-        shard_name = "model.safetensors" if pp == 1 else f"model-{self.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
-        family = moe_family(self.parts[0].config)
-        tensors, adapters = {}, {}
-        named = self.full_tensors(list(self.parameter_nbytes()))
-        if self.lora:
-            named = lora.merged(self._keep_adapters(named, adapters), self.spec.model.lora)
-        for name, tensor in named:
-            if writes_stage:  # an MoE model's experts under their names on disk, one tensor each
-                for disk_name, disk_tensor in family.to_disk(name, tensor) if family else [(name, tensor)]:
-                    split = disk_tensor.numel() < tensor.numel()  # a view: safetensors stores no shared memory
-                    tensors[disk_name] = disk_tensor.cpu().clone() if split else disk_tensor.cpu().contiguous()
-        if writes_stage:
-            save_file(tensors, os.path.join(out_dir, shard_name), metadata={"format": "pt"})
-            if adapters:  # the peft adapter, beside the model it is merged into
-                lora.write_adapter(os.path.join(out_dir, "adapter"), adapters, self.spec.model.lora,
-                                   self.spec.model.path)
-        del tensors, adapters
-        dist.barrier()
-        if writes_config:
-            self._write_hf_metadata(out_dir)
-        dist.barrier()
-
-    @staticmethod
-    def _keep_adapters(named: Iterator[tuple[str, torch.Tensor]], adapters: dict[str, torch.Tensor]
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-        """`named`, passed on, with a CPU copy of each adapter weight put into `adapters`."""
-        for name, tensor in named:
-            if lora.is_adapter(name):
-                adapters[name] = tensor.cpu().clone()
-            yield name, tensor
-
-    def adapter_names(self) -> list[str]:
-        """The names of this rank's LoRA adapter weights."""
-        return [name for name, _ in self.named_parameters() if lora.is_adapter(name)]
-
-    def _write_hf_metadata(self, out_dir: str) -> None:
-        src = self.spec.model.path
-        AutoConfig.from_pretrained(src).save_pretrained(out_dir)
-        AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
-        if os.path.isfile(os.path.join(src, "generation_config.json")):
-            GenerationConfig.from_pretrained(src).save_pretrained(out_dir)
-        if self.spec.dims.pp > 1:
-            weight_map = {}
-            for shard in sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors")):
-                with safe_open(os.path.join(out_dir, shard), framework="pt") as f:
-                    weight_map.update(dict.fromkeys(f.keys(), shard))
-            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter or gradient: a DTensor's local shard, else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole of a parameter or gradient (a collective for a DTensor)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _shard_offset(param: torch.Tensor) -> tuple[int, ...] | None:
-    """Where this rank's shard of `param` starts in the full tensor; None for a replica that
-    another rank sends."""
-    if not isinstance(param, DTensor):  # one rank without FSDP holds it whole
-        return (0,) * param.dim()
-    coordinate = param.device_mesh.get_coordinate()
-    if any(c and placement.is_replicate() for c, placement in zip(coordinate, param.placements)):
-        return None
-    return tuple(compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1])
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group) -> float:

@@ -26,7 +26,8 @@ import transformers
 
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.schema import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
-from rlsys.engine.model_engine import EngineSpec, ModelEngine, local_tensor
+from rlsys.engine.model_engine import EngineSpec, ModelEngine
+from rlsys.engine.weights import local_tensor
 from rlsys.host_memory import release_freed_memory
 from rlsys.parallel.dims import ParallelDims
 

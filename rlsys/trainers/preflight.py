@@ -60,9 +60,10 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     check_algorithm(cfg.algorithm, cfg.parallel)
     _check_algorithm_against_job(cfg)
     check_rl_batch(cfg, dims.dp_size)
-    if cfg.reward.overlong_buffer_len >= cfg.rollout.max_new_tokens:
-        raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below "
-                          f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens})")
+    if cfg.reward.overlong_buffer_len >= cfg.rollout.response_budget:
+        raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below the response "
+                          f"budget (rollout.max_response_tokens, else rollout.max_new_tokens: "
+                          f"{cfg.rollout.response_budget})")
     for i, term in enumerate(cfg.reward.terms):
         if not term.name and not term.path:
             raise ConfigError(f"reward.terms[{i}]: give a registered name or a path")

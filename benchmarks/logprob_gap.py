@@ -44,7 +44,7 @@ def sample(model: str, data: str, prompts: int, n: int, max_new_tokens: int, see
     from transformers import AutoTokenizer
     from vllm import SamplingParams, TokensPrompt
 
-    from rlsys.config.schema import RolloutConfig
+    from rlsys.config.rollout import RolloutConfig
     from rlsys.data.rl import load_prompts
     from rlsys.rollout.vllm_engine import create_llm
 
@@ -81,7 +81,9 @@ def score(model: str, batch: dict[str, torch.Tensor], compute: str, fp32_head: b
           ) -> torch.Tensor:
     """The training engine's log-prob of every token of `batch` (one rank, forward only)."""
     from rlsys.algorithms.lm_loss import token_logprobs
-    from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from rlsys.config.layout import ParallelConfig
+    from rlsys.config.model import ModelConfig
+    from rlsys.config.training import OptimConfig
     from rlsys.engine.model_engine import EngineSpec, ModelEngine
     from rlsys.parallel.dims import ParallelDims
 

@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from memory import PeakSampler, write_model  # noqa: E402
 
 from rlsys.algorithms.lm_loss import nll_loss  # noqa: E402
-from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from rlsys.config.layout import ParallelConfig  # noqa: E402
+from rlsys.config.model import ModelConfig  # noqa: E402
+from rlsys.config.training import OptimConfig  # noqa: E402
 from rlsys.engine.model_engine import EngineSpec, ModelEngine  # noqa: E402
 from rlsys.parallel.dims import ParallelDims  # noqa: E402
 

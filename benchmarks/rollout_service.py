@@ -93,7 +93,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from rlsys.config.schema import RolloutConfig
+    from rlsys.config.rollout import RolloutConfig
     from rlsys.rollout.request_engine import RequestEngine
     from rlsys.rollout.vllm_engine import create_llm
 

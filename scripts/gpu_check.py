@@ -27,7 +27,10 @@ import torch.multiprocessing as mp
 
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss, token_logprobs
-from rlsys.config.schema import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+from rlsys.config.layout import ParallelConfig
+from rlsys.config.model import ModelConfig
+from rlsys.config.rl import AlgorithmConfig
+from rlsys.config.training import OptimConfig
 from rlsys.engine.model_engine import EngineSpec, ModelEngine
 from rlsys.engine.weights import full_tensor
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model

@@ -53,7 +53,7 @@ def ray_cluster():
     import ray
 
     from rlsys.actors.cluster import ensure_ray
-    from rlsys.config.schema import RayConfig
+    from rlsys.config.layout import RayConfig
 
     ensure_ray(RayConfig(include_dashboard=False, num_cpus=8))  # 4- and 8-rank layouts on 2 cores
     yield

@@ -8,7 +8,8 @@ import worker_probes as probes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.algorithms.lm_loss import logprobs_of_labels
-from rlsys.config.schema import AlgorithmConfig, DataConfig
+from rlsys.config.rl import AlgorithmConfig
+from rlsys.config.training import DataConfig
 from rlsys.data.batching import collate, collate_rollouts, micro_batches, num_targets
 from rlsys.data.examples import load_sft_examples
 from rlsys.data.packing import pack_rows

@@ -20,7 +20,7 @@ from rlsys.agents.chat import ChatTurns
 from rlsys.agents.tool_loop import ToolLoop, _State
 from rlsys.agents.tool_parsers import HermesParser
 from rlsys.agents.trajectory import RolloutRequest, Sampling
-from rlsys.config.schema import RolloutConfig, ToolsConfig
+from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.tools.builtin import calculator
 from rlsys.tools.registry import load_tools
 
@@ -41,7 +41,7 @@ def tool_caller(tmp_path_factory, tiny_model_dir, calculator_tools) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlsys.algorithms.lm_loss import logprobs_of_labels
-    from rlsys.config.schema import DataConfig
+    from rlsys.config.training import DataConfig
     from rlsys.data.examples import sft_example
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

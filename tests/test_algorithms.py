@@ -13,7 +13,7 @@ from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
 from rlsys.algorithms.aggregation import aggregate
 from rlsys.algorithms.kl import kl_penalty
 from rlsys.algorithms.policy_loss import gspo_loss, ppo_clip_loss
-from rlsys.config.schema import AlgorithmConfig
+from rlsys.config.rl import AlgorithmConfig
 
 SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7]
 GROUPS = [0, 0, 0, 0, 1, 1, 2]  # group 2 is a group of one, group 1 has equal rewards
@@ -227,8 +227,8 @@ def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
 
 def test_estimators_and_losses_registered_from_a_file(tmp_path):
     from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.config.layout import ParallelConfig
     from rlsys.config.loader import ConfigError
-    from rlsys.config.schema import ParallelConfig
     from rlsys.trainers.preflight import check_algorithm
 
     extension = tmp_path / "my_algos.py"
@@ -331,7 +331,7 @@ def test_dapo_mixed_groups_and_overlong_penalty():
 
 def test_kl_in_reward_with_fixed_and_adaptive_coefficients():
     from rlsys.algorithms.kl import KLController, kl_in_reward
-    from rlsys.config.schema import KLControlConfig
+    from rlsys.config.rl import KLControlConfig
 
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     logprobs = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, 0.0, 0.0]])

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.algorithms.lm_loss import logprobs_of_labels, masked_nll_sum
-from rlsys.config.schema import DataConfig
+from rlsys.config.training import DataConfig
 from rlsys.data.batching import (
     EpochSampler,
     collate,

@@ -19,7 +19,9 @@ def _one_rank_steps(model_dir: str, store: str, conn) -> None:
     from torch.distributed.tensor import DTensor
 
     from rlsys.algorithms.lm_loss import nll_loss
-    from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from rlsys.config.layout import ParallelConfig
+    from rlsys.config.model import ModelConfig
+    from rlsys.config.training import OptimConfig
     from rlsys.engine.model_engine import EngineSpec, ModelEngine
     from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims
@@ -91,7 +93,9 @@ def _head_outputs(model_dir: str, store: str, conn) -> None:
     import torch.distributed as dist
 
     from rlsys.algorithms.lm_loss import nll_loss
-    from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from rlsys.config.layout import ParallelConfig
+    from rlsys.config.model import ModelConfig
+    from rlsys.config.training import OptimConfig
     from rlsys.engine.model_engine import EngineSpec, ModelEngine
     from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims

@@ -15,8 +15,8 @@ def layers() -> list[list[str]]:
     text = (ROOT / "docs" / "architecture.md").read_text()
     table = text[text.index("## The packages, top to bottom"):].split("\n\n")[1]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "`rlsys/" in line]
-    return [[path.strip("/").removesuffix(".py").replace("/", ".") for path in re.findall(r"`(rlsys/[\w/.]*)`", row.split("|")[2])]
-            for row in rows]
+    return [[path.strip("/").removesuffix(".py").replace("/", ".")
+             for path in re.findall(r"`(rlsys/[\w/.]*)`", row.split("|")[2])] for row in rows]
 
 
 def layer_of(module: str, table: list[list[str]]) -> int | None:

@@ -23,7 +23,8 @@ from rlsys.actors.train_worker import build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.loader import ConfigError, build_config
-from rlsys.config.schema import LoraConfig, RLJobConfig
+from rlsys.config.model import LoraConfig
+from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import num_targets
 from rlsys.models import lora
 from rlsys.trainers.preflight import check_rl_job
@@ -113,7 +114,7 @@ def test_lora_rl_syncs_adapters_and_exports_them(lora_rl):
     from vllm import SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    from rlsys.config.schema import RolloutConfig
+    from rlsys.config.rollout import RolloutConfig
     from rlsys.rollout.vllm_engine import create_llm
 
     llm = create_llm(cfg.model.path, RolloutConfig(engine_memory_gib=0.1), seed=0, lora_rank=LORA["rank"])

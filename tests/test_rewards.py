@@ -11,7 +11,7 @@ import datasets
 import pytest
 
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import RewardConfig, RewardTerm
+from rlsys.config.rl import RewardConfig, RewardTerm
 from rlsys.data.rl import load_prompts
 from rlsys.rewards.runner import RewardInput, RewardRunner
 

@@ -16,7 +16,8 @@ import torch
 import worker_probes as probes
 
 from rlsys.config.loader import build_config
-from rlsys.config.schema import RLJobConfig, TrackingConfig
+from rlsys.config.schema import RLJobConfig
+from rlsys.config.training import TrackingConfig
 from rlsys.data.batching import collate_rollouts
 from rlsys.sync.weight_sync import _gpus_unseen, _Room, plan_buckets
 from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr

@@ -9,7 +9,7 @@ import pytest
 
 from rlsys.agents.loop import SingleTurnLoop
 from rlsys.agents.trajectory import Sampling
-from rlsys.config.schema import RolloutConfig
+from rlsys.config.rollout import RolloutConfig
 
 
 @pytest.fixture(scope="module")

@@ -368,7 +368,7 @@ def test_without_root_the_missing_layers_refuse_unless_weaker_is_accepted():
     probe = """
 import json
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import RewardTerm
+from rlsys.config.rl import RewardTerm
 from rlsys.rewards.loading import resolve_term
 from rlsys.sandbox.local import SandboxLimits, SandboxUnavailable, layers, run_python
 from rlsys.tools.registry import load_tools

@@ -85,7 +85,7 @@ def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    from rlsys.config.schema import RolloutConfig
+    from rlsys.config.rollout import RolloutConfig
     from rlsys.rollout.vllm_engine import create_llm
 
     hf_dir = os.path.join(straight_run[0].output_dir, "hf_model")

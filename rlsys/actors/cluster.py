@@ -11,8 +11,8 @@ import time
 
 import ray
 
+from rlsys.config.layout import RayConfig
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import RayConfig
 from rlsys.console import LOG_FILE_ENV, verbose
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from rlsys.actors.group import ActorGroup
 from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.agents.loop import AgentLoop
 from rlsys.agents.trajectory import Sampling, Trajectory
-from rlsys.config.schema import RolloutConfig, ToolsConfig
+from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.rollout.adapters import AdapterSpec
 
 ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}

@@ -17,7 +17,7 @@ import torch
 
 from rlsys.agents.loop import AgentContext, AgentLoop
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Trajectory
-from rlsys.config.schema import RolloutConfig, ToolsConfig
+from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.console import redirect_actor_output
 from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory, releases_freed_memory
 from rlsys.models.lora import peft_name

@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlsys.actors.cluster import actor_name, check_resources, spawn, wait_placed
 from rlsys.actors.group import ActorGroup
 from rlsys.actors.train_worker import TrainWorker, TrainWorkerSpec
-from rlsys.config.schema import RayConfig
+from rlsys.config.layout import RayConfig
 from rlsys.data.batching import Batch, split_rows
 
 

@@ -18,7 +18,10 @@ import transformers
 
 from rlsys.algorithms.lm_loss import token_logprobs
 from rlsys.algorithms.value_loss import token_values
-from rlsys.config.schema import CriticConfig, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from rlsys.config.layout import ParallelConfig
+from rlsys.config.model import LoraConfig, ModelConfig
+from rlsys.config.rl import CriticConfig
+from rlsys.config.training import OptimConfig
 from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine

@@ -17,7 +17,7 @@ from rlsys.algorithms.kl import kl_penalty
 from rlsys.algorithms.lm_loss import LossOutput, entropy_from_logits, logprobs_of_labels, sampling_logits, token_level
 from rlsys.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss
 from rlsys.algorithms.rollout_correction import truncated_is_weights
-from rlsys.config.schema import AlgorithmConfig
+from rlsys.config.rl import AlgorithmConfig
 from rlsys.data.batching import Batch
 
 

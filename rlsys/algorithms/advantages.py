@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.config.schema import AlgorithmConfig
+from rlsys.config.rl import AlgorithmConfig
 from rlsys.registry import Registry
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlsys.algorithms.aggregation import masked
-from rlsys.config.schema import KLControlConfig
+from rlsys.config.rl import KLControlConfig
 
 LOG_RATIO_LIMIT = 20.0
 """VeRL clamps log-ratios to +-20 before `exp`."""

@@ -17,7 +17,7 @@ import torch
 
 from rlsys.algorithms.aggregation import masked
 from rlsys.algorithms.kl import LOG_RATIO_LIMIT
-from rlsys.config.schema import AlgorithmConfig
+from rlsys.config.rl import AlgorithmConfig
 from rlsys.registry import Registry
 
 

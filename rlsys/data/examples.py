@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlsys.config.schema import DataConfig
+from rlsys.config.training import DataConfig
 from rlsys.data.files import RowStats, convert_rows
 
 

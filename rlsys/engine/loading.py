@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlsys.config.schema import ModelConfig, ParallelConfig
+from rlsys.config.layout import ParallelConfig
+from rlsys.config.model import ModelConfig
 from rlsys.models import lora
 from rlsys.models.head import compute_logits_in_fp32
 from rlsys.models.moe import FUSED, MoEFamily, moe_family

@@ -29,7 +29,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from rlsys.algorithms.lm_loss import LossFn, is_token_level
-from rlsys.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from rlsys.config.layout import ParallelConfig
+from rlsys.config.model import ModelConfig
+from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.loading import load_parallel_model

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from rlsys.config.schema import ModelConfig
+from rlsys.config.model import ModelConfig
 from rlsys.engine.schedule import follow_schedule
 from rlsys.engine.weights import RankWeights
 from rlsys.models import lora

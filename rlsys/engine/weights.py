@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rlsys.config.schema import LoraConfig
+from rlsys.config.model import LoraConfig
 from rlsys.models import lora
 from rlsys.sync.shards import Shared, share
 

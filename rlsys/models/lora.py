@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from rlsys.config.schema import LoraConfig
+from rlsys.config.model import LoraConfig
 
 ADAPTER = re.compile(r"\.lora_[AB]\.default\.weight$")
 _BASE = ".base_layer."

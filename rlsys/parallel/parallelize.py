@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlsys.config.schema import ParallelConfig
+from rlsys.config.layout import ParallelConfig
 from rlsys.parallel.context_parallel import apply_cp
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.expert_parallel import apply_ep, apply_moe_tp

@@ -17,7 +17,7 @@ from functools import cached_property
 
 import torch
 
-from rlsys.config.schema import ParallelConfig
+from rlsys.config.layout import ParallelConfig
 from rlsys.data.batching import token_budget_sizes
 from rlsys.models.moe import num_experts
 from rlsys.parallel.dims import MESH_DIMS, ParallelDims

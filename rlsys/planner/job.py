@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from rlsys.config.layout import ParallelConfig
 from rlsys.config.loader import ConfigError, load_config
-from rlsys.config.schema import ParallelConfig, RLJobConfig, TrainJobConfig
+from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.planner.estimate import Layout, Precision, Workload
 from rlsys.planner.search import GIB, Cluster, plan, reason, table
 from rlsys.planner.shards import ModelShapes
 from rlsys.trainers import preflight
+from rlsys.trainers.rl_update import old_logprobs_source
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
     algo, rollout = cfg.algorithm, cfg.rollout
     kl = algo.kl_coef > 0 or algo.use_kl_in_reward
     critic = algo.adv_estimator == "gae"
-    old_logprobs = cfg.old_logprobs_source == "trainer"  # a forward pass of its own
+    old_logprobs = old_logprobs_source(cfg) == "trainer"  # a forward pass of its own
     colocated = rollout.placement == "colocated"
     return Workload(sequences=train.prompts_per_step * rollout.n, seq_len=prompt_tokens + rollout.response_budget,
                     micro_batch_rows=train.micro_batch_size, micro_batch_tokens=train.micro_batch_tokens,

@@ -25,7 +25,9 @@ import torch.multiprocessing as mp
 import transformers
 
 from rlsys.algorithms.lm_loss import nll_loss
-from rlsys.config.schema import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from rlsys.config.layout import ParallelConfig
+from rlsys.config.model import LoraConfig, ModelConfig
+from rlsys.config.training import OptimConfig
 from rlsys.engine.model_engine import EngineSpec, ModelEngine
 from rlsys.engine.weights import local_tensor
 from rlsys.host_memory import release_freed_memory

@@ -14,8 +14,8 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from rlsys.config.layout import ParallelConfig
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import ParallelConfig
 from rlsys.parallel.dims import MESH_DIMS
 from rlsys.planner.estimate import (
     Layout,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlsys.config.loader import ConfigError, first_line
-from rlsys.config.schema import RewardTerm
+from rlsys.config.rl import RewardTerm
 from rlsys.rewards.registry import RewardFn, get_reward, registered_rewards
 from rlsys.user_code import import_user_code
 

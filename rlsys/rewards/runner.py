@@ -21,7 +21,7 @@ import ray
 from rlsys.actors.cluster import actor_name, kill_named, spawn
 from rlsys.actors.failures import wait_all
 from rlsys.actors.phases import call
-from rlsys.config.schema import RewardConfig
+from rlsys.config.rl import RewardConfig
 from rlsys.console import redirect_actor_output
 from rlsys.rewards.loading import RewardFunction, resolve_term, term_label
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.config.schema import LoraConfig
+from rlsys.config.model import LoraConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rlsys.config.schema import RolloutConfig
+    from rlsys.config.rollout import RolloutConfig
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rlsys.config.schema import TrackingConfig
+from rlsys.config.training import TrackingConfig
 
 Metrics = dict[str, float]
 

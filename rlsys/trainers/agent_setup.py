@@ -11,7 +11,7 @@ from rlsys.agents.loop import resolve_agent_loop
 from rlsys.agents.tool_loop import ToolLoop
 from rlsys.agents.tool_parsers import TOOL_PARSERS
 from rlsys.config.loader import ConfigError
-from rlsys.config.schema import ToolsConfig
+from rlsys.config.rollout import ToolsConfig
 from rlsys.tools.registry import ToolSpec, load_tools
 
 

@@ -17,7 +17,9 @@ from dataclasses import replace
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.rollout_group import RolloutGroup
-from rlsys.config.schema import EvalConfig, EvalJobConfig, RewardConfig, RolloutConfig, ToolsConfig
+from rlsys.config.rl import RewardConfig
+from rlsys.config.rollout import EvalConfig, RolloutConfig, ToolsConfig
+from rlsys.config.schema import EvalJobConfig
 from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.loading import eval_term

@@ -9,18 +9,13 @@ from __future__ import annotations
 import glob
 import os
 
+from rlsys.config.layout import ParallelConfig, RayConfig
 from rlsys.config.loader import ConfigError, first_line
-from rlsys.config.schema import (
-    AlgorithmConfig,
-    EvalConfig,
-    EvalJobConfig,
-    ModelConfig,
-    ParallelConfig,
-    RayConfig,
-    RLJobConfig,
-    TrainConfig,
-    TrainJobConfig,
-)
+from rlsys.config.model import ModelConfig
+from rlsys.config.rl import AlgorithmConfig
+from rlsys.config.rollout import EvalConfig
+from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
+from rlsys.config.training import TrainConfig
 from rlsys.models.moe import moe_family
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank

@@ -52,6 +52,7 @@ from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, sa
 from rlsys.trainers.eval import Evaluator
 from rlsys.trainers.preflight import check_rl_job
 from rlsys.trainers.restarts import run_with_restarts
+from rlsys.trainers.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
 from rlsys.trainers.rollout_stream import RolloutStream
 from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
 
@@ -100,8 +101,8 @@ class RLVRTrainer:
         self.tokenizer, self.prompts = data.tokenizer, data.prompts
         self.evaluator, self.agents = data.evaluator, data.agents
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
-        self.updates_per_step = cfg.algorithm.ppo_epochs * cfg.mini_batches_per_step
-        self.old_logprobs = cfg.old_logprobs_source
+        self.updates_per_step = updates_per_step(cfg)
+        self.old_logprobs = old_logprobs_source(cfg)
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
@@ -111,7 +112,7 @@ class RLVRTrainer:
         try:
             self.tools = self.agents.start_tools()
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
-                                     with_reference=cfg.algorithm.needs_reference,
+                                     with_reference=needs_reference(cfg.algorithm),
                                      critic=cfg.critic if self.with_critic else None)
             train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, cfg.rollout.placement)
             self.train = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
@@ -269,7 +270,7 @@ class RLVRTrainer:
             batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
         if algo.rollout_is != "none":
             batch["rollout_logprobs"] = on_response_tokens(engine_logprobs, batch)
-        if algo.needs_reference:
+        if needs_reference(algo):
             with timer("reference"):
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
 
@@ -284,7 +285,7 @@ class RLVRTrainer:
         log-probs of a trainer pass, else the first mini-batch's, taken by its update before
         any optimizer step (None when neither exists)."""
         algo = self.cfg.algorithm
-        num_minis = self.cfg.mini_batches_per_step
+        num_minis = mini_batches_per_step(self.cfg)
         sums: dict[str, float] = {}
         sampler_logprobs = batch["old_logprobs"] if self.old_logprobs == "trainer" else None
         for _ in range(algo.ppo_epochs):

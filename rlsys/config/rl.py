@@ -1,0 +1,166 @@
+"""RL sections: rewards, the algorithm (advantages, losses, KL), the critic and the RL step loop.
+
+Each field carries its documentation as an attribute docstring; docs/configuration.md's key tables
+are generated from them (`python -m rlsys.config.docs`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from rlsys.config.base import STRICT
+from rlsys.config.training import LoopConfig, OptimConfig
+
+
+@dataclass(config=STRICT)
+class RewardTerm:
+    name: str = ""
+    """A registered reward (docs/rewards.md); or leave empty and give `path`."""
+    path: str = ""
+    """A Python file defining the reward function (VeRL's compute_score signature works unchanged)."""
+    function: str = "compute_score"
+    """The function to call in `path`."""
+    weight: float = 1.0
+    """This term's weight in the summed reward."""
+    batched: bool = False
+    """The function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and returns a list."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the function (e.g. `pattern` for regex_format)."""
+
+
+@dataclass(config=STRICT)
+class RewardConfig:
+    terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="arith")])
+    """Reward = sum of weight x score over the terms; each term is also logged as reward/<term>."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Per-call time limit; a call past it scores 0 and counts in reward/errors."""
+    num_workers: int = Field(default=2, gt=0)
+    """Reward actors scoring in parallel, off the driver."""
+    overlong_buffer_len: int = Field(default=0, ge=0)
+    """DAPO's overlong shaping: a response longer than the response budget (rollout.max_response_tokens,
+    else rollout.max_new_tokens) minus this many tokens loses up to overlong_penalty_factor, linearly (0: off)."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0)
+    """The penalty of a response that fills the whole generation budget."""
+
+
+@dataclass(config=STRICT)
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: the coefficient stays kl_coef; adaptive: it moves toward target_kl."""
+    kl_coef: float = Field(default=0.001, ge=0)
+    """The (initial) coefficient of the KL penalty in the reward."""
+    target_kl: float = Field(default=0.1, gt=0)
+    """adaptive: the per-token KL the coefficient steers toward."""
+    horizon: int = Field(default=10000, gt=0)
+    """adaptive: responses over which a 20% error changes the coefficient by 20%."""
+
+
+@dataclass(config=STRICT)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator (VeRL's names): grpo (group-normalised; Dr. GRPO without
+    norm_adv_by_std), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO with
+    a critic, see `critic`), or one registered by a file in `extensions`."""
+    norm_adv_by_std: bool = True
+    """grpo: divide by the group's reward std; false gives Dr. GRPO's mean-only centring."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """reinforce_plus_plus and gae: discount of the token rewards' returns."""
+    lam: float = Field(default=1.0, ge=0, le=1)
+    """gae: the GAE lambda (1: Monte-Carlo returns minus the values)."""
+    policy_loss: str = "vanilla"
+    """Policy loss: vanilla (PPO clip with dual clip), gspo (sequence-level ratio, averaged
+    per sequence), or one registered by a file in `extensions`."""
+    clip_ratio_low: float = Field(default=0.2, ge=0)
+    """PPO clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(default=0.28, ge=0)
+    """PPO clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher when above the low bound)."""
+    clip_ratio_c: float = Field(default=3.0, gt=1)
+    """Dual clip: a negative advantage's token loss is at most -A x clip_ratio_c (VeRL's default)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """KL-to-reference loss coefficient (VeRL's actor kl_loss_coef); with it and
+    use_kl_in_reward both off no reference model is built."""
+    kl_estimator: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs"] = "k3"
+    """KL estimator: Schulman's k1, k2, k3, or VeRL's names (kl = k1, mse = k2, low_var_kl = k3
+    with VeRL's clamps, which k3 also gets; abs = absolute k1)."""
+    use_kl_in_reward: bool = False
+    """Penalise each response token's reward by kl_ctrl's coefficient x its KL to the reference
+    (estimated with kl_penalty), before the advantages."""
+    kl_penalty: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs"] = "kl"
+    """KL estimator of the in-reward penalty (names as kl_estimator)."""
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    """Coefficient of the in-reward KL penalty: fixed or adaptive."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] \
+        = "token-mean"
+    """How per-token losses become the batch loss (seq-mean-token-sum-norm: Dr. GRPO's, each
+    response's sum over rollout.max_new_tokens)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: keep only prompt groups whose reward scores differ (before the
+    overlong penalty), drawing more prompts until train.prompts_per_step such groups are found."""
+    max_sampling_rounds: int = Field(default=10, gt=0)
+    """Dynamic sampling: prompt batches drawn per step at most; a batch still short of
+    mixed groups is filled with equal-score ones and a warning (VeRL's max_num_gen_batches
+    stops the run with an error instead)."""
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance sampling against the engine's sampling log-probs: each token's
+    policy loss is weighted by min(pi_old / pi_rollout, rollout_is_threshold), per token or
+    one weight per response (VeRL's rollout_correction.rollout_is)."""
+    rollout_is_threshold: float = Field(default=2.0, gt=1)
+    """Upper bound of the rollout importance weights (VeRL's default)."""
+    extensions: list[str] = Field(default_factory=list)
+    """Python files or packages whose `@register_advantage` / `@register_policy_loss`
+    decorators add estimators and losses to choose by name."""
+    ppo_epochs: int = Field(default=1, gt=0)
+    """Passes over each rollout batch."""
+    ppo_mini_batch_size: int = Field(default=0, ge=0)
+    """Prompts per policy update (0: the whole rollout batch, one update per epoch)."""
+    old_logprobs: Literal["auto", "trainer", "rollout"] = "auto"
+    """The PPO ratio's old log-probs. trainer: a forward pass over the batch before the
+    update; rollout: the engine's own sampling log-probs (no extra pass); auto: none are
+    needed when the update is one epoch of one mini-batch (the policy being updated is the
+    one that sampled, so the loss uses its current log-probs, detached), else trainer."""
+
+
+@dataclass(config=STRICT)
+class CriticConfig:
+    """PPO's value model (`algorithm.adv_estimator: gae`): the policy's starting model with a
+    one-output value head in place of the LM head, in the same parallel layout."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The critic's own AdamW and schedule."""
+    cliprange_value: float = Field(default=0.5, gt=0)
+    """Value clipping: a prediction moves at most this far from the critic's value before the update."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps that train only the critic before the policy is updated (VeRL's critic_warmup
+    N gives N - 1 such steps)."""
+
+
+@dataclass(config=STRICT)
+class RLTrainConfig(LoopConfig):
+    steps: int = Field(default=50, gt=0)
+    """RL steps (one rollout batch each)."""
+    prompts_per_step: int = Field(default=32, gt=0)
+    """Prompts sampled per step; responses per step = prompts_per_step x rollout.n."""
+    micro_batch_size: int = Field(default=16, gt=0)
+    """Responses per forward/backward on one rank."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Tokens (prompt and response) per forward/backward on one rank, in place of micro_batch_size
+    (VeRL's use_dynamic_bsz with ppo_max_token_len_per_gpu): consecutive responses up to this many
+    tokens, so a group shares its prompt; one longer goes alone. Packed sequences keep the padding out.
+    Under context parallel, each rank's share of the sequences. Under pipeline parallel, the number of
+    equal micro-batches each shard is split into: as many as the budget needs, at least
+    parallel.pp_microbatches."""
+    val_every: int = Field(default=10, ge=0)
+    """Validate on `eval.files` every N steps (0: only before and after training)."""
+    async_mode: Literal["off", "one_step", "full"] = "off"
+    """off: generate, score, update, sync, in turn. one_step: the engines generate the next step's prompts
+    while the trainer updates on this step's (VeRL's one-step off-policy). full: the engines keep
+    1 + max_staleness steps of prompt groups in flight, and a step trains on the first prompts_per_step
+    groups to finish. Both need rollout.placement: separate."""
+    max_staleness: int = Field(default=1, ge=0)
+    """Asynchronous modes: policy versions a trained token may lag the policy being updated. A group with
+    an older token is dropped (async/dropped_groups) and its prompt generated again."""
+    partial_rollout: bool = True
+    """Asynchronous modes: at a sync, requests in flight go on under the new weights, each token keeping
+    the version that sampled it; false: the sync waits for them to finish first."""

@@ -1,0 +1,126 @@
+"""Generation sections: the rollout engines, the tools their agent loops call, and evaluation.
+
+Each field carries its documentation as an attribute docstring; docs/configuration.md's key tables
+are generated from them (`python -m rlsys.config.docs`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from rlsys.config.base import STRICT
+
+
+@dataclass(config=STRICT)
+class ToolsConfig:
+    """Tools the agent loops call (`rollout.agent_loop: tool`), and the limits of their use."""
+
+    names: list[str] = Field(default_factory=list)
+    """Registered tools (calculator, python) or `path/to/file.py:Name` (a function or a BaseTool subclass)."""
+    config_file: str = ""
+    """A tool YAML in VeRL's format (tools: - class_name, config, tool_schema)."""
+    parser: str = "hermes"
+    """How tool calls are written in a sampled turn: hermes (<tool_call>{json}</tool_call>, Qwen's format)."""
+    max_turns: int = Field(default=4, gt=0)
+    """Model turns per trajectory."""
+    max_calls: int = Field(default=8, gt=0)
+    """Tool calls per trajectory; later ones are answered with an error."""
+    max_response_tokens: int = Field(default=128, gt=0)
+    """Tokens of one tool result the model sees; longer ones are cut."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Time for one call; past it the model sees an error."""
+    num_workers: int = Field(default=2, gt=0)
+    """Tool worker actors; each runs every tool, many calls at once."""
+    sandbox: dict[str, Any] = Field(default_factory=dict)
+    """The `python` tool's sandbox when it is named in `names`: SandboxLimits' fields (wall_s, cpu_s, memory_mb,
+    processes, cpus, disk_mb, file_mb, open_files, stack_mb) and allow_weaker (run where this machine cannot give every
+    layer of isolation; otherwise the stage refuses to start, naming the missing layer). A tool YAML's `config`
+    sets them per tool."""
+
+
+@dataclass(config=STRICT)
+class EvalConfig:
+    files: list[str] = Field(default_factory=list)
+    """Test split in the RL schema (data_source, prompt, reward_model.ground_truth)."""
+    reward: str = "arith"
+    """Reward that judges each response (1 = correct): a registered name, or `path/to/file.py[:function]`
+    (a file or package directory with VeRL's compute_score signature)."""
+    max_new_tokens: int = Field(default=16, gt=0)
+    """Generation budget per prompt (per model turn of a multi-turn loop)."""
+    max_response_tokens: int | None = Field(default=None, gt=0)
+    """Tokens of a whole response with a multi-turn loop (empty: max_new_tokens; in RL validation,
+    rollout.max_response_tokens)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature (0 is greedy)."""
+    limit: int = Field(default=0, ge=0)
+    """Evaluate only the first N rows (0: all)."""
+    agent_loop: str | None = None
+    """The agent loop that answers each prompt (single_turn, tool, or path/to/file.py:ClassName); empty:
+    rollout.agent_loop in RL validation, single_turn elsewhere."""
+    engine_memory_gib: float = Field(default=0.5, gt=0)
+    """KV-cache memory for the vLLM engine, in GiB."""
+
+
+@dataclass(config=STRICT)
+class RolloutConfig:
+    num_engines: int = Field(default=1, gt=0)
+    """vLLM engines; the prompt batch is split across them (data parallel)."""
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """Tensor-parallel size of each engine (on CPU its ranks are worker processes, each bound to its share of
+    the engine's cores)."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: engines share the training ranks' devices; separate: their own placement group."""
+    free_memory_in_update: bool = True
+    """Colocated engines free their weights and KV cache after generating, while the trainer runs (vLLM sleep
+    mode level 2 on GPU; on CPU the weights' storages shrink and the KV cache stays), and take them back for the
+    sync and the next rollout."""
+    cpus_per_engine: float = Field(default=1.0, ge=0)
+    """CPUs reserved per engine with placement=separate."""
+    gpus_per_engine: float = Field(default=0.0, ge=0)
+    """GPUs per engine with placement=separate (0 on CPU)."""
+    n: int = Field(default=4, gt=0)
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """The engine's weights and compute: auto is bfloat16 on GPU (as the trainer's mixed precision computes),
+    float32 on CPU."""
+    max_new_tokens: int = Field(default=16, gt=0)
+    """Generation budget per model turn (per response with the single_turn loop)."""
+    max_response_tokens: int | None = Field(default=None, gt=0)
+    """Tokens of a whole response: the model's turns and the tool turns between them (empty: max_new_tokens).
+    Also the horizon of the seq-mean-token-sum-norm aggregation."""
+    agent_loop: str = "single_turn"
+    """How a prompt becomes a trajectory: single_turn (one response), tool (calls `tools`, reads their
+    results, goes on), or path/to/file.py:ClassName (an AgentLoop subclass)."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (the tokenizer's EOS always stops). As in VeRL, the reward sees the response's tokens
+    decoded, so the text ends with the stop string: the tokens trained on."""
+    engine_memory_gib: float = Field(default=0.5, gt=0)
+    """KV-cache memory per engine, in GiB."""
+    block_size: int | None = Field(default=None, gt=0)
+    """KV-cache block size in tokens (empty: vLLM's default, 128 on CPU). The prefix cache reuses whole
+    blocks only, so a multi-turn loop continues from its cached turns with smaller blocks (a multiple of 32
+    on CPU)."""
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    """Sequences an engine runs at once; empty: vLLM's default for the device (256 on CPU)."""
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    """Tokens an engine computes in one forward pass; empty: vLLM's default. On CPU prompts are never split
+    across passes (vLLM cannot rewind a seeded CPU sampler after a partial prefill), so there it must be at
+    least the model's context length, which is also what empty gives."""
+    sync_bucket_mb: float = Field(default=64.0, gt=0)
+    """Weight-sync bucket size: decoder blocks are gathered and sent this many MB at a time."""
+    sync_shared_memory: bool = True
+    """With the engines on the training ranks' machine, they read the ranks' shards in place at every sync:
+    on CPU from shared memory (given room in /dev/shm and a free file descriptor per shard), on GPU through
+    CUDA IPC (where every engine sees the ranks' GPUs, as colocated engines do). False, or else: every sync
+    sends the shards bucket by bucket through Ray's object store."""
+
+    @property
+    def response_budget(self) -> int:
+        """Tokens of a whole response (all turns)."""
+        return self.max_response_tokens or self.max_new_tokens

@@ -10,10 +10,11 @@ import time
 import datasets
 import pytest
 
+from rlsys.actors.reward_pool import RewardPool
 from rlsys.config.loader import ConfigError
 from rlsys.config.rl import RewardConfig, RewardTerm
 from rlsys.data.rl import load_prompts
-from rlsys.rewards.runner import RewardInput, RewardRunner
+from rlsys.rewards.scoring import RewardInput
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 FLAKY = os.path.join(ASSETS, "flaky_reward.py")
@@ -26,11 +27,11 @@ def inputs(*responses: str) -> list[RewardInput]:
 
 @pytest.fixture
 def runner():
-    """Builds RewardRunners and shuts every one down after the test."""
+    """Builds RewardPools and shuts every one down after the test."""
     made = []
 
-    def make(*terms: RewardTerm, **options) -> RewardRunner:
-        made.append(RewardRunner(RewardConfig(terms=list(terms), **options)))
+    def make(*terms: RewardTerm, **options) -> RewardPool:
+        made.append(RewardPool(RewardConfig(terms=list(terms), **options)))
         return made[-1]
 
     yield make
@@ -111,13 +112,13 @@ def test_verl_per_source_signature_gets_fields_by_name(ray_cluster, runner):
 
 def test_bad_reward_config_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"reward.terms\[0\].name: unknown reward 'nope'"):
-        RewardRunner(RewardConfig(terms=[RewardTerm(name="nope")]))
+        RewardPool(RewardConfig(terms=[RewardTerm(name="nope")]))
     with pytest.raises(ConfigError, match=r"reward.terms\[0\].function: .* has no function 'missing'"):
-        RewardRunner(RewardConfig(terms=[RewardTerm(path=FLAKY, function="missing")]))
+        RewardPool(RewardConfig(terms=[RewardTerm(path=FLAKY, function="missing")]))
     with pytest.raises(ConfigError, match=r"reward.terms\[0\]: wrong_arity\(solution_str, ground_truth, rubric\) "
                                          r"cannot be called with \(data_source, .*missing a required argument: 'rubric'"):
-        RewardRunner(RewardConfig(terms=[RewardTerm(path=TYPES, function="wrong_arity")]))
+        RewardPool(RewardConfig(terms=[RewardTerm(path=TYPES, function="wrong_arity")]))
     broken = tmp_path / "broken.py"
     broken.write_text("import nonexistent_module_xyz\n")
     with pytest.raises(ConfigError, match=r"reward.terms\[0\].path: importing .* failed: ModuleNotFoundError"):
-        RewardRunner(RewardConfig(terms=[RewardTerm(path=str(broken))]))
+        RewardPool(RewardConfig(terms=[RewardTerm(path=str(broken))]))

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 
 from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.reward_pool import RewardPool
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.config.rl import RewardConfig
 from rlsys.config.rollout import EvalConfig, RolloutConfig, ToolsConfig
@@ -23,7 +24,7 @@ from rlsys.config.schema import EvalJobConfig
 from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.loading import eval_term
-from rlsys.rewards.runner import RewardRunner, reward_inputs
+from rlsys.rewards.scoring import reward_inputs
 from rlsys.trainers.agent_setup import AgentSetup, agent_setup
 from rlsys.trainers.preflight import check_eval_job
 from rlsys.trainers.run_dir import prepare_run_dir, write_summary
@@ -41,7 +42,7 @@ class Evaluator:
         self.response_tokens = max(response_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
         self.prompts, self.stats = load_prompts(cfg.files, tokenizer, prompt_budget(model_path, self.response_tokens),
                                                 cfg.limit, tools=tools)
-        self.rewards = RewardRunner(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
+        self.rewards = RewardPool(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
                                     role="val_reward")
 
     def run(self, rollout: RolloutGroup) -> tuple[dict, list[dict]]:

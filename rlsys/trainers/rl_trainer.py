@@ -20,6 +20,7 @@ import torch
 
 from rlsys.actors.cluster import ensure_ray, gpu_shares
 from rlsys.actors.phases import PhaseTimer, set_phase
+from rlsys.actors.reward_pool import RewardPool
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
@@ -42,7 +43,7 @@ from rlsys.data.batching import (
 from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
-from rlsys.rewards.runner import RewardRunner, ScoredSample, reward_inputs
+from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync
@@ -108,7 +109,7 @@ class RLVRTrainer:
         self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train = self.rollout = self.tools = self.stream = None
         ensure_ray(cfg.ray)
-        self.rewards = RewardRunner(cfg.reward)
+        self.rewards = RewardPool(cfg.reward)
         try:
             self.tools = self.agents.start_tools()
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,

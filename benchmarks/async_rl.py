@@ -45,8 +45,10 @@ def config(args, layout: list[str]) -> RLJobConfig:
 
 
 def run(cfg: RLJobConfig) -> dict:
+    from rlsys.actors.cluster import ensure_ray
     from rlsys.trainers.rl_trainer import RLVRTrainer
 
+    ensure_ray(cfg.ray)
     trainer = RLVRTrainer(cfg)
     try:
         rows, ends = [], []

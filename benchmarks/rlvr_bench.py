@@ -50,8 +50,10 @@ def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None
     """Run the steps; returns their metrics, the first step's prompts, the arguments of each
     step's rollout calls (RolloutGroup.rollout), and with a `bare` engine its replay of each
     step's calls right after the step (`PausedEngine.replay_paired`)."""
+    from rlsys.actors.cluster import ensure_ray
     from rlsys.trainers.rl_trainer import RLVRTrainer
 
+    ensure_ray(cfg.ray)
     trainer = RLVRTrainer(cfg)
     calls, rows, calls_by_step, replays = [], [], [], []
     rollout = trainer.rollout.rollout

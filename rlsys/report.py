@@ -23,13 +23,13 @@ REPORT_HTML = "report.html"
 
 # (panel title, metric names plotted in it); panels without data are left out.
 PANELS: list[tuple[str, list[str]]] = [
-    ("loss", ["loss"]),
+    ("loss", ["train/loss"]),
     ("reward (sampled)", ["reward/mean"]),
     ("accuracy", ["val/accuracy", "reward/accuracy"]),
     ("response length (tokens)", ["response/length_mean", "response/length_max"]),
-    ("learning rate", ["lr", "actor/lr"]),
-    ("grad norm", ["grad_norm", "actor/grad_norm"]),
-    ("throughput (tokens/s)", ["tokens_per_s", "throughput/tokens_per_s"]),
+    ("learning rate", ["train/lr", "actor/lr"]),
+    ("grad norm", ["train/grad_norm", "actor/grad_norm"]),
+    ("throughput (tokens/s)", ["throughput/tokens_per_s"]),
 ]
 PHASE_PANEL = "time per phase (s)"
 

@@ -24,7 +24,7 @@ LAYOUTS = {
 
 def losses(output_dir: str) -> dict[int, float]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return {row["step"]: row["loss"] for row in map(json.loads, f)}
+        return {row["step"]: row["train/loss"] for row in map(json.loads, f)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -66,6 +66,8 @@ class LoopConfig:
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """A collective (all-reduce, all-gather ...) that waits longer than this, or a rank that answers
     this long after its peers, fails the step as a dead peer would."""
+    log_every: int = Field(default=1, gt=0)
+    """Console progress-bar refresh period in steps (metrics.jsonl gets every step)."""
 
 
 @dataclass(config=STRICT)
@@ -82,8 +84,6 @@ class TrainConfig(LoopConfig):
     Under context parallel, each rank's share of the sequences. Under pipeline parallel, the number of
     equal micro-batches each shard is split into: as many as the budget needs, at least
     parallel.pp_microbatches."""
-    log_every: int = Field(default=1, gt=0)
-    """Console progress-bar refresh period in steps (metrics.jsonl gets every step)."""
 
 
 @dataclass(config=STRICT)

@@ -73,7 +73,7 @@ class JsonlBackend:
 
 
 class ConsoleBackend:
-    _KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "reward/mean", "val/accuracy")
+    _KEYS = ("train/loss", "train/grad_norm", "train/lr", "throughput/tokens_per_s", "reward/mean", "val/accuracy")
 
     def __init__(self, run_name: str, total_steps: int, start_step: int, log_every: int):
         self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, **_bar_width())

@@ -8,11 +8,9 @@ then log. The loss is the mean NLL over the global batch's target tokens.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Literal
 
-from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.phases import set_phase
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
@@ -23,11 +21,10 @@ from rlsys.data.examples import Example, load_pretrain_examples, load_sft_exampl
 from rlsys.data.files import DataError
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.parallel.dims import ParallelDims
-from rlsys.tracking.tracker import Tracker
-from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
+from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.trainers.preflight import check_train_job
-from rlsys.trainers.restarts import run_with_restarts
-from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
+from rlsys.trainers.run_dir import finish_run
+from rlsys.trainers.stage_loop import run_stage
 
 log = logging.getLogger(__name__)
 
@@ -52,55 +49,50 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
                               tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
     log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
-    config_dict = prepare_run_dir(cfg, stage)
-    ensure_ray(cfg.ray)
-    checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-
-    def attempt(restarts: int) -> tuple[int, dict]:
-        return _train(cfg, stage, examples, sampler, tokenizer.pad_token_id, checkpoints, config_dict, restarts)
-
-    start_step, last = run_with_restarts(cfg.train.max_restarts, checkpoints, attempt)
-    hf_dir = os.path.join(cfg.output_dir, HF_MODEL_DIR)
-    summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": start_step,
-               "final_loss": last.get("loss"), "restarts": last.get("restarts", 0),
-               "skipped_rows": row_stats.skipped, "hf_model": hf_dir}
+    run = run_stage(cfg, stage, lambda checkpoints: LMSession(cfg, stage, examples, sampler,
+                                                              tokenizer.pad_token_id, checkpoints))
+    summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": run.start_step,
+               "final_loss": run.last.get("train/loss"), "restarts": run.restarts,
+               "skipped_rows": row_stats.skipped, "hf_model": run.hf_dir}
     if evaluator is not None:
         from rlsys.trainers.eval import evaluate_model
 
         set_phase(f"{stage}: eval")
         cpus = cfg.ray.cpus_per_worker * ParallelDims.of(cfg.parallel).world_size
-        summary["eval"] = evaluate_model(hf_dir, evaluator, agents, cfg.output_dir, cpus, cfg.ray.gpus_per_worker)
+        summary["eval"] = evaluate_model(run.hf_dir, evaluator, agents, cfg.output_dir, cpus, cfg.ray.gpus_per_worker)
     summary["time_s"] = round(time.time() - started, 1)
     finish_run(cfg.output_dir, summary)
     return summary
 
 
-def _train(cfg: TrainJobConfig, stage: Stage, examples: list[Example], sampler: EpochSampler, pad_id: int,
-           checkpoints: CheckpointDir, config_dict: dict, restarts: int) -> tuple[int, dict]:
-    """One attempt: build the group, resume, train to the last step and export.
-    Returns the step it started from and the last step's metrics."""
-    set_phase(f"{stage}: setup")
-    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
-    try:
-        resume = cfg.train.resume or restarts > 0
-        start_step = restore_training_state(checkpoints, group, sampler) if resume else 0
-        tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, cfg.train.steps, start_step, cfg.train.log_every)
-        last = {}
-        try:
-            for step in range(start_step + 1, cfg.train.steps + 1):
-                set_phase(f"{stage} step {step}: train")
-                last = {**train_step(group, examples, sampler, pad_id), "restarts": restarts}
-                tracker.log(step, last)
-                if save_due(step, cfg.train.steps, cfg.train.save_every):
-                    set_phase(f"{stage} step {step}: checkpoint")
-                    save_training_state(checkpoints, step, group, sampler)
-        finally:
-            tracker.close()
-        set_phase(f"{stage}: export")
-        group.run_all("export_hf", os.path.join(cfg.output_dir, HF_MODEL_DIR))
-    finally:
-        group.shutdown()
-    return start_step, last
+class LMSession:
+    """One attempt of a pretrain or SFT stage (`run_stage`): the training group over the examples."""
+
+    def __init__(self, cfg: TrainJobConfig, stage: Stage, examples: list[Example], sampler: EpochSampler,
+                 pad_id: int, checkpoints: CheckpointDir):
+        self.cfg, self.stage, self.examples, self.sampler, self.pad_id = cfg, stage, examples, sampler, pad_id
+        self.checkpoints = checkpoints
+        self.group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+
+    def resume(self, force: bool) -> int:
+        resume = self.cfg.train.resume or force
+        return restore_training_state(self.checkpoints, self.group, self.sampler) if resume else 0
+
+    def initial_metrics(self) -> dict[str, float]:
+        return {}
+
+    def step(self, step: int) -> dict[str, float]:
+        set_phase(f"{self.stage} step {step}: train")
+        return train_step(self.group, self.examples, self.sampler, self.pad_id)
+
+    def save(self, step: int) -> None:
+        save_training_state(self.checkpoints, step, self.group, self.sampler)
+
+    def export(self, hf_dir: str) -> None:
+        self.group.run_all("export_hf", hf_dir)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
 
 
 def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler, pad_id: int) -> dict:
@@ -110,11 +102,11 @@ def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler
     elapsed = time.perf_counter() - started
     tokens = int(batch["attention_mask"].sum())
     return {
-        "loss": step["loss"],
-        "grad_norm": step["grad_norm"],
-        "lr": step["lr"],
-        "tokens": tokens,
-        "tokens_per_s": tokens / elapsed,
-        "step_time_s": elapsed,
+        "train/loss": step["loss"],
+        "train/grad_norm": step["grad_norm"],
+        "train/lr": step["lr"],
+        "throughput/tokens": tokens,
+        "throughput/tokens_per_s": tokens / elapsed,
+        "time/step_s": elapsed,
         **{name: value for name, value in step.items() if name.startswith("router/")},  # an MoE model's
     }

@@ -12,13 +12,12 @@ One step, in data-flow order:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from rlsys.actors.cluster import ensure_ray, gpu_shares
+from rlsys.actors.cluster import gpu_shares
 from rlsys.actors.phases import PhaseTimer, set_phase
 from rlsys.actors.reward_pool import RewardPool
 from rlsys.actors.rollout_group import RolloutGroup
@@ -47,15 +46,14 @@ from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync
-from rlsys.tracking.tracker import Tracker
 from rlsys.trainers.agent_setup import AgentSetup, agent_setup
-from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_due, save_training_state
+from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.trainers.eval import Evaluator
 from rlsys.trainers.preflight import check_rl_job
-from rlsys.trainers.restarts import run_with_restarts
 from rlsys.trainers.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
 from rlsys.trainers.rollout_stream import RolloutStream
-from rlsys.trainers.run_dir import HF_MODEL_DIR, finish_run, prepare_run_dir
+from rlsys.trainers.run_dir import finish_run
+from rlsys.trainers.stage_loop import run_stage
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +94,8 @@ def _loops(cfg: RLJobConfig) -> dict[str, str]:
 
 
 class RLVRTrainer:
-    def __init__(self, cfg: RLJobConfig, data: RLData | None = None):
+    def __init__(self, cfg: RLJobConfig, data: RLData | None = None, checkpoints: CheckpointDir | None = None):
+        """Builds the groups on the running Ray cluster; `checkpoints`: the run's (`run_stage`'s)."""
         self.cfg = cfg
         data = data or load_rl_data(cfg)
         self.tokenizer, self.prompts = data.tokenizer, data.prompts
@@ -106,9 +105,8 @@ class RLVRTrainer:
         self.old_logprobs = old_logprobs_source(cfg)
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
-        self.checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+        self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train = self.rollout = self.tools = self.stream = None
-        ensure_ray(cfg.ray)
         self.rewards = RewardPool(cfg.reward)
         try:
             self.tools = self.agents.start_tools()
@@ -345,45 +343,45 @@ def run_rlvr(cfg: RLJobConfig) -> dict:
     check_rl_job(cfg)
     started = time.time()
     data = load_rl_data(cfg)
-    config_dict = prepare_run_dir(cfg, "rlvr")
-    ensure_ray(cfg.ray)
-    summary: dict = {"stage": "rlvr", "steps": cfg.train.steps}
-    checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-    run_with_restarts(cfg.train.max_restarts, checkpoints,
-                      lambda restarts: _rl_attempt(cfg, data, config_dict, summary, restarts))
-    summary.update(hf_model=os.path.join(cfg.output_dir, HF_MODEL_DIR), time_s=round(time.time() - started, 1))
+    run = run_stage(cfg, "rlvr", lambda checkpoints: RLSession(RLVRTrainer(cfg, data, checkpoints)))
+    summary = {"stage": "rlvr", "steps": cfg.train.steps, "resumed_from_step": run.start_step,
+               "restarts": run.restarts, "final_reward": run.last.get("reward/mean"),
+               "val_accuracy_after": run.last.get("val/accuracy"), "hf_model": run.hf_dir,
+               "time_s": round(time.time() - started, 1)}
+    if "val/accuracy" in run.initial:
+        summary["val_accuracy_before"] = run.initial["val/accuracy"]
     finish_run(cfg.output_dir, summary)
     return summary
 
 
-def _rl_attempt(cfg: RLJobConfig, data: RLData, config_dict: dict, summary: dict, restarts: int) -> None:
-    """Build the groups, resume, run the remaining steps and export; fills `summary`."""
-    set_phase("rlvr: setup")
-    trainer = RLVRTrainer(cfg, data)
-    try:
-        start_step = trainer.resume(force=restarts > 0)
-        summary.update(resumed_from_step=start_step, restarts=restarts)
-        tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, cfg.train.steps, start_step)
-        try:
-            if start_step == 0 and cfg.eval:
-                tracker.log(0, initial := trainer.validate(0))
-                summary["val_accuracy_before"] = initial["val/accuracy"]
-            for step in range(start_step + 1, cfg.train.steps + 1):
-                metrics = {**trainer.step(step), "restarts": restarts}
-                last = step == cfg.train.steps
-                if cfg.eval and (last or (cfg.train.val_every and step % cfg.train.val_every == 0)):
-                    metrics.update(trainer.validate(step))
-                tracker.log(step, metrics)
-                if save_due(step, cfg.train.steps, cfg.train.save_every):
-                    set_phase(f"rlvr step {step}: checkpoint")
-                    trainer.save(step)
-                summary.update(final_reward=metrics["reward/mean"], val_accuracy_after=metrics.get("val/accuracy"))
-        finally:
-            tracker.close()
-        set_phase("rlvr: export")
-        trainer.train.run_all("export_hf", os.path.join(cfg.output_dir, HF_MODEL_DIR))
-    finally:
-        trainer.shutdown()
+class RLSession:
+    """One attempt of the RL stage (`run_stage`): the trainer's groups, validated before the first
+    step of a fresh run, every `train.val_every` steps and after the last."""
+
+    def __init__(self, trainer: RLVRTrainer):
+        self.trainer, self.cfg = trainer, trainer.cfg
+
+    def resume(self, force: bool) -> int:
+        return self.trainer.resume(force)
+
+    def initial_metrics(self) -> dict[str, float]:
+        return self.trainer.validate(0) if self.cfg.eval else {}
+
+    def step(self, step: int) -> dict[str, float]:
+        metrics = self.trainer.step(step)
+        train = self.cfg.train
+        if self.cfg.eval and (step == train.steps or (train.val_every and step % train.val_every == 0)):
+            metrics.update(self.trainer.validate(step))
+        return metrics
+
+    def save(self, step: int) -> None:
+        self.trainer.save(step)
+
+    def export(self, hf_dir: str) -> None:
+        self.trainer.train.run_all("export_hf", hf_dir)
+
+    def shutdown(self) -> None:
+        self.trainer.shutdown()
 
 
 def _sample_metrics(samples: list[Trajectory], batch: Batch, times: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,93 @@
+"""The loop every training stage runs, written once: the run directory, Ray, the checkpoint
+directory, restarts, resume, the tracker, the steps (each logged, a checkpoint when one is due),
+the Hugging Face export and the groups' shutdown. A stage supplies a session: its actor groups
+for one attempt and what one of its steps does."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.phases import set_phase
+from rlsys.tracking.tracker import Tracker
+from rlsys.trainers.checkpoints import CheckpointDir, save_due
+from rlsys.trainers.restarts import run_with_restarts
+from rlsys.trainers.run_dir import HF_MODEL_DIR, prepare_run_dir
+
+
+class StageSession(Protocol):
+    """One attempt's groups, built by the stage; the loop drives them and shuts them down."""
+
+    def resume(self, force: bool) -> int:
+        """Restore the newest checkpoint when the config asks or `force` (a restart); the step it holds."""
+
+    def initial_metrics(self) -> dict[str, float]:
+        """What a fresh run logs at step 0 (validation before training), or nothing."""
+
+    def step(self, step: int) -> dict[str, float]:
+        """Run one step; its metrics."""
+
+    def save(self, step: int) -> None:
+        """Write a checkpoint of this step."""
+
+    def export(self, hf_dir: str) -> None:
+        """Write the final model as a Hugging Face directory."""
+
+    def shutdown(self) -> None:
+        """Retire the attempt's actors, dead ones included."""
+
+
+@dataclass
+class StageRun:
+    """What the loop did: the step the last attempt resumed from, its metrics at step 0 (a fresh
+    run's) and at its last step, how many restarts it took, and where the model went."""
+
+    start_step: int = 0
+    initial: dict[str, float] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+    restarts: int = 0
+    hf_dir: str = ""
+
+
+def run_stage(cfg, stage: str, open_session: Callable[[CheckpointDir], StageSession]) -> StageRun:
+    """Run `cfg.train.steps` steps of `stage` (cfg: a training job's config) in sessions that
+    `open_session` builds, one per attempt: the first, and one more after each restart."""
+    config_dict = prepare_run_dir(cfg, stage)
+    ensure_ray(cfg.ray)
+    checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
+    run = StageRun(hf_dir=os.path.join(cfg.output_dir, HF_MODEL_DIR))
+
+    def attempt(restarts: int) -> StageRun:
+        set_phase(f"{stage}: setup")
+        session = open_session(checkpoints)
+        try:
+            run.start_step, run.restarts = session.resume(force=restarts > 0), restarts
+            _steps(cfg, stage, session, checkpoints, config_dict, run)
+            set_phase(f"{stage}: export")
+            session.export(run.hf_dir)
+        finally:
+            session.shutdown()
+        return run
+
+    return run_with_restarts(cfg.train.max_restarts, checkpoints, attempt)
+
+
+def _steps(cfg, stage: str, session: StageSession, checkpoints: CheckpointDir, config_dict: dict,
+           run: StageRun) -> None:
+    train = cfg.train
+    tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, train.steps, run.start_step, train.log_every)
+    try:
+        if run.start_step == 0 and (initial := session.initial_metrics()):
+            run.initial = initial
+            tracker.log(0, initial)
+        for step in range(run.start_step + 1, train.steps + 1):
+            run.last = {**session.step(step), "restarts": run.restarts}
+            tracker.log(step, run.last)
+            if save_due(step, train.steps, train.save_every):
+                set_phase(f"{stage} step {step}: checkpoint")
+                session.save(step)
+    finally:
+        tracker.close()

@@ -46,7 +46,7 @@ def config(args, layout: list[str]) -> RLJobConfig:
 
 def run(cfg: RLJobConfig) -> dict:
     from rlsys.actors.cluster import ensure_ray
-    from rlsys.trainers.rl_trainer import RLVRTrainer
+    from rlsys.stages.rl_trainer import RLVRTrainer
 
     ensure_ray(cfg.ray)
     trainer = RLVRTrainer(cfg)

@@ -51,18 +51,18 @@ def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None
     step's rollout calls (RolloutGroup.rollout), and with a `bare` engine its replay of each
     step's calls right after the step (`PausedEngine.replay_paired`)."""
     from rlsys.actors.cluster import ensure_ray
-    from rlsys.trainers.rl_trainer import RLVRTrainer
+    from rlsys.stages.rl_trainer import RLVRTrainer
 
     ensure_ray(cfg.ray)
     trainer = RLVRTrainer(cfg)
     calls, rows, calls_by_step, replays = [], [], [], []
-    rollout = trainer.rollout.rollout
+    rollout = trainer.rollout_group.rollout
 
     def recorded(*args, **kwargs):  # the bare engine replays the positional arguments (no weight version)
         calls.append(args)
         return rollout(*args, **kwargs)
 
-    trainer.rollout.rollout = recorded
+    trainer.rollout_group.rollout = recorded
     try:
         for step in range(1, cfg.train.steps + 1):
             first_call = len(calls)

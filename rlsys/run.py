@@ -16,31 +16,31 @@ from rlsys.data.files import DataError
 
 
 def _pretrain(config: str, overrides: list[str]) -> dict:
-    from rlsys.trainers.lm_trainer import run_lm_training
+    from rlsys.stages.lm_trainer import run_lm_training
 
     return run_lm_training(load_config(TrainJobConfig, config, overrides), "pretrain")
 
 
 def _sft(config: str, overrides: list[str]) -> dict:
-    from rlsys.trainers.lm_trainer import run_lm_training
+    from rlsys.stages.lm_trainer import run_lm_training
 
     return run_lm_training(load_config(TrainJobConfig, config, overrides), "sft")
 
 
 def _eval(config: str, overrides: list[str]) -> dict:
-    from rlsys.trainers.eval import run_eval
+    from rlsys.stages.eval import run_eval
 
     return run_eval(load_config(EvalJobConfig, config, overrides))
 
 
 def _rlvr(config: str, overrides: list[str]) -> dict:
-    from rlsys.trainers.rl_trainer import run_rlvr
+    from rlsys.stages.rl_trainer import run_rlvr
 
     return run_rlvr(load_config(RLJobConfig, config, overrides))
 
 
 def _pipeline(config: str, overrides: list[str]) -> dict:
-    from rlsys.trainers.chain import run_pipeline
+    from rlsys.stages.chain import run_pipeline
 
     return run_pipeline(load_config(PipelineConfig, config, overrides))
 

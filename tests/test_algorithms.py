@@ -229,7 +229,7 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
     from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.loader import ConfigError
-    from rlsys.trainers.preflight import check_algorithm
+    from rlsys.stages.preflight import check_algorithm
 
     extension = tmp_path / "my_algos.py"
     extension.write_text(

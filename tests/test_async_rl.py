@@ -16,7 +16,7 @@ import yaml
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import collate_rollouts
-from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
+from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 
 
 @pytest.fixture
@@ -47,16 +47,16 @@ def test_a_rollout_in_flight_goes_on_under_new_weights(ray_cluster, async_config
     trainer = RLVRTrainer(cfg)
     try:
         prompts = [(i, trainer.prompts[i].ids, {}) for i in range(8)]
-        sampling = trainer.rollout.sampling(max_new_tokens=120)
-        ref = trainer.rollout.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
+        sampling = trainer.rollout_group.sampling(max_new_tokens=120)
+        ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
         time.sleep(0.5)
-        trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed)
+        trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
         trainer.sync.run(version=1)
-        samples = trainer.rollout.wait([ref], [0])[0].unpack({i: ids for i, ids, _ in prompts})
+        samples = trainer.rollout_group.wait([ref], [0])[0].unpack({i: ids for i, ids, _ in prompts})
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  trainer.tokenizer.pad_token_id)
         new = trainer._logprobs(batch)
-        trainer.train.on_each(probes.perturb_parameters, -0.05, cfg.seed)  # back to version 0's weights
+        trainer.train_group.on_each(probes.perturb_parameters, -0.05, cfg.seed)  # back to version 0's weights
         old = trainer._logprobs(batch)
     finally:
         trainer.shutdown()

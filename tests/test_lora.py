@@ -27,8 +27,8 @@ from rlsys.config.model import LoraConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import num_targets
 from rlsys.models import lora
-from rlsys.trainers.preflight import check_rl_job
-from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
+from rlsys.stages.preflight import check_rl_job
+from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 
 LORA = {"rank": 8, "alpha": 16.0}
 
@@ -149,10 +149,10 @@ def test_a_rollout_refuses_a_missing_adapter(ray_cluster, rl_config):
     trainer = RLVRTrainer(rl_config("model.lora.rank=8"))
     try:
         trainer.sync.run(version=0)
-        trainer.train.on_each(probes.perturb_adapters, 0.05, 1)
+        trainer.train_group.on_each(probes.perturb_adapters, 0.05, 1)
         trainer.sync.run(version=1)
         assert logprob_gap(trainer) < 1e-4
-        trainer.rollout.on_each(probes.drop_served_adapter)
+        trainer.rollout_group.on_each(probes.drop_served_adapter)
         with pytest.raises(ray.exceptions.RayTaskError, match="rlsys-policy-1 is missing"):
             logprob_gap(trainer)
         trainer.sync.run(version=2)
@@ -168,10 +168,10 @@ def test_a_rollout_refuses_weights_a_sync_did_not_bring(ray_cluster, rl_config):
     try:
         trainer.sync.run(version=1)
         prompts = [(0, trainer.prompts[0].ids, {})]
-        sampling = trainer.rollout.sampling(max_new_tokens=2)
-        trainer.rollout.rollout(prompts, "single_turn", 1, sampling, seed=0, version=1)
+        sampling = trainer.rollout_group.sampling(max_new_tokens=2)
+        trainer.rollout_group.rollout(prompts, "single_turn", 1, sampling, seed=0, version=1)
         with pytest.raises(ray.exceptions.RayTaskError, match="policy of version 1, the trainer synced version 2"):
-            trainer.rollout.rollout(prompts, "single_turn", 1, sampling, seed=0, version=2)
+            trainer.rollout_group.rollout(prompts, "single_turn", 1, sampling, seed=0, version=2)
     finally:
         trainer.shutdown()
 
@@ -182,9 +182,9 @@ def test_merged_sync_gives_the_trainers_logprobs(ray_cluster, rl_config):
     trainer = RLVRTrainer(rl_config("model.lora.rank=8", "model.lora.sync=merged"))
     try:
         for version in (1, 2):
-            trainer.train.on_each(probes.perturb_adapters, 0.05, version)
+            trainer.train_group.on_each(probes.perturb_adapters, 0.05, version)
             assert logprob_gap(trainer) > 1e-2
-            ray.get(trainer.rollout.actors[0].release_memory.remote())  # as in a step
+            ray.get(trainer.rollout_group.actors[0].release_memory.remote())  # as in a step
             stats = trainer.sync.run(version=version)
             assert logprob_gap(trainer) < 1e-4
             assert stats["sync/buckets"] > 2  # every weight, bucket by bucket

@@ -21,7 +21,7 @@ from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import num_targets, split_rows
-from rlsys.trainers.rl_trainer import RLVRTrainer
+from rlsys.stages.rl_trainer import RLVRTrainer
 
 COEF = 0.05
 """Large enough that a balance loss taken per shard, not over the pass, fails the gradient check."""
@@ -137,14 +137,14 @@ def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model
     cfg = build_config(RLJobConfig, raw)
     trainer = RLVRTrainer(cfg)
     try:
-        trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed)
+        trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
         for sync in range(2):
             assert logprob_gap(trainer) > 1e-2
-            ray.get(trainer.rollout.actors[0].release_memory.remote())
+            ray.get(trainer.rollout_group.actors[0].release_memory.remote())
             stats = trainer.sync.run()
             assert logprob_gap(trainer) < 1e-4
-            assert trainer.rollout.on_each(probes.experts_repacked) == [[2 * (sync + 1)]]
+            assert trainer.rollout_group.on_each(probes.experts_repacked) == [[2 * (sync + 1)]]
             assert stats["sync/buckets"] > 2 if through_object_store else stats["sync/in_place"]
-            trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
+            trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
     finally:
         trainer.shutdown()

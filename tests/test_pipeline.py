@@ -16,7 +16,7 @@ import yaml
 
 from rlsys.config.loader import ConfigError, build_config
 from rlsys.config.schema import PipelineConfig
-from rlsys.trainers.chain import plan_jobs
+from rlsys.stages.chain import plan_jobs
 
 TIMEOUT_S = 300
 
@@ -111,7 +111,7 @@ def test_pipeline_refuses_a_finished_stage_with_a_changed_config(pipeline_file, 
     raw = yaml.safe_load(open(pipeline_file))
     jobs = plan_jobs(build_config(PipelineConfig, raw))
     os.makedirs(jobs[0].output_dir)
-    from rlsys.trainers.run_dir import prepare_run_dir, write_summary
+    from rlsys.stages.run_dir import prepare_run_dir, write_summary
 
     prepare_run_dir(jobs[0], "pretrain")
     write_summary(jobs[0].output_dir, {"stage": "pretrain"})

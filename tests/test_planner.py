@@ -99,7 +99,7 @@ def test_plan_recommends_a_layout_the_job_runs(capsys):
     """The recommendation's overrides pass the job's own preflight and give a layout of every GPU."""
     from rlsys.config.schema import RLJobConfig
     from rlsys.planner.job import load_job
-    from rlsys.trainers.preflight import check_layout, check_rl_batch, read_model_config
+    from rlsys.stages.preflight import check_layout, check_rl_batch, read_model_config
 
     model = "model.path=examples/plan/qwen2.5-32b"
     code, out, _ = plan_output(capsys, "--gpus", "64", "--gpu-memory", "80", model, "train.prompts_per_step=24")

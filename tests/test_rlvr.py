@@ -19,8 +19,8 @@ from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.config.training import TrackingConfig
 from rlsys.data.batching import collate_rollouts
-from rlsys.sync.weight_sync import _gpus_unseen, _Room, plan_buckets
-from rlsys.trainers.rl_trainer import RLVRTrainer, run_rlvr
+from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
+from rlsys.sync.weight_sync import _gpus_unseen, _Host, plan_buckets
 
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
 COIN = os.path.join(os.path.dirname(__file__), "assets", "coin_reward.py")
@@ -47,10 +47,10 @@ def rl_raw(model_dir: str, files: dict[str, str], output_dir: str) -> dict:
 def test_gpu_shards_are_read_in_place_only_by_engines_that_see_their_gpus():
     """CUDA IPC opens an allocation only on a GPU the reading process sees: colocated engines
     read in place; an engine on a GPU of its own, or one that sees only one rank's, does not."""
-    ranks = [_Room("node", ("0",), 0, 0), _Room("node", ("1",), 0, 0)]
-    assert _gpus_unseen(ranks, [_Room("node", ("0", "1"), 0, 0)]) == ""
-    assert "colocate" in _gpus_unseen(ranks, [_Room("node", ("0",), 0, 0), _Room("node", ("1",), 0, 0)])
-    assert "colocate" in _gpus_unseen(ranks[:1], [_Room("node", ("2",), 0, 0)])
+    ranks = [_Host("node", ("0",), 0, 0), _Host("node", ("1",), 0, 0)]
+    assert _gpus_unseen(ranks, [_Host("node", ("0", "1"), 0, 0)]) == ""
+    assert "colocate" in _gpus_unseen(ranks, [_Host("node", ("0",), 0, 0), _Host("node", ("1",), 0, 0)])
+    assert "colocate" in _gpus_unseen(ranks[:1], [_Host("node", ("2",), 0, 0)])
 
 
 def test_buckets_keep_decoder_blocks_whole():
@@ -98,18 +98,18 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
         if through_object_store:
             assert trainer.sync._can_share() and not trainer.sync.in_place
             _assert_too_few_file_descriptors_keep_shards_private(trainer)
-        trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed)
+        trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
         for sync in range(2):  # vLLM's loaders place the first sync; the second replays their copies
             assert logprob_gap(trainer) > 1e-2
             # as in a step: the colocated engine frees its weights for the update
-            freed = ray.get(trainer.rollout.actors[0].release_memory.remote())
+            freed = ray.get(trainer.rollout_group.actors[0].release_memory.remote())
             assert freed >= trainer.sync.total_bytes or torch.cuda.is_available()  # vLLM logs it on GPU
             stats = trainer.sync.run()
             assert logprob_gap(trainer) < 1e-4
             assert stats["sync/in_place"] == (not through_object_store)
             if through_object_store:
                 assert stats["sync/buckets"] > 2  # streamed, not one whole-model transfer
-            trainer.train.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
+            trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
     finally:
         trainer.shutdown()
     # a tensor-parallel engine's shared-memory queues are gone with it (a killed actor left them)
@@ -119,7 +119,8 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
 def logprob_gap(trainer: RLVRTrainer) -> float:
     """The largest gap between vLLM's log-probs of 2 samples of each of 8 prompts and the trainer's."""
     prompts = [(i, trainer.prompts[i].ids, {}) for i in range(8)]
-    samples, _ = trainer.rollout.rollout(prompts, "single_turn", 2, trainer.rollout.sampling(max_new_tokens=6), seed=1)
+    sampling = trainer.rollout_group.sampling(max_new_tokens=6)
+    samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, sampling, seed=1)
     batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                              trainer.tokenizer.pad_token_id)
     ours = trainer._logprobs(batch)
@@ -135,7 +136,7 @@ def _assert_too_few_file_descriptors_keep_shards_private(trainer) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft or len(os.listdir("/proc/self/fd")) + 64, hard))
         return old
 
-    rank = trainer.train.actors[-1]
+    rank = trainer.train_group.actors[-1]
     old = ray.get(rank.__ray_call__.remote(set_soft_limit, None))
     try:
         assert not trainer.sync._can_share()
@@ -249,8 +250,8 @@ def test_rlvr_resume_reproduces_the_metrics(straight_rl, tmp_path):
 
 def sampled_batch(trainer: RLVRTrainer) -> dict[str, torch.Tensor]:
     """2 responses to each of the first 8 prompts, from the trainer's engines, collated."""
-    samples, _ = trainer.rollout.rollout([(i, trainer.prompts[i].ids, {}) for i in range(8)], "single_turn", 2,
-                                         trainer.rollout.sampling(temperature=1.0, max_new_tokens=6), seed=3)
+    samples, _ = trainer.rollout_group.rollout([(i, trainer.prompts[i].ids, {}) for i in range(8)], "single_turn", 2,
+                                         trainer.rollout_group.sampling(temperature=1.0, max_new_tokens=6), seed=3)
     return collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                             trainer.tokenizer.pad_token_id)
 
@@ -286,7 +287,7 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
     from rlsys.algorithms.advantages import AdvantageInputs, gae_advantages_and_returns
     from rlsys.algorithms.value_loss import value_loss
     from rlsys.data.batching import num_targets, on_last_response_token
-    from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_training_state
+    from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 
     cfg = rl_config("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.cliprange_value=10", *layout)
     trainer = RLVRTrainer(cfg)
@@ -294,7 +295,7 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
         batch = sampled_batch(trainer)
 
         def values() -> torch.Tensor:
-            return torch.cat(trainer.train.run_data_parallel("compute_values", batch))
+            return torch.cat(trainer.train_group.run_data_parallel("compute_values", batch))
 
         batch["values"] = values()
         assert batch["values"].abs().max() == 0  # the value head starts at zero
@@ -303,14 +304,14 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
                                  torch.arange(16) // 2, batch["values"])
         _, batch["returns"] = gae_advantages_and_returns(inputs, gamma=1.0, lam=0.95)
         loss_fn = value_loss({"tokens": num_targets(batch), "sequences": 16}, 10.0, "token-mean")
-        losses = [trainer.train.run_data_parallel("critic_step", batch, loss_fn=loss_fn)[0]["critic/vf_loss"]
+        losses = [trainer.train_group.run_data_parallel("critic_step", batch, loss_fn=loss_fn)[0]["critic/vf_loss"]
                   for _ in range(6)]
         checkpoints = CheckpointDir(str(tmp_path / "ckpt"), keep_last=1)
-        save_training_state(checkpoints, 1, trainer.train, trainer.sampler)
+        save_training_state(checkpoints, 1, trainer.train_group, trainer.sampler)
         saved = values()
-        trainer.train.run_data_parallel("critic_step", batch, loss_fn=loss_fn)
+        trainer.train_group.run_data_parallel("critic_step", batch, loss_fn=loss_fn)
         assert not torch.allclose(values(), saved)
-        restore_training_state(checkpoints, trainer.train, trainer.sampler)
+        restore_training_state(checkpoints, trainer.train_group, trainer.sampler)
         assert torch.allclose(values(), saved, atol=1e-6)
     finally:
         trainer.shutdown()

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from rlsys.trainers.lm_trainer import run_lm_training
+from rlsys.stages.lm_trainer import run_lm_training
 
 STEPS = 6
 LAYOUTS = {

@@ -24,7 +24,7 @@ arrives within this, so the report names the rank that died, not a peer that los
 
 class WorkerFailure(RuntimeError):
     resume_hint: str = ""
-    """What a re-run will do (set by `rlsys.trainers.restarts` when no restart is left)."""
+    """What a re-run will do (set by `rlsys.stages.restarts` when no restart is left)."""
 
     def __init__(self, worker: str, reason: str, phase: str):
         self.worker, self.reason, self.phase = worker, reason, phase

@@ -28,13 +28,13 @@ from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.request_engine import RequestEngine
 from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
-from rlsys.sync.placement import WeightPlacer
+from rlsys.sync.engine_writer import EngineWeightWriter
 from rlsys.sync.shards import Assembler, Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
 
 
 def _place_weights(worker, buckets: list[ShardBucket | None]) -> None:
     """Runs inside each vLLM worker: write one bucket, given as every training rank's shards,
-    into the engine's parameters (`rlsys.sync.placement`)."""
+    into the engine's parameters (`rlsys.sync.engine_writer`)."""
     _place(worker, shard_pieces(buckets))
 
 
@@ -51,20 +51,20 @@ def _place_shared(worker, shards_by_rank: list[list[Shared]]) -> None:
 def _place(worker, pieces: Pieces) -> None:
     """Write `pieces` into the engine's parameters; then pack again the MoE experts they rewrote
     (on CPU, `rlsys.rollout.cpu_experts`), counted in `rlsys_repacked`."""
-    if not hasattr(worker, "rlsys_placer"):
+    if not hasattr(worker, "rlsys_writer"):
         model = worker.model_runner.get_model()
         family = moe_family(worker.model_runner.model_config.hf_config)
-        worker.rlsys_placer = WeightPlacer(model, family.to_disk if family else None)
+        worker.rlsys_writer = EngineWeightWriter(model, family.to_disk if family else None)
         worker.rlsys_packed_experts = cpu_packed_experts(model)
         worker.rlsys_repacked = 0
-    written = worker.rlsys_placer(pieces)
+    written = worker.rlsys_writer(pieces)
     worker.rlsys_repacked += repack_written(worker.rlsys_packed_experts, written)
     record_loaded(worker, written)
 
 
 def _release_staging(worker) -> None:
-    if hasattr(worker, "rlsys_placer"):
-        worker.rlsys_placer.release()
+    if hasattr(worker, "rlsys_writer"):
+        worker.rlsys_writer.release()
 
 
 class RolloutWorker:

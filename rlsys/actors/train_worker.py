@@ -21,6 +21,7 @@ from rlsys.algorithms.value_loss import token_values
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import LoraConfig, ModelConfig
 from rlsys.config.rl import CriticConfig
+from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.config.training import OptimConfig
 from rlsys.console import redirect_actor_output
 from rlsys.data.batching import Batch
@@ -71,8 +72,8 @@ class TrainWorkerSpec:
         return replace(policy, model=model, optim=self.critic.optim, parallel=parallel, value_head=True)
 
 
-def build_worker_spec(cfg, micro_batch_size: int, total_steps: int, with_reference: bool = False,
-                      critic: CriticConfig | None = None) -> TrainWorkerSpec:
+def build_worker_spec(cfg: TrainJobConfig | RLJobConfig, micro_batch_size: int, total_steps: int,
+                      with_reference: bool = False, critic: CriticConfig | None = None) -> TrainWorkerSpec:
     """The spec of a job config with model, optim, parallel, ray and seed sections (pretrain/SFT/RLVR)."""
     return TrainWorkerSpec(
         model=cfg.model,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 FUSED = re.compile(r"^(?P<layer>.*\.layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
 
@@ -76,12 +77,12 @@ FAMILIES = {"qwen2_moe": QWEN_MOE, "qwen3_moe": QWEN_MOE, "mixtral": MIXTRAL}
 """Model types whose experts rlsys trains, shards and syncs (each loads in vLLM)."""
 
 
-def num_experts(config) -> int:
+def num_experts(config: PretrainedConfig) -> int:
     """Routed experts per MoE layer of an HF config; 0 for a dense model."""
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
-def moe_family(config) -> MoEFamily | None:
+def moe_family(config: PretrainedConfig) -> MoEFamily | None:
     """The family of an MoE model's config; None for a dense model. Raises ValueError for an MoE
     model of another family."""
     if not num_experts(config):

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from transformers import PretrainedConfig
 
+from rlsys.config.layout import ParallelConfig
 from rlsys.models.moe import num_experts
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -53,7 +55,7 @@ class ParallelDims:
     """Ranks that split each MoE layer's experts, out of dp_shard x cp x tp (not a dimension of its own)."""
 
     @classmethod
-    def of(cls, parallel) -> ParallelDims:
+    def of(cls, parallel: ParallelConfig) -> ParallelDims:
         """The layout of a `parallel:` config section."""
         return cls(**{name: getattr(parallel, name) for name in (*MESH_DIMS, "ep")})
 
@@ -104,7 +106,7 @@ class ParallelDims:
         size = self.ranks_per_stage
         return [range(stage * size, (stage + 1) * size) for stage in range(self.pp)]
 
-    def check_model(self, model_config, stages_per_rank: int = 1) -> None:
+    def check_model(self, model_config: PretrainedConfig, stages_per_rank: int = 1) -> None:
         """Degrees the model can take: tp splits heads, KV heads and the MLP evenly (the
         vocabulary may split unevenly: DTensor gives the first ranks one row more);
         pp needs untied embeddings and a decoder layer per stage."""

@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from rlsys.config.layout import ParallelConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     return ranges
 
 
-def stages_per_rank(parallel) -> int:
+def stages_per_rank(parallel: ParallelConfig) -> int:
     """Stages one pipeline rank holds under a `parallel:` config section."""
     return parallel.pp_stages_per_rank if parallel.pp > 1 and parallel.pp_schedule == "interleaved_1f1b" else 1
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from transformers import PretrainedConfig
 
 from rlsys.parallel.dims import LayoutError
 
@@ -40,7 +41,7 @@ TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "
 """Model types whose module names and attention follow the plan below."""
 
 
-def check_tp_family(model_config) -> None:
+def check_tp_family(model_config: PretrainedConfig) -> None:
     if model_config.model_type not in TP_FAMILIES:
         raise LayoutError(f"parallel.tp: no tensor-parallel plan for model type {model_config.model_type!r} "
                           f"(plans: {', '.join(TP_FAMILIES)})")

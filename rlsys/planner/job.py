@@ -12,8 +12,8 @@ from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.planner.estimate import Layout, Precision, Workload
 from rlsys.planner.search import GIB, Cluster, plan, reason, table
 from rlsys.planner.shards import ModelShapes
-from rlsys.trainers import preflight
-from rlsys.trainers.rl_update import old_logprobs_source
+from rlsys.stages import preflight
+from rlsys.stages.rl_update import old_logprobs_source
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ class WeightSync:
             log.warning("weight sync through Ray's object store, not in place: %s", reason)
         return not reason
 
-    def _no_room(self, ranks: list[_Room], engines: list[_Room]) -> str:
+    def _no_room(self, ranks: list[_Host], engines: list[_Host]) -> str:
         """Why the shards cannot be shared in host memory, or "" if they can."""
         shm_free = min(room.shm_free for room in ranks + engines)
         rank_fds = [len(self.stage_names[rank]) for rank in range(len(ranks))]
@@ -142,7 +142,7 @@ class WeightSync:
         return ""
 
 
-def _gpus_unseen(ranks: list[_Room], engines: list[_Room]) -> str:
+def _gpus_unseen(ranks: list[_Host], engines: list[_Host]) -> str:
     """Why the engines cannot open the ranks' shards on their GPUs, or "" if they can."""
     rank_gpus = set().union(*(room.gpus for room in ranks))
     if all(rank_gpus <= set(room.gpus) for room in engines):
@@ -152,7 +152,7 @@ def _gpus_unseen(ranks: list[_Room], engines: list[_Room]) -> str:
 
 
 @dataclass(frozen=True)
-class _Room:
+class _Host:
     """Where an actor runs and what it has free for shards shared in place."""
 
     node: str
@@ -162,12 +162,12 @@ class _Room:
     fds_free: int
 
 
-def _room(actor) -> _Room:
+def _room(actor) -> _Host:
     """This actor's node and GPUs, free bytes in /dev/shm and free file descriptors (none without
     Linux's /dev/shm and /proc, which the engines open host-memory shards through)."""
     context = ray.get_runtime_context()
     node, gpus = context.get_node_id(), tuple(str(gpu) for gpu in ray.get_gpu_ids())
     if not (os.path.isdir("/dev/shm") and os.path.isdir("/proc/self/fd")):
-        return _Room(node, gpus, 0, 0)
+        return _Host(node, gpus, 0, 0)
     fds_free = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - len(os.listdir("/proc/self/fd"))
-    return _Room(node, gpus, shutil.disk_usage("/dev/shm").free, fds_free)
+    return _Host(node, gpus, shutil.disk_usage("/dev/shm").free, fds_free)

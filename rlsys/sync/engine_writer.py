@@ -48,7 +48,7 @@ class _Copy:
         return self.size == tuple(weight.shape) and self.offset == 0 and self.stride == weight.stride()
 
 
-class WeightPlacer:
+class EngineWeightWriter:
     def __init__(self, model: torch.nn.Module, loader_names: Callable[[str, torch.Tensor], list] | None = None):
         """`loader_names(name, weight)`: the (name, view of the weight) pairs vLLM's loader reads
         for one trainer weight, where its names differ (an MoE's fused experts, which the loader

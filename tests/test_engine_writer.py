@@ -9,7 +9,7 @@ import multiprocessing
 import pytest
 import torch
 
-from rlsys.sync.placement import WeightPlacer
+from rlsys.sync.engine_writer import EngineWeightWriter
 from rlsys.sync.shards import pack, shard_pieces, share, shared_pieces
 
 
@@ -79,7 +79,7 @@ def loader_result(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def test_replayed_syncs_write_what_the_loader_writes():
     model = FusingModel()
-    place = WeightPlacer(model)
+    place = EngineWeightWriter(model)
     for sync in range(3):
         full = weights(sync)
         model.loader_calls.clear()

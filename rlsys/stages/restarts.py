@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rlsys.actors.failures import WorkerFailure
-from rlsys.trainers.checkpoints import CheckpointDir
+from rlsys.stages.checkpoints import CheckpointDir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,10 +12,11 @@ from typing import Protocol
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.phases import set_phase
+from rlsys.config.schema import RLJobConfig, TrainJobConfig
+from rlsys.stages.checkpoints import CheckpointDir, save_due
+from rlsys.stages.restarts import run_with_restarts
+from rlsys.stages.run_dir import HF_MODEL_DIR, prepare_run_dir
 from rlsys.tracking.tracker import Tracker
-from rlsys.trainers.checkpoints import CheckpointDir, save_due
-from rlsys.trainers.restarts import run_with_restarts
-from rlsys.trainers.run_dir import HF_MODEL_DIR, prepare_run_dir
 
 
 class StageSession(Protocol):
@@ -52,7 +53,8 @@ class StageRun:
     hf_dir: str = ""
 
 
-def run_stage(cfg, stage: str, open_session: Callable[[CheckpointDir], StageSession]) -> StageRun:
+def run_stage(cfg: TrainJobConfig | RLJobConfig, stage: str,
+              open_session: Callable[[CheckpointDir], StageSession]) -> StageRun:
     """Run `cfg.train.steps` steps of `stage` (cfg: a training job's config) in sessions that
     `open_session` builds, one per attempt: the first, and one more after each restart."""
     config_dict = prepare_run_dir(cfg, stage)
@@ -75,8 +77,8 @@ def run_stage(cfg, stage: str, open_session: Callable[[CheckpointDir], StageSess
     return run_with_restarts(cfg.train.max_restarts, checkpoints, attempt)
 
 
-def _steps(cfg, stage: str, session: StageSession, checkpoints: CheckpointDir, config_dict: dict,
-           run: StageRun) -> None:
+def _steps(cfg: TrainJobConfig | RLJobConfig, stage: str, session: StageSession, checkpoints: CheckpointDir,
+           config_dict: dict, run: StageRun) -> None:
     train = cfg.train
     tracker = Tracker(cfg.tracking, cfg.output_dir, config_dict, train.steps, run.start_step, train.log_every)
     try:

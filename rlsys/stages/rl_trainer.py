@@ -44,16 +44,16 @@ from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
+from rlsys.stages.agent_setup import AgentSetup, agent_setup
+from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
+from rlsys.stages.eval import Evaluator
+from rlsys.stages.preflight import check_rl_job
+from rlsys.stages.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
+from rlsys.stages.rollout_stream import RolloutStream
+from rlsys.stages.run_dir import finish_run
+from rlsys.stages.stage_loop import run_stage
 from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync
-from rlsys.trainers.agent_setup import AgentSetup, agent_setup
-from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_training_state
-from rlsys.trainers.eval import Evaluator
-from rlsys.trainers.preflight import check_rl_job
-from rlsys.trainers.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
-from rlsys.trainers.rollout_stream import RolloutStream
-from rlsys.trainers.run_dir import finish_run
-from rlsys.trainers.stage_loop import run_stage
 
 log = logging.getLogger(__name__)
 
@@ -106,17 +106,17 @@ class RLVRTrainer:
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-        self.train = self.rollout = self.tools = self.stream = None
-        self.rewards = RewardPool(cfg.reward)
+        self.train_group = self.rollout_group = self.tools = self.stream = None
+        self.reward_pool = RewardPool(cfg.reward)
         try:
             self.tools = self.agents.start_tools()
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
                                      with_reference=needs_reference(cfg.algorithm),
                                      critic=cfg.critic if self.with_critic else None)
             train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, cfg.rollout.placement)
-            self.train = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
-            self.rollout = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train.placement,
-                                        cfg.ray.cpus_per_worker * self.train.dims.world_size,
+            self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
+            self.rollout_group = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train_group.placement,
+                                        cfg.ray.cpus_per_worker * self.train_group.dims.world_size,
                                         gpu_share=engine_gpus,
                                         loops=self.agents.loops, tools=cfg.tools,
                                         tool_client=self.tools.client() if self.tools else None,
@@ -124,9 +124,9 @@ class RLVRTrainer:
                                         fp32_head=cfg.model.fp32_lm_head)
             self.sync = self._weight_sync()
             if cfg.train.async_mode != "off":
-                self.stream = RolloutStream(self.rollout, self.prompts, self.sampler, cfg.train.async_mode,
+                self.stream = RolloutStream(self.rollout_group, self.prompts, self.sampler, cfg.train.async_mode,
                                             cfg.train.max_staleness, cfg.rollout.agent_loop, cfg.rollout.n,
-                                            self.rollout.sampling(), cfg.seed, cfg.train.collective_timeout_s)
+                                            self.rollout_group.sampling(), cfg.seed, cfg.train.collective_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -136,8 +136,8 @@ class RLVRTrainer:
         merged weights are not the shards the ranks keep)."""
         cfg = self.cfg
         if cfg.model.lora.syncs_adapters:
-            return AdapterSync(self.train, self.rollout)
-        return WeightSync(self.train, self.rollout, cfg.rollout.sync_bucket_mb,
+            return AdapterSync(self.train_group, self.rollout_group)
+        return WeightSync(self.train_group, self.rollout_group, cfg.rollout.sync_bucket_mb,
                           cfg.rollout.sync_shared_memory and not cfg.model.lora.rank)
 
     # -- one step -------------------------------------------------------------
@@ -157,7 +157,7 @@ class RLVRTrainer:
             reward_metrics.update(kl_metrics)
         if self.with_critic:
             with timer("values"):
-                batch["values"] = torch.cat(self.train.run_data_parallel("compute_values", batch))
+                batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
         # samples come back in prompt order, n per prompt draw: a draw is a group (VeRL's uid)
         groups = torch.arange(len(samples)) // cfg.rollout.n
         inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups, batch.get("values"))
@@ -171,7 +171,7 @@ class RLVRTrainer:
                 self.stream.drain()
             sync_metrics = self.sync.run(version=step)
         timer.times["time/step_s"] = time.perf_counter() - started
-        verifier = self.rewards.terms[0].label
+        verifier = self.reward_pool.terms[0].label
         return {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -198,7 +198,7 @@ class RLVRTrainer:
             with timer("generate"):
                 samples = self._generate(step, draw, timer)
             with timer("reward"):
-                scored, draw_metrics = self.rewards.score(reward_inputs(samples, self.prompts))
+                scored, draw_metrics = self.reward_pool.score(reward_inputs(samples, self.prompts))
             errors += draw_metrics["reward/errors"]
             rewards = self._shaped_rewards(samples, scored)
             scores = torch.tensor([s.score for s in scored])  # mixed by score, not by length penalty
@@ -208,7 +208,7 @@ class RLVRTrainer:
                 (mixed if kept else uniform).append(group)
             if len(mixed) >= wanted:
                 break
-        freed = self.rollout.release_memory()
+        freed = self.rollout_group.release_memory()
         if len(mixed) < wanted:
             log.warning("step %d: %d of %d prompt groups have mixed rewards after %d draws; filling with "
                         "equal-reward groups", step, len(mixed), wanted, draw + 1)
@@ -216,7 +216,7 @@ class RLVRTrainer:
         samples = [s for group in groups for s in group[0]]
         scored = [s for group in groups for s in group[1]]
         rewards = torch.cat([group[2] for group in groups])
-        metrics = {**self.rewards.metrics(scored), "reward/errors": errors}
+        metrics = {**self.reward_pool.metrics(scored), "reward/errors": errors}
         if freed is not None:
             metrics["rollout/freed_gib"] = freed / 2**30
         if algo.filter_groups:
@@ -232,9 +232,9 @@ class RLVRTrainer:
         if self.stream is not None:
             return [t for group in self.stream.take(cfg.train.prompts_per_step, version=step - 1) for t in group]
         indices = self.sampler.next_indices()
-        samples, engine_times = self.rollout.rollout(
+        samples, engine_times = self.rollout_group.rollout(
             [(i, self.prompts[i].ids, self.prompts[i].tools_kwargs) for i in indices], cfg.rollout.agent_loop,
-            cfg.rollout.n, self.rollout.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007,
+            cfg.rollout.n, self.rollout_group.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007,
             version=step - 1)  # the policy the last step synced
         timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]
         return samples
@@ -274,7 +274,7 @@ class RLVRTrainer:
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
 
     def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
-        return torch.cat(self.train.run_data_parallel("compute_logprobs", batch,
+        return torch.cat(self.train_group.run_data_parallel("compute_logprobs", batch,
                                                       temperature=self.cfg.rollout.temperature, reference=reference))
 
     def _update(self, batch: Batch, train_actor: bool) -> tuple[dict[str, float], torch.Tensor | None]:
@@ -294,11 +294,11 @@ class RLVRTrainer:
                 metrics = {}
                 if self.with_critic:
                     loss_fn = value_loss(counts, self.cfg.critic.cliprange_value, algo.loss_agg)
-                    metrics.update(self.train.run_data_parallel("critic_step", mini, loss_fn=loss_fn)[0])
+                    metrics.update(self.train_group.run_data_parallel("critic_step", mini, loss_fn=loss_fn)[0])
                 if train_actor:
                     wants_rows = sampler_logprobs is None  # only the first mini-batch's, and only once
                     loss_fn = actor_loss(counts, algo, self.cfg.rollout.temperature, with_logprobs=wants_rows)
-                    outputs = self.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
+                    outputs = self.train_group.run_data_parallel("train_step", mini, loss_fn=loss_fn)
                     if wants_rows:
                         sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
                     metrics.update({f"actor/{k}" if k in ("grad_norm", "lr") else k: v
@@ -312,16 +312,17 @@ class RLVRTrainer:
     def validate(self, step: int) -> dict[str, float]:
         """Accuracy on the eval split (greedy by default), judged by eval.reward, generated by the engines."""
         set_phase(f"rlvr step {step}: validate")
-        summary, _ = self.evaluator.run(self.rollout)
+        summary, _ = self.evaluator.run(self.rollout_group)
         return {"val/accuracy": summary["accuracy"], "val/reward_errors": summary["reward_errors"]}
 
     def save(self, step: int) -> None:
-        save_training_state(self.checkpoints, step, self.train, self.stream or self.sampler, {"kl_ctrl": self.kl_ctrl})
+        save_training_state(self.checkpoints, step, self.train_group, self.stream or self.sampler,
+                            {"kl_ctrl": self.kl_ctrl})
 
     def resume(self, force: bool = False) -> int:
         """Restore the newest checkpoint (when train.resume or `force`, as after a restart)."""
         resume = self.cfg.train.resume or force
-        step = restore_training_state(self.checkpoints, self.train, self.stream or self.sampler,
+        step = restore_training_state(self.checkpoints, self.train_group, self.stream or self.sampler,
                                       {"kl_ctrl": self.kl_ctrl}) if resume else 0
         if step or self.cfg.model.lora.syncs_adapters:  # the engines start from model.path, without adapters
             self.sync.run(version=step)
@@ -329,12 +330,12 @@ class RLVRTrainer:
 
     def shutdown(self) -> None:
         """Retire every actor of this attempt, dead ones included."""
-        self.rewards.shutdown()
+        self.reward_pool.shutdown()
         if self.tools is not None:
             self.tools.shutdown()
         if self.evaluator is not None:
             self.evaluator.shutdown()
-        for group in (self.rollout, self.train):
+        for group in (self.rollout_group, self.train_group):
             if group is not None:
                 group.shutdown()
 
@@ -378,7 +379,7 @@ class RLSession:
         self.trainer.save(step)
 
     def export(self, hf_dir: str) -> None:
-        self.trainer.train.run_all("export_hf", hf_dir)
+        self.trainer.train_group.run_all("export_hf", hf_dir)
 
     def shutdown(self) -> None:
         self.trainer.shutdown()

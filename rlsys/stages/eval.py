@@ -25,9 +25,9 @@ from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.loading import eval_term
 from rlsys.rewards.scoring import reward_inputs
-from rlsys.trainers.agent_setup import AgentSetup, agent_setup
-from rlsys.trainers.preflight import check_eval_job
-from rlsys.trainers.run_dir import prepare_run_dir, write_summary
+from rlsys.stages.agent_setup import AgentSetup, agent_setup
+from rlsys.stages.preflight import check_eval_job
+from rlsys.stages.run_dir import prepare_run_dir, write_summary
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from rlsys.data.examples import Example, load_pretrain_examples, load_sft_exampl
 from rlsys.data.files import DataError
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.parallel.dims import ParallelDims
-from rlsys.trainers.checkpoints import CheckpointDir, restore_training_state, save_training_state
-from rlsys.trainers.preflight import check_train_job
-from rlsys.trainers.run_dir import finish_run
-from rlsys.trainers.stage_loop import run_stage
+from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
+from rlsys.stages.preflight import check_train_job
+from rlsys.stages.run_dir import finish_run
+from rlsys.stages.stage_loop import run_stage
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         raise DataError(f"data.train_files: {err}") from None
     evaluator = None
     if cfg.eval is not None:
-        from rlsys.trainers.eval import Evaluator, eval_agents, evaluator_loop
+        from rlsys.stages.eval import Evaluator, eval_agents, evaluator_loop
 
         agents = eval_agents(cfg.eval, cfg.tools)
         agents.check_template(tokenizer)
@@ -55,7 +55,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
                "final_loss": run.last.get("train/loss"), "restarts": run.restarts,
                "skipped_rows": row_stats.skipped, "hf_model": run.hf_dir}
     if evaluator is not None:
-        from rlsys.trainers.eval import evaluate_model
+        from rlsys.stages.eval import evaluate_model
 
         set_phase(f"{stage}: eval")
         cpus = cfg.ray.cpus_per_worker * ParallelDims.of(cfg.parallel).world_size

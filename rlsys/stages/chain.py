@@ -20,7 +20,7 @@ import yaml
 
 from rlsys.config.loader import ConfigError, config_to_dict, load_config
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, PipelineStage, RLJobConfig, TrainJobConfig
-from rlsys.trainers.run_dir import CONFIG_FILE, HF_MODEL_DIR, SUMMARY_FILE
+from rlsys.stages.run_dir import CONFIG_FILE, HF_MODEL_DIR, SUMMARY_FILE
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +132,14 @@ def _first_difference(old, new, prefix: str = "") -> str | None:
 
 def _run_stage(stage: str, job) -> dict:
     if stage == "rlvr":
-        from rlsys.trainers.rl_trainer import run_rlvr
+        from rlsys.stages.rl_trainer import run_rlvr
 
         return run_rlvr(job)
     if stage == "eval":
-        from rlsys.trainers.eval import run_eval
+        from rlsys.stages.eval import run_eval
 
         return run_eval(job)
-    from rlsys.trainers.lm_trainer import run_lm_training
+    from rlsys.stages.lm_trainer import run_lm_training
 
     return run_lm_training(job, stage)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import glob
 import os
 
+from transformers import PretrainedConfig
+
 from rlsys.config.layout import ParallelConfig, RayConfig
 from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.model import ModelConfig
@@ -177,7 +179,7 @@ def read_model_config(path: str, key: str):
     return config
 
 
-def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
+def check_layout(parallel: ParallelConfig, model_config: PretrainedConfig) -> ParallelDims:
     """The training layout, checked against what is built so far and against the model."""
     tp_option = _tp_option(parallel)
     if parallel.pp > 1:
@@ -194,7 +196,7 @@ def check_layout(parallel: ParallelConfig, model_config) -> ParallelDims:
     return dims
 
 
-def check_lora(model: ModelConfig, parallel: ParallelConfig, model_config) -> None:
+def check_lora(model: ModelConfig, parallel: ParallelConfig, model_config: PretrainedConfig) -> None:
     """LoRA trains on data- and context-parallel layouts of dense models, on target modules the
     model has."""
     if not model.lora.rank:
@@ -237,7 +239,7 @@ def _check_pipeline(parallel: ParallelConfig) -> None:
                           f"got {parallel.pp_microbatches}")
 
 
-def _check_heads_split(model_config, degree: int, key: str) -> None:
+def _check_heads_split(model_config: PretrainedConfig, degree: int, key: str) -> None:
     """Tensor parallelism splits attention heads (and key/value heads) evenly across ranks."""
     heads = getattr(model_config, "num_attention_heads", None)
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads

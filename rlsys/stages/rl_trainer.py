@@ -116,12 +116,12 @@ class RLVRTrainer:
             train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, cfg.rollout.placement)
             self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
             self.rollout_group = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train_group.placement,
-                                        cfg.ray.cpus_per_worker * self.train_group.dims.world_size,
-                                        gpu_share=engine_gpus,
-                                        loops=self.agents.loops, tools=cfg.tools,
-                                        tool_client=self.tools.client() if self.tools else None,
-                                        tool_schemas=self.agents.schemas, adapter=AdapterSpec.of(cfg.model.lora),
-                                        fp32_head=cfg.model.fp32_lm_head)
+                                              cfg.ray.cpus_per_worker * self.train_group.dims.world_size,
+                                              gpu_share=engine_gpus, loops=self.agents.loops, tools=cfg.tools,
+                                              tool_client=self.tools.client() if self.tools else None,
+                                              tool_schemas=self.agents.schemas,
+                                              adapter=AdapterSpec.of(cfg.model.lora),
+                                              fp32_head=cfg.model.fp32_lm_head)
             self.sync = self._weight_sync()
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout_group, self.prompts, self.sampler, cfg.train.async_mode,

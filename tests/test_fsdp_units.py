@@ -61,19 +61,23 @@ def tied_model_dir(tmp_path_factory) -> str:
     return write_tiny_model(str(tmp_path_factory.mktemp("tied")), spec)
 
 
-def test_one_cpu_rank_trains_its_own_parameters_with_fsdps_gradients(tied_model_dir, tmp_path):
+def _one_rank_results(target, model_dir: str, store: str):
+    """What `target(model_dir, store, conn)`, run as a rank of one in a process of its own, sends."""
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
-    rank = context.Process(target=_one_rank_steps, args=(tied_model_dir, str(tmp_path / "store"), child_conn),
-                           daemon=True)
+    rank = context.Process(target=target, args=(model_dir, store, child_conn), daemon=True)
     rank.start()
     try:
         while rank.is_alive() and not conn.poll(1):
             pass
         assert conn.poll(), "the rank died before sending its results"
-        results = conn.recv()
+        return conn.recv()
     finally:
         rank.join(timeout=30)
+
+
+def test_one_cpu_rank_trains_its_own_parameters_with_fsdps_gradients(tied_model_dir, tmp_path):
+    results = _one_rank_results(_one_rank_steps, tied_model_dir, str(tmp_path / "store"))
     plain, fsdp, recomputed = results["plain"], results["fsdp"], results["recomputed"]
     assert (plain["fsdp"], plain["dtensors"]) == (False, False) and (fsdp["fsdp"], fsdp["dtensors"]) == (True, True)
     assert plain["tied"] and fsdp["tied"] and recomputed["tied"]
@@ -123,18 +127,7 @@ def _head_outputs(model_dir: str, store: str, conn) -> None:
 
 
 def test_fp32_lm_head_multiplies_the_bf16_operands_in_fp32(tied_model_dir, tmp_path):
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    rank = context.Process(target=_head_outputs, args=(tied_model_dir, str(tmp_path / "store"), child_conn),
-                           daemon=True)
-    rank.start()
-    try:
-        while rank.is_alive() and not conn.poll(1):
-            pass
-        assert conn.poll(), "the rank died before sending its results"
-        results = conn.recv()
-    finally:
-        rank.join(timeout=30)
+    results = _one_rank_results(_head_outputs, tied_model_dir, str(tmp_path / "store"))
     rounded, fp32 = results[False], results[True]
     assert rounded["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.bfloat16)
     assert fp32["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.float32)  # FSDP's cast weight, fp32 logits

@@ -20,6 +20,7 @@ import time
 
 import ray
 
+import rlsys.tasks  # noqa: F401  (registers the `arith` reward)
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 
@@ -39,8 +40,9 @@ def config(args, layout: list[str]) -> RLJobConfig:
         f"train.steps={args.steps}", f"train.prompts_per_step={args.prompts}", "train.micro_batch_tokens=16384",
         "train.save_every=0", "train.resume=false", "train.val_every=0", "optim.lr=5e-5", "optim.warmup_steps=5",
         "optim.betas=[0.9,0.99]", "ray.include_dashboard=false", "tracking.backends=[jsonl]",
-        f"ray.cpus_per_worker={1 if separate else 2}", "rollout.cpus_per_engine=1",
-        *([f"eval.files=[{args.test}]", "eval.max_new_tokens=8"] if args.test else ["eval=null"]), *layout,
+        f"ray.cpus_per_worker={1 if separate else 2}", "rollout.cpus_per_engine=1", "reward.terms=[{name: arith}]",
+        *([f"eval.files=[{args.test}]", "eval.reward=arith", "eval.max_new_tokens=8"] if args.test else ["eval=null"]),
+        *layout,
         *args.overrides])
 
 

@@ -26,6 +26,7 @@ import time
 import psutil
 import ray
 
+import rlsys.tasks  # noqa: F401  (registers the `arith` reward)
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.models.moe import num_experts
@@ -40,7 +41,7 @@ def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
         f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.engine_memory_gib=0.25",
         f"train.steps={args.steps}", f"train.prompts_per_step={args.prompts}", "train.micro_batch_tokens=16384",
         "train.save_every=0", "train.resume=false", f"parallel.dp_shard={args.dp}", "ray.include_dashboard=false",
-        "tracking.backends=[jsonl]", f"algorithm.kl_coef={args.kl_coef}", *extra,
+        "tracking.backends=[jsonl]", f"algorithm.kl_coef={args.kl_coef}", "reward.terms=[{name: arith}]", *extra,
     ]
     return load_config(RLJobConfig, None, overrides)
 

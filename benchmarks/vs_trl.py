@@ -87,11 +87,11 @@ def trl_steps(args, cfg) -> Result:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlsys.rewards.builtin import arith_exact
+    from rlsys.tasks.arith import reward
 
     def arith_reward(completions, reward_model, data_source, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [arith_exact(src, text, truth["ground_truth"]) for text, truth, src in zip(texts, reward_model, data_source)]
+        return [reward(src, text, truth["ground_truth"]) for text, truth, src in zip(texts, reward_model, data_source)]
 
     class StepClock(TrainerCallback):
         def __init__(self):

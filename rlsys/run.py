@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
+import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, `arith` and `calc`)
 from rlsys.actors.cluster import interrupt_on_sigterm
 from rlsys.actors.failures import WorkerFailure
 from rlsys.config.loader import ConfigError, load_config

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, as `python -m rlsys.run` does)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -91,6 +91,8 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         ("algorithm.kl_estimator=k4", "algorithm.kl_estimator: Input should be 'k1', 'k2', 'k3', 'kl', 'mse', "
                                        "'low_var_kl' or 'abs'"),
         ("reward.terms=[{weight: 1.0}]", "reward.terms[0]: give a registered name or a path"),
+        ("reward.terms=[]", "reward.terms: empty; name at least one reward (registered: arith, calc, code_exec"),
+        ("eval.reward=''", "eval.reward: empty; name the reward that judges a response"),
         ("reward.overlong_buffer_len=99", "reward.overlong_buffer_len: 99 must be below the response budget"),
         (("algorithm.rollout_is=token", "rollout.top_p=0.9"), "rollout.top_p: below 1 the engine's log-probs"),
         (("algorithm.filter_groups=true", "rollout.n=1"), "algorithm.filter_groups: needs groups of rollout.n >= 2"),

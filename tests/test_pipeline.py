@@ -24,14 +24,15 @@ TIMEOUT_S = 300
 def stage_configs(tmp_path, model_dir: str, files: dict[str, str]) -> dict[str, str]:
     """Tiny YAML configs for the three stages; returns stage name -> path."""
     common = {"ray": {"include_dashboard": False}, "tracking": {"backends": ["jsonl", "ray"]}}
-    evaluation = {"files": [files["test"]], "limit": 16, "max_new_tokens": 6, "engine_memory_gib": 0.1}
+    evaluation = {"files": [files["test"]], "reward": "arith", "limit": 16, "max_new_tokens": 6,
+                  "engine_memory_gib": 0.1}
     stages = {
         "pretrain": {**common, "model": {"path": model_dir}, "data": {"train_files": [files["pretrain"]],
                                                                       "max_seq_len": 32},
                      "train": {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4}},  # no eval: its time
         "sft": {**common, "data": {"train_files": [files["sft"]], "max_seq_len": 32},
                 "train": {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4}, "eval": evaluation},
-        "rlvr": {**common, "data": {"train_files": [files["rl_train"]]},
+        "rlvr": {**common, "data": {"train_files": [files["rl_train"]]}, "reward": {"terms": [{"name": "arith"}]},
                  "rollout": {"n": 2, "max_new_tokens": 6, "engine_memory_gib": 0.1},
                  "train": {"steps": 6, "prompts_per_step": 4, "micro_batch_size": 8, "save_every": 1,
                            "keep_last": 2, "val_every": 0},

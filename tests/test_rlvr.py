@@ -40,7 +40,7 @@ def rl_raw(model_dir: str, files: dict[str, str], output_dir: str) -> dict:
         "parallel": {"dp_shard": 2},
         "ray": {"include_dashboard": False},
         "tracking": {"backends": ["jsonl"]},
-        "eval": {"files": [files["test"]], "limit": 8, "max_new_tokens": 6},
+        "eval": {"files": [files["test"]], "reward": "arith", "limit": 8, "max_new_tokens": 6},
     }
 
 

@@ -32,8 +32,8 @@ class RewardTerm:
 
 @dataclass(config=STRICT)
 class RewardConfig:
-    terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="arith")])
-    """Reward = sum of weight x score over the terms; each term is also logged as reward/<term>."""
+    terms: list[RewardTerm] = Field(default_factory=list)
+    """Reward = sum of weight x score over the terms (at least one); each term is also logged as reward/<term>."""
     timeout_s: float = Field(default=10.0, gt=0)
     """Per-call time limit; a call past it scores 0 and counts in reward/errors."""
     num_workers: int = Field(default=2, gt=0)

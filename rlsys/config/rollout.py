@@ -44,8 +44,8 @@ class ToolsConfig:
 class EvalConfig:
     files: list[str] = Field(default_factory=list)
     """Test split in the RL schema (data_source, prompt, reward_model.ground_truth)."""
-    reward: str = "arith"
-    """Reward that judges each response (1 = correct): a registered name, or `path/to/file.py[:function]`
+    reward: str = ""
+    """Reward that judges each response (1 = correct; required): a registered name, or `path/to/file.py[:function]`
     (a file or package directory with VeRL's compute_score signature)."""
     max_new_tokens: int = Field(default=16, gt=0)
     """Generation budget per prompt (per model turn of a multi-turn loop)."""

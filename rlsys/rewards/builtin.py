@@ -1,27 +1,13 @@
-"""Built-in verifiers, all with VeRL's reward signature."""
+"""Built-in verifiers, all with VeRL's reward signature. (The example tasks in `rlsys/tasks/`
+register their own: `arith`, `calc`.)"""
 
 from __future__ import annotations
 
 import re
 
 from rlsys.rewards.registry import register_reward
-from rlsys.tasks import arith, calc
 
 _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
-
-
-@register_reward("arith")
-def arith_exact(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 when the response is exactly the problem's integer answer."""
-    return 1.0 if arith.is_correct(solution_str, ground_truth) else 0.0
-
-
-@register_reward("calc")
-def calc_answer(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 when the final assistant turn (a multi-turn loop's `final_turn`, else the response) is
-    exactly the integer answer."""
-    final = extra_info.get("final_turn", solution_str) if isinstance(extra_info, dict) else solution_str
-    return 1.0 if calc.is_correct(final, ground_truth) else 0.0
 
 
 @register_reward("exact_match")

@@ -40,6 +40,7 @@ def check_train_job(cfg: TrainJobConfig) -> None:
 
 
 def check_rl_job(cfg: RLJobConfig) -> None:
+    from rlsys.rewards import registered_rewards
     from rlsys.rewards.loading import resolve_term
 
     _require(cfg.output_dir, "output_dir")
@@ -61,6 +62,9 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below the response "
                           f"budget (rollout.max_response_tokens, else rollout.max_new_tokens: "
                           f"{cfg.rollout.response_budget})")
+    if not cfg.reward.terms:
+        raise ConfigError(f"reward.terms: empty; name at least one reward (registered: "
+                          f"{', '.join(registered_rewards())}) or give a path")
     for i, term in enumerate(cfg.reward.terms):
         if not term.name and not term.path:
             raise ConfigError(f"reward.terms[{i}]: give a registered name or a path")
@@ -253,6 +257,9 @@ def _check_eval(cfg: EvalConfig) -> None:
     from rlsys.rewards.loading import eval_term, resolve_term
 
     _check_files(cfg.files, "eval.files")
+    if not cfg.reward:
+        raise ConfigError(f"eval.reward: empty; name the reward that judges a response (registered: "
+                          f"{', '.join(registered_rewards())}) or give path/to/file.py[:function]")
     term = eval_term(cfg.reward)
     if term.name and term.name not in registered_rewards():
         raise ConfigError(f"eval.reward: unknown reward {cfg.reward!r}; registered: "

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import datasets
 
+from rlsys.rewards.registry import register_reward
+
 DATA_SOURCE = "arith"
 _INTEGER = re.compile(r"-?\d+")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -57,10 +59,11 @@ def split_problems(spec: ArithSpec) -> tuple[list[Problem], list[Problem]]:
     return space[spec.num_test:], space[: spec.num_test]
 
 
-def is_correct(response: str, answer: str) -> bool:
-    """Exact match: the response, stripped, is the answer's integer."""
-    text = response.strip()
-    return _INTEGER.fullmatch(text) is not None and int(text) == int(answer)
+@register_reward("arith")
+def reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 when the response, stripped, is exactly the problem's integer answer (VeRL's signature)."""
+    text = solution_str.strip()
+    return float(_INTEGER.fullmatch(text) is not None and int(text) == int(ground_truth))
 
 
 def pretrain_rows(problems: list[Problem], per_document: int) -> list[dict]:

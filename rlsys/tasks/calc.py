@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import datasets
 
 import rlsys.tools  # noqa: F401  (registers the calculator)
+from rlsys.rewards.registry import register_reward
 
 DATA_SOURCE = "calc"
 _INTEGER = re.compile(r"-?\d+")
@@ -65,9 +66,13 @@ def messages(a: int, b: int) -> list[dict]:
             {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
 
 
-def is_correct(final_turn: str, answer) -> bool:
-    text = final_turn.strip()
-    return _INTEGER.fullmatch(text) is not None and int(text) == int(answer)
+@register_reward("calc")
+def reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 when the final assistant turn (the tool loop's `final_turn`, else the response) is exactly
+    the product (VeRL's signature)."""
+    final = extra_info.get("final_turn", solution_str) if isinstance(extra_info, dict) else solution_str
+    text = final.strip()
+    return float(_INTEGER.fullmatch(text) is not None and int(text) == int(ground_truth))
 
 
 def rl_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:

@@ -1,20 +1,14 @@
 """Build a model straight into its parallel layout: the module tree is made on
 the meta device, parallelized there, given empty storage for this rank's
 shards only, and filled from the safetensors files, each rank reading just its
-slices (torch.distributed.checkpoint's Hugging Face reader). A rank's peak is
-about its shard, not the whole model."""
+slices straight into its shards (`stored_tensors.py`). A rank's peak is its
+shard, not the whole model, and no second copy of it."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-
 import torch
-import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -23,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import ModelConfig
+from rlsys.engine.stored_tensors import TensorReader, stored_tensors
 from rlsys.models import lora
 from rlsys.models.head import compute_logits_in_fp32
 from rlsys.models.moe import FUSED, MoEFamily, moe_family
@@ -96,45 +91,42 @@ def _has_lm_head(part: nn.Module) -> bool:
     return getattr(part, "lm_head", None) is not None
 
 
+@torch.no_grad()
 def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
-    """Every weight of `model` but those in `new` from the safetensors files in `path`; an MoE
-    model's fused experts from their per-expert tensors (`_load_experts`)."""
+    """Every weight of `model` but those in `new`, each rank's region read from the safetensors
+    files in `path` straight into its shard (`stored_tensors`); an MoE model's fused experts
+    from their per-expert tensors (`_load_experts`)."""
     family = moe_family(model.config)
     state = {name: tensor for name, tensor in get_model_state_dict(model).items() if name not in new}
     experts = {name for name in state if FUSED.match(name)} if family else set()
-    files = _stored_files(path)
+    stored = stored_tensors(path)
     disk = {name: family.disk_name(lora.base_name(name)) if family else lora.base_name(name)
             for name in state if name not in experts}
-    missing = [name for name in disk if disk[name] not in files and not _tied(model, name)]
-    missing += [name for name in experts if family.expert_names(name, 0)[0] not in files]
+    missing = [name for name in disk if disk[name] not in stored and not _tied(model, name)]
+    missing += [name for name in experts if family.expert_names(name, 0)[0] not in stored]
     if missing:
         raise ValueError(f"{path}: no weights for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-    state = {disk[name]: tensor for name, tensor in state.items() if name in disk and disk[name] in files}
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
-    state = {name: state[disk[name]] for name in disk if disk[name] in state}
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
-    if experts:
-        _load_experts(model, path, family, experts, files)
+    with TensorReader(stored) as reader:
+        for name, disk_name in disk.items():
+            if disk_name in stored:
+                local, offset = _local_and_offset(state[name])
+                region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+                reader.read_into(disk_name, region, local)
+        if experts:
+            _load_experts(model, family, experts, reader)
 
 
 @torch.no_grad()
-def _load_experts(model: nn.Module, path: str, family: MoEFamily, names: set[str], files: dict[str, str]) -> None:
+def _load_experts(model: nn.Module, family: MoEFamily, names: set[str], reader: TensorReader) -> None:
     """Each fused expert parameter's local shard, read region by region from the per-expert
     tensors on disk: a rank reads its own experts' rows only."""
     params = dict(model.named_parameters())
-    with contextlib.ExitStack() as stack:
-        opened = {file: stack.enter_context(safe_open(os.path.join(path, file), framework="pt"))
-                  for file in set(files.values())}
-
-        def read(disk_name: str, index: tuple[slice, ...]) -> torch.Tensor:
-            return opened[files[disk_name]].get_slice(disk_name)[index]
-
-        for name in names:
-            param = params[name]
-            local, offset = _local_and_offset(param)
-            if local.numel():
-                region = family.read_region(name, tuple(param.shape), tuple(offset), tuple(local.shape), read)
-                local.copy_(region)
+    for name in names:
+        param = params[name]
+        local, offset = _local_and_offset(param)
+        if local.numel():
+            region = family.read_region(name, tuple(param.shape), tuple(offset), tuple(local.shape), reader.read)
+            local.copy_(region)
 
 
 @torch.no_grad()
@@ -154,16 +146,6 @@ def _local_and_offset(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...
         return param, (0,) * param.dim()
     _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return param.to_local(), tuple(offset)
-
-
-def _stored_files(path: str) -> dict[str, str]:
-    """The file in `path` that holds each stored tensor."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return json.load(f)["weight_map"]
-    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-        return dict.fromkeys(f.keys(), "model.safetensors")
 
 
 def _tied(model: nn.Module, name: str) -> bool:

@@ -135,3 +135,58 @@ def test_fp32_lm_head_multiplies_the_bf16_operands_in_fp32(tied_model_dir, tmp_p
     torch.testing.assert_close(torch.from_numpy(fp32["logits"]), exact, rtol=1e-6, atol=1e-6)
     assert not torch.equal(exact.to(torch.bfloat16).float(), exact)  # the rounding it removes is there to remove
     assert rounded["all_grads"] and fp32["all_grads"]
+
+
+def _offloaded_steps(model_dir: str, store: str, conn) -> None:
+    """Two training steps with FSDP2, with and without `parallel.offload`: the gradients of each
+    backward, the parameters after each optimizer step, and which offload policy the units got."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from rlsys.algorithms.lm_loss import nll_loss
+    from rlsys.config.layout import ParallelConfig
+    from rlsys.config.model import ModelConfig
+    from rlsys.config.training import OptimConfig
+    from rlsys.engine.model_engine import EngineSpec, ModelEngine
+    from rlsys.engine.weights import full_tensor
+    from rlsys.parallel.dims import ParallelDims
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    results = {}
+    for offload in (False, True):
+        parallel = ParallelConfig(offload=offload)
+        dims = ParallelDims.of(parallel)
+        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(lr=1e-2, warmup_steps=0), dims, parallel,
+                          micro_batch_size=2, total_steps=2, param_dtype=torch.float32)
+        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        units = [m for m in engine.parts[0].modules() if isinstance(m, FSDPModule)]
+        steps = []
+        for _ in range(2):
+            engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
+            grads = {name: full_tensor(p.grad).numpy().copy() for name, p in engine.named_parameters()}
+            engine.optimizer_step()
+            params = {name: full_tensor(p).detach().numpy().copy() for name, p in engine.named_parameters()}
+            steps.append({"grads": grads, "params": params})
+        results[offload] = {"steps": steps, "units": len(units),
+                            "offloaded": [isinstance(u._get_fsdp_state()._fsdp_param_group.offload_policy,
+                                                     CPUOffloadPolicy) for u in units]}
+    conn.send(results)
+    dist.destroy_process_group()
+
+
+def test_offload_gives_the_same_steps(tied_model_dir, tmp_path):
+    """`parallel.offload` (FSDP2's CPUOffloadPolicy, a unit per block; the optimizer steps on the host)
+    trains exactly as FSDP2 without it: each step's gradients and parameters within 1e-6."""
+    results = _one_rank_results(_offloaded_steps, tied_model_dir, str(tmp_path / "store"))
+    kept, offloaded = results[False], results[True]
+    assert offloaded["units"] == 3 and all(offloaded["offloaded"])  # two decoder blocks and the root
+    assert not any(kept["offloaded"])
+    for step, (a, b) in enumerate(zip(kept["steps"], offloaded["steps"])):
+        for kind in ("grads", "params"):
+            for name, value in a[kind].items():
+                torch.testing.assert_close(torch.from_numpy(b[kind][name]), torch.from_numpy(value), rtol=1e-6,
+                                           atol=1e-6, msg=f"step {step} {kind} {name}")
+    moved = kept["steps"][1]["params"]["model.norm.weight"] - kept["steps"][0]["params"]["model.norm.weight"]
+    assert abs(moved).max() > 0  # the second step changed the weights

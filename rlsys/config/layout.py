@@ -44,6 +44,11 @@ class ParallelConfig:
     """With tp > 1: log-probs from the vocabulary-sharded LM head without gathering the logits."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them."""
+    offload: bool = False
+    """Keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy, pinned): each
+    unit's weights are copied to the GPU for its forward and backward, its gradients back, and the optimizer
+    steps on the host. For the policy, the reference and the critic alike. On a CPU run everything is already
+    in host memory: the policy runs with nothing to move."""
     pack_sequences: bool = True
     """Lay the sequences of each micro-batch end to end in as few rows as they fit, with a
     block-causal mask, so no compute goes to padding (VeRL's use_remove_padding). Used with

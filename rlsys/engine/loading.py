@@ -51,7 +51,7 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
         parts = [build()]
     for part in parts:
         parallelize(part, dims, mesh, parallel, param_dtype, value_head)
-        _materialize(part, device)
+        _materialize(part, torch.device("cpu") if parallel.offload else device)  # FSDP2 offload: host shards
         adapters = {name for name, _ in part.named_parameters() if lora.is_adapter(name)}
         _load_weights(part, model_cfg.path, new=adapters | ({"lm_head.weight"} if value_head else set()))
         _init_adapters(part, adapters)

@@ -40,16 +40,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     fsdp_mesh = dims.fsdp_mesh(mesh)
-    if needs_fsdp(fsdp_mesh.size(), param_dtype, dims.tp, dims.ep):
+    if needs_fsdp(fsdp_mesh.size(), param_dtype, dims.tp, dims.ep, parallel.offload):
         # a pipeline stage runs several micro-batches forward before their backward: keep it gathered
         apply_fsdp(model, fsdp_mesh, param_dtype, reshard_after_forward=dims.pp == 1,
-                   expert_mesh=dims.expert_fsdp_mesh(expert_mesh) if moe else None)
+                   expert_mesh=dims.expert_fsdp_mesh(expert_mesh) if moe else None, offload=parallel.offload)
     else:
         log.info("one data-parallel rank computing in the weights' dtype: no FSDP")
+    if parallel.offload and mesh.device_type == "cpu":
+        log.info("parallel.offload on a CPU run: the weights already live in host memory; FSDP2's offload "
+                 "policy runs with nothing to move")
     return model
 
 
-def needs_fsdp(fsdp_ranks: int, param_dtype: torch.dtype | None, tp: int, ep: int = 1) -> bool:
+def needs_fsdp(fsdp_ranks: int, param_dtype: torch.dtype | None, tp: int, ep: int = 1, offload: bool = False) -> bool:
     """FSDP2 on a mesh of one rank shards nothing, yet it gathers each unit's weights into a
     copy and copies its gradients out to reduce them. As one unit those copies lived through
     the step; a unit per block made them block by block and micro-batch by micro-batch.
@@ -57,8 +60,8 @@ def needs_fsdp(fsdp_ranks: int, param_dtype: torch.dtype | None, tp: int, ep: in
     faster update (docs/performance.md). It stays for bf16 mixed precision (on a GPU by
     default), whose casts FSDP2 makes, and under tensor parallel, where it makes the parameters the plan leaves whole
     (norms, a value head) DTensors like the rest: AdamW's fused step takes no mix of the two;
-    and under expert parallel, for the same reason."""
-    return fsdp_ranks > 1 or param_dtype is not None or tp > 1 or ep > 1
+    and under expert parallel, for the same reason; and to offload, which FSDP2 does."""
+    return fsdp_ranks > 1 or param_dtype is not None or tp > 1 or ep > 1 or offload
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -167,8 +167,8 @@ def compare(got: dict, expected: dict, batch) -> dict[str, float]:
 
 def layouts(world: int) -> dict[str, dict]:
     if world == 1:
-        return {"1 rank": {"dp_shard": 1}}
-    return {f"dp_shard={world}": {"dp_shard": world},
+        return {"1 rank": {"dp_shard": 1}, "1 rank offload": {"dp_shard": 1, "offload": True}}
+    return {f"dp_shard={world}": {"dp_shard": world}, f"dp_shard={world} offload": {"dp_shard": world, "offload": True},
             f"tp={world} sp lp": {"dp_shard": 1, "tp": world, "sequence_parallel": True, "loss_parallel": True}}
 
 
@@ -184,7 +184,7 @@ def check_parity(world: int, workdir: str, model_dir: str) -> bool:
             passed = max(errors.values()) < TOLERANCE[precision]
             ok &= passed
             shown = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
-            print(f"[parity] {name:<14} {backend} {precision:<8} {'ok  ' if passed else 'FAIL'} {shown}", flush=True)
+            print(f"[parity] {name:<18} {backend} {precision:<8} {'ok  ' if passed else 'FAIL'} {shown}", flush=True)
     return ok
 
 

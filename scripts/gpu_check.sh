@@ -139,7 +139,7 @@ fi
 check engine "$py" scripts/gpu_check.py
 check weight_placement "$py" -m pytest -q -p no:cacheprovider tests/test_engine_writer.py
 if [ "$gpus" = 1 ]; then  # a 0.5B-shaped model (Qwen2.5-0.5B's config, random init), one rank
-  check memory_05b "$py" benchmarks/memory.py --device cuda --layout dp_shard=1 --hidden 896 --layers 24 --heads 14 \
-    --kv-heads 2 --intermediate 4864 --vocab 151936 --tied --rows 4 --seq-len 512 --steps 2
+  check memory_05b "$py" benchmarks/memory.py --device cuda --layout dp_shard=1 --layout dp_shard=1,offload=1 \
+    --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936 --tied --rows 4 --seq-len 512 --steps 2
 fi
 exit $status

@@ -133,12 +133,14 @@ class RLVRTrainer:
 
     def _weight_sync(self) -> AdapterSync | WeightSync:
         """The adapters alone, or every weight (a LoRA policy's merged, through the object store:
-        merged weights are not the shards the ranks keep)."""
+        merged weights are not the shards the ranks keep; so are a GPU run's offloaded shards,
+        which live in pinned host memory that sharing would move)."""
         cfg = self.cfg
         if cfg.model.lora.syncs_adapters:
             return AdapterSync(self.train_group, self.rollout_group)
+        offloaded_from_gpu = cfg.parallel.offload and cfg.ray.gpus_per_worker > 0
         return WeightSync(self.train_group, self.rollout_group, cfg.rollout.sync_bucket_mb,
-                          cfg.rollout.sync_shared_memory and not cfg.model.lora.rank)
+                          cfg.rollout.sync_shared_memory and not cfg.model.lora.rank and not offloaded_from_gpu)
 
     # -- one step -------------------------------------------------------------
 

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="RL: the longest prompt; a sequence is this plus rollout.max_new_tokens (default 512)")
     plan.add_argument("--headroom", type=float, default=0.1, metavar="SHARE",
                       help="share of each GPU's memory kept free for what the estimate does not count (default 0.1)")
+    plan.add_argument("--host-memory", type=float, default=1024.0, metavar="GiB",
+                      help="host memory of a node, where parallel.offload keeps the states (default 1024)")
     plan.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     plan.add_argument("--check", action="store_true",
                       help="run one step of the recommended layout here, scaled down, beside its estimate")
@@ -93,12 +95,13 @@ PLAN_HELP = "which layouts (pp x dp x cp x tp x ep) of a cluster fit the job, wh
 def _plan(args: argparse.Namespace) -> dict:
     from rlsys.planner.job import PlanArgs, run_plan
 
-    sizes = (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory), ("--gpus-per-node", args.gpus_per_node))
+    sizes = (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory), ("--gpus-per-node", args.gpus_per_node),
+             ("--host-memory", args.host_memory))
     for flag, value in sizes:
         if value <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {value:g}")
     return run_plan(PlanArgs(args.config, args.overrides, args.gpus, args.gpu_memory, args.gpus_per_node,
-                             args.prompt_tokens, args.headroom, args.top, args.check))
+                             args.prompt_tokens, args.headroom, args.host_memory, args.top, args.check))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,3 +142,16 @@ def test_groups_within_and_across_nodes():
     assert not spans_nodes(2, 4, 8) and spans_nodes(8, 2, 8)  # tp=2 x 4 peers; pp stages a node apart
     assert spans_nodes(1, 4, 6)  # 4-rank groups on 6-GPU nodes: the second group straddles two nodes
     assert not spans_nodes(1, 1, 8)
+
+
+def test_plan_offloads_a_job_whose_states_do_not_fit_and_says_what_it_costs(capsys):
+    """Qwen2.5-32B GRPO on 8 x 80 GB: no layout holds the states on the GPUs, so the planner
+    keeps them in host memory, says what that costs a step, and refuses when the host is too small."""
+    model = "model.path=examples/plan/qwen2.5-32b"
+    code, out, _ = plan_output(capsys, "--gpus", "8", "--gpu-memory", "80", "--prompt-tokens", "1024", model)
+    recommended = next(line for line in out.splitlines() if line.startswith("recommended:"))
+    assert code == 0 and "+offload" in recommended and "AdamW on the host adds" in recommended
+    assert "parallel.offload=true" in out
+    code, out, _ = plan_output(capsys, "--gpus", "8", "--gpu-memory", "80", "--prompt-tokens", "1024", model,
+                               "--host-memory", "256")
+    assert code == 0 and "no layout fits 72.0 GiB a GPU and 192 GiB of host memory a node" in out

@@ -4,9 +4,11 @@ Memory: the states the rank keeps (parameters, gradients, AdamW's two moments, a
 shards them: `shards.rank_shards`; a reference policy's parameters; a critic's states), the
 weights FSDP2 gathers for the unit it runs, the activations a micro-batch saves for backward
 (every block's, or with activation checkpointing each block's input plus one block's), and a
-colocated rollout engine's weights and KV cache while it generates. Traffic: the bytes each
-collective sends per step from one rank, and whether its group spans nodes (ranks fill a node in
-the mesh's row-major order, tp innermost).
+colocated rollout engine's weights and KV cache while it generates. With `parallel.offload` the
+states live in host memory instead, and only the units FSDP2 gathers come to the GPU. Traffic: the
+bytes each collective sends per step from one rank, and whether its group spans nodes (ranks fill a
+node in the mesh's row-major order, tp innermost); with offload, the shards copied to the GPU and
+the gradients copied back.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class Layout:
         return self.parallel.activation_checkpointing
 
     @property
+    def offload(self) -> bool:
+        return self.parallel.offload
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.parallel.sequence_parallel
 
@@ -90,7 +96,8 @@ class Layout:
     @property
     def name(self) -> str:
         parts = [f"{key}{getattr(self.dims, key)}" for key in (*MESH_DIMS, "ep") if getattr(self.dims, key) > 1]
-        return " ".join(parts or ["1 rank"]) + (" +ac" if self.activation_checkpointing else "")
+        return (" ".join(parts or ["1 rank"]) + (" +ac" if self.activation_checkpointing else "")
+                + (" +offload" if self.offload else ""))
 
 
 def layout_of(**keys) -> Layout:
@@ -110,10 +117,23 @@ class RankMemory:
     gathered: int = 0
     activations: int = 0
     engine: int = 0
+    offloaded: bool = False
+    """The states live in host memory (`parallel.offload`), not on the GPU."""
+
+    @property
+    def held(self) -> int:
+        """The states, wherever they live: parameters, gradients, optimizer, reference, critic."""
+        return self.params + self.grads + self.optim + self.reference + self.critic
 
     @property
     def states(self) -> int:
-        return self.params + self.grads + self.optim + self.reference + self.critic
+        """The states on the GPU."""
+        return 0 if self.offloaded else self.held
+
+    @property
+    def host(self) -> int:
+        """The states in host memory."""
+        return self.held if self.offloaded else 0
 
     @property
     def update_peak(self) -> int:
@@ -121,7 +141,7 @@ class RankMemory:
 
     def peak(self, engine_released: bool) -> int:
         """The larger of the update's peak and the rollout's (states without gradients, plus the engine)."""
-        rollout = self.states - self.grads + self.engine
+        rollout = self.states - (0 if self.offloaded else self.grads) + self.engine
         return max(self.update_peak + (0 if engine_released else self.engine), rollout)
 
 
@@ -162,19 +182,21 @@ class ModelDims:
         self.expert_intermediate = getattr(config, "moe_intermediate_size", None) or self.intermediate
 
 
-def fsdp_wraps(dims: ParallelDims, precision: Precision) -> bool:
+def fsdp_wraps(layout: Layout, precision: Precision) -> bool:
     """Whether FSDP2 wraps the model (`parallelize.needs_fsdp`)."""
+    dims = layout.dims
     return needs_fsdp(dims.dp_replicate * dims.dp_shard * dims.cp, torch.bfloat16 if precision.mixed else None,
-                      dims.tp, dims.ep)
+                      dims.tp, dims.ep, layout.offload)
 
 
 def rank_memory(shapes: ModelShapes, layout: Layout, work: Workload, precision: Precision, rank: int,
                 critic_shapes: ModelShapes | None = None) -> RankMemory:
-    dims, fsdp = layout.dims, fsdp_wraps(layout.dims, precision)
+    dims, fsdp = layout.dims, fsdp_wraps(layout, precision)
     held = rank_shards(shapes, dims, rank, layout.stages_per_rank, fsdp)
     whole = rank_shards(shapes, dims, rank, layout.stages_per_rank, fsdp=False) if fsdp else held
     p = precision.param_bytes
-    memory = RankMemory(params=held.elements * p, grads=held.elements * p, optim=2 * held.elements * p)
+    memory = RankMemory(params=held.elements * p, grads=held.elements * p, optim=2 * held.elements * p,
+                        offloaded=layout.offload)
     if work.reference:
         memory.reference = held.elements * p
     if work.critic and critic_shapes is not None:
@@ -190,9 +212,11 @@ def _gathered(shapes: ModelShapes, layout: Layout, whole: RankShards, precision:
     """FSDP2's unsharded weights in the compute dtype: a block and the next (prefetched) one plus
     the root's (the embedding, final norm and LM head: FSDP2 keeps the root gathered from forward
     to backward), or the whole stage when a pipeline keeps it gathered, or the whole model when
-    one rank's root is the only unit; with each, its unsharded gradients in fp32."""
+    one rank's root is the only unit (without offload, which makes a unit of every block); with
+    each, its unsharded gradients in fp32."""
     dims = layout.dims
-    if dims.pp > 1 or dims.dp_replicate * dims.dp_shard * dims.cp == 1:  # one unit, or a stage kept gathered
+    one_unit = dims.dp_replicate * dims.dp_shard * dims.cp == 1 and not layout.offload
+    if dims.pp > 1 or one_unit:  # one unit, or a stage kept gathered
         unsharded = whole.elements
     else:
         outside = _outside_blocks(shapes, dims.tp)
@@ -281,7 +305,7 @@ def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Prec
     an all-gather or reduce-scatter of n bytes over g ranks sends n (g - 1) / g, an all-reduce twice
     that, an all-to-all (g - 1) / g of what it holds."""
     dims, model, out = layout.dims, ModelDims(shapes.config), Traffic()
-    fsdp = fsdp_wraps(dims, precision)
+    fsdp = fsdp_wraps(layout, precision)
     whole = rank_shards(shapes, dims, 0, layout.stages_per_rank, fsdp=False)
     count, tokens = micro_batches(layout, work)
     forwards = count * (work.update_passes + work.forward_passes)
@@ -307,6 +331,10 @@ def traffic(shapes: ModelShapes, layout: Layout, work: Workload, precision: Prec
         across = spans_nodes(dims.ep, dims.efsdp, node)
         out.add("expert fsdp all-gather", fsdp_gathers * experts * b * part, across)
         out.add("expert fsdp reduce-scatter", fsdp_reduces * experts * FP32 * part, across)
+    if layout.offload:  # every gather copies the unit's shards in; every reduction its gradients out
+        held = rank_shards(shapes, dims, 0, layout.stages_per_rank, fsdp=True).elements
+        out.add("offload host-to-device", fsdp_gathers * held * precision.param_bytes, False)
+        out.add("offload device-to-host", fsdp_reduces * held * FP32, False)
     if dims.dp_replicate > 1:
         shard = (dense / shard_group + experts / max(1, dims.efsdp)) * FP32
         part = 2 * (dims.dp_replicate - 1) / dims.dp_replicate
@@ -343,10 +371,18 @@ class Speeds:
     """GB/s one GPU's collectives reach within a node (NVLink, ring algorithms)."""
     inter_gbps: float = 40.0
     """GB/s one GPU's collectives reach across nodes (a 400 Gb/s NIC per GPU)."""
+    pcie_gbps: float = 25.0
+    """GB/s between one GPU and host memory, each way (PCIe Gen5 x16 in practice, pinned memory)."""
+    host_gbps: float = 20.0
+    """GB/s of host memory bandwidth one rank's optimizer step gets (a node's ~200 GB/s over 8 ranks)."""
 
 
-OVERLAPPED = ("fsdp", "expert fsdp", "hsdp")
-"""Collectives FSDP2 prefetches while the previous block computes; the rest wait on their inputs."""
+OVERLAPPED = ("fsdp", "expert fsdp", "hsdp", "offload")
+"""Copies FSDP2 prefetches while the previous block computes; the rest wait on their inputs."""
+
+ADAMW_BYTES = 7 * FP32
+"""Bytes an AdamW step moves per fp32 parameter: it reads the parameter, its gradient and the two
+moments, and writes the parameter and the moments."""
 
 
 @dataclass(frozen=True)
@@ -355,17 +391,19 @@ class StepTime:
     bubble: float
     exposed: float
     """Communication not hidden behind compute."""
+    host_optimizer: float = 0.0
+    """The optimizer step on the host, with offload (on the GPU it is too short to count)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.exposed
+        return self.compute + self.bubble + self.exposed + self.host_optimizer
 
 
 def step_time(shapes: ModelShapes, layout: Layout, work: Workload, moved: Traffic, speeds: Speeds) -> StepTime:
     """Seconds of one training step on a rank: the matmul FLOPs of every pass (6 per parameter
     and token for forward + backward, 2 for a forward, 2 more where a block recomputes; experts
     counted for the top-k a token uses; causal attention's), an even share per GPU; the pipeline's
-    1F1B bubble; the communication compute cannot hide."""
+    1F1B bubble; the communication compute cannot hide; with offload, AdamW on the host."""
     model, dims = ModelDims(shapes.config), layout.dims
     active = shapes.total - shapes.expert_total * (1 - model.top_k / model.experts if model.experts else 0)
     attention = model.layers * work.seq_len * model.heads * model.head_dim  # per token, forward, causal
@@ -379,9 +417,13 @@ def step_time(shapes: ModelShapes, layout: Layout, work: Workload, moved: Traffi
     hidden, exposed = 0.0, 0.0
     for side, gbps in ((moved.intra, speeds.intra_gbps), (moved.inter, speeds.inter_gbps)):
         for what, nbytes in side.items():
-            seconds = nbytes / (gbps * 1e9)
+            seconds = nbytes / ((speeds.pcie_gbps if what.startswith("offload") else gbps) * 1e9)
             if what.startswith(OVERLAPPED):
                 hidden += seconds
             else:
                 exposed += seconds
-    return StepTime(compute, bubble, exposed + max(0.0, hidden - compute))
+    host = 0.0
+    if layout.offload:
+        held = rank_shards(shapes, dims, 0, layout.stages_per_rank, fsdp=True).elements
+        host = held * ADAMW_BYTES / (speeds.host_gbps * 1e9)
+    return StepTime(compute, bubble, exposed + max(0.0, hidden - compute), host)

@@ -26,6 +26,8 @@ class PlanArgs:
     prompt_tokens: int = 512
     """RL: the longest prompt (the sequence is this plus the response budget)."""
     headroom: float = 0.1
+    host_memory_gib: float = 1024.0
+    """Host memory of a node, for the states `parallel.offload` keeps there."""
     top: int = 10
     check: bool = False
 
@@ -99,20 +101,24 @@ def run_plan(args: PlanArgs) -> dict:
     critic = ModelShapes(config, value_head=True) if work.critic else None
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom: a share of the GPU's memory in [0, 1), got {args.headroom:g}")
-    cluster = Cluster(args.gpus, args.gpu_memory_gib, args.gpus_per_node, args.headroom)
+    cluster = Cluster(args.gpus, args.gpu_memory_gib, args.gpus_per_node, args.headroom,
+                      host_memory_gib=args.host_memory_gib)
     ranked, considered = plan(shapes, cluster, work, precision(cfg), cfg.parallel, validator(cfg, config), critic)
     print(f"model {config.model_type}, {shapes.total / 1e9:.2f} B parameters; {work.sequences} sequences of <= "
           f"{work.seq_len} tokens a step; {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
-          f"{cluster.gpus_per_node} a node, {cluster.headroom:.0%} of each kept free; "
+          f"{cluster.gpus_per_node} a node, {cluster.headroom:.0%} of each kept free; {cluster.host_memory_gib:g} GiB "
+          f"of host memory a node; "
           f"{considered} layouts considered\n")
     if not ranked:
         raise ConfigError(f"--gpus: no layout of {cluster.gpus} GPUs that the model and the job take (tp, pp and cp "
                           f"must divide the model's heads and layers, the data-parallel size the batch)")
     print(table(ranked, cluster, args.top))
     best = ranked[0]
-    if best.margin(cluster) < 0:
-        print(f"\nno layout fits {cluster.usable_bytes / GIB:.1f} GiB: the closest need {best.peak / GIB:.1f} GiB "
-              f"(more GPUs, a shorter micro-batch (train.micro_batch_tokens) or a smaller engine share)")
+    if not best.fits(cluster):
+        print(f"\nno layout fits {cluster.usable_bytes / GIB:.1f} GiB a GPU and {cluster.usable_host_bytes / GIB:.0f} "
+              f"GiB of host memory a node: the closest need {best.peak / GIB:.1f} GiB a GPU and "
+              f"{best.host_bytes(cluster) / GIB:.0f} GiB a node (more GPUs, more host memory, a shorter micro-batch "
+              f"(train.micro_batch_tokens) or a smaller engine share)")
         return {"fits": False}
     print(f"\nrecommended: {best.layout.name}: {reason(best, cluster)}\n"
           f"  overrides: {overrides_of(best.layout, cfg.parallel)}")

@@ -106,8 +106,8 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     on_gpu = args.device == "cuda"
     if on_gpu:
         torch.cuda.set_device(rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=dims.world_size)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=dims.world_size)
     spec = EngineSpec(ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank)), OptimConfig(), dims, parallel,
                       micro_batch_size=args.micro_batch or args.rows, total_steps=10, param_dtype=None)
     Peak = CudaPeak if on_gpu else PeakSampler

@@ -190,3 +190,48 @@ def test_offload_gives_the_same_steps(tied_model_dir, tmp_path):
                                            atol=1e-6, msg=f"step {step} {kind} {name}")
     moved = kept["steps"][1]["params"]["model.norm.weight"] - kept["steps"][0]["params"]["model.norm.weight"]
     assert abs(moved).max() > 0  # the second step changed the weights
+
+
+def _random_init_draws(model_dir: str, store: str, conn) -> None:
+    """The parameters of `model.random_init` from a directory without weights, twice with one seed."""
+    import torch.distributed as dist
+
+    from rlsys.config.layout import ParallelConfig
+    from rlsys.config.model import ModelConfig
+    from rlsys.config.training import OptimConfig
+    from rlsys.engine.model_engine import EngineSpec, ModelEngine
+    from rlsys.engine.weights import full_tensor
+    from rlsys.parallel.dims import ParallelDims
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    draws = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        parallel = ParallelConfig()
+        dims = ParallelDims.of(parallel)
+        spec = EngineSpec(ModelConfig(path=model_dir, random_init=True), OptimConfig(), dims, parallel,
+                          micro_batch_size=2, total_steps=1, param_dtype=None)
+        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        draws.append({name: full_tensor(p).detach().numpy().copy() for name, p in engine.named_parameters()})
+    conn.send(draws)
+    dist.destroy_process_group()
+
+
+def test_random_init_draws_from_the_seed_without_weights(tied_model_dir, tmp_path):
+    """`model.random_init` needs only config.json: norms 1, biases 0, the rest normal(0, initializer_range),
+    the same again from the same seed and other weights from another."""
+    import shutil
+
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(f"{tied_model_dir}/config.json", config_only)
+    first, again, other = _one_rank_results(_random_init_draws, str(config_only), str(tmp_path / "store"))
+    assert first.keys() == again.keys() == other.keys()
+    for name, value in first.items():
+        assert (value == again[name]).all(), name
+        if name.endswith("norm.weight"):
+            assert (value == 1).all(), name
+        elif name.endswith(".bias"):
+            assert (value == 0).all(), name
+        else:
+            assert abs(value.std() - 0.02) < 0.005 and not (value == other[name]).all(), name

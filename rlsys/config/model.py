@@ -45,6 +45,10 @@ class ModelConfig:
     """MoE models: weight of the routers' load-balancing loss in every training loss (per layer, over
     all data-parallel ranks' tokens, averaged over layers); unset takes the model config's
     `router_aux_loss_coef`, 0 turns it off."""
+    random_init: bool = False
+    """Start from random weights instead of the directory's (pretraining from scratch; `model.path` then needs
+    only config.json and the tokenizer): normal(0, initializer_range), norms 1, biases 0, each rank drawing its
+    own shards from `seed` and the shard's place, so the draw depends on the layout. Not for RL."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters (rank 0: none)."""
     fp32_lm_head: bool = False

@@ -6,6 +6,8 @@ shard, not the whole model, and no second copy of it."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -53,7 +55,10 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
         parallelize(part, dims, mesh, parallel, param_dtype, value_head)
         _materialize(part, torch.device("cpu") if parallel.offload else device)  # FSDP2 offload: host shards
         adapters = {name for name, _ in part.named_parameters() if lora.is_adapter(name)}
-        _load_weights(part, model_cfg.path, new=adapters | ({"lm_head.weight"} if value_head else set()))
+        if model_cfg.random_init:
+            _init_random(part, getattr(config, "initializer_range", 0.02), torch.initial_seed())
+        else:
+            _load_weights(part, model_cfg.path, new=adapters | ({"lm_head.weight"} if value_head else set()))
         _init_adapters(part, adapters)
         if value_head and _has_lm_head(part):
             with torch.no_grad():
@@ -127,6 +132,22 @@ def _load_experts(model: nn.Module, family: MoEFamily, names: set[str], reader: 
         if local.numel():
             region = family.read_region(name, tuple(param.shape), tuple(offset), tuple(local.shape), reader.read)
             local.copy_(region)
+
+
+@torch.no_grad()
+def _init_random(model: nn.Module, std: float, seed: int) -> None:
+    """Each parameter's local shard drawn as Hugging Face's `_init_weights` draws the whole:
+    normal(0, std), norms 1, biases 0; from a generator of `seed` (the process's: the job's),
+    the name and the shard's place."""
+    for name, param in get_model_state_dict(model).items():
+        local, offset = _local_and_offset(param)
+        if name.endswith(".bias"):
+            local.zero_()
+        elif name.endswith("norm.weight"):
+            local.fill_(1.0)
+        else:
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{offset}".encode()))
+            local.copy_(torch.randn(local.shape, generator=generator) * std)
 
 
 @torch.no_grad()

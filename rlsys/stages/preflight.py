@@ -44,6 +44,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     from rlsys.rewards.loading import resolve_term
 
     _require(cfg.output_dir, "output_dir")
+    _refuse_random_init(cfg.model)
     model_config = check_model_dir(cfg.model, "model.path")
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
@@ -104,6 +105,7 @@ def check_rl_batch(cfg: RLJobConfig, dp: int) -> None:
 
 def check_eval_job(cfg: EvalJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
+    _refuse_random_init(cfg.model)
     check_model_dir(cfg.model, "model.path")
     _check_eval(cfg.eval)
 
@@ -158,11 +160,17 @@ def check_model_dir(model: ModelConfig, key: str):
     """A Hugging Face causal-LM directory: a config transformers reads, weights, tokenizer files.
     Returns the model's config."""
     config = read_model_config(model.path, key)
-    if not any(glob.glob(os.path.join(model.path, pattern)) for pattern in _WEIGHT_FILES):
+    if not model.random_init and not any(glob.glob(os.path.join(model.path, pattern)) for pattern in _WEIGHT_FILES):
         raise ConfigError(f"{key}: no weights in {model.path} (expected *.safetensors or pytorch_model*.bin)")
     if not any(os.path.isfile(os.path.join(model.path, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"{key}: no tokenizer files in {model.path} (expected one of {', '.join(_TOKENIZER_FILES)})")
     return config
+
+
+def _refuse_random_init(model: ModelConfig) -> None:
+    if model.random_init:
+        raise ConfigError("model.random_init: this stage samples from the model, whose weights the vLLM engines "
+                          "load from model.path; random weights are for pretraining")
 
 
 def read_model_config(path: str, key: str):

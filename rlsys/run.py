@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     plan.add_argument("--check", action="store_true",
                       help="run one step of the recommended layout here, scaled down, beside its estimate")
+    plan.add_argument("--check-full", action="store_true",
+                      help="run rank 0 of the recommended layout here at full size (its peers a fake process group, "
+                           "random weights) beside its estimate")
     plan.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
     plan.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="override a config key")
     return parser
@@ -101,7 +104,8 @@ def _plan(args: argparse.Namespace) -> dict:
         if value <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {value:g}")
     return run_plan(PlanArgs(args.config, args.overrides, args.gpus, args.gpu_memory, args.gpus_per_node,
-                             args.prompt_tokens, args.headroom, args.host_memory, args.top, args.check))
+                             args.prompt_tokens, args.headroom, args.host_memory, args.top, args.check,
+                             args.check_full))
 
 
 def main(argv: list[str] | None = None) -> int:

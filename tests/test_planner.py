@@ -42,6 +42,17 @@ def test_rank_bytes_equal_measured_dense(tiny_model_dir, layout):
     assert estimated_bytes(tiny_model_dir, layout, STEP) == measured
 
 
+def test_one_rank_in_a_fake_group_holds_what_a_real_rank_holds(tiny_model_dir):
+    """`StepShape.one_rank` (rank 0 alone, its peers a fake process group, random weights) holds the
+    bytes rank 0 of the real layout holds."""
+    from dataclasses import replace
+
+    layout = {"dp_shard": 2, "tp": 2}
+    real = measure(layout, tiny_model_dir, STEP)[0]
+    [alone] = measure(layout, tiny_model_dir, replace(STEP, one_rank=True))
+    assert [alone[k] for k in ("params", "grads", "optim")] == [real[k] for k in ("params", "grads", "optim")]
+
+
 @pytest.mark.parametrize("layout", [{"dp_shard": 2, "ep": 2}, {"tp": 2, "ep": 2}, {"dp_shard": 2},
                                     {"dp_shard": 2, "tp": 2, "ep": 2}],
                          ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()))

@@ -147,7 +147,10 @@ def _init_random(model: nn.Module, std: float, seed: int) -> None:
             local.fill_(1.0)
         else:
             generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{offset}".encode()))
-            local.copy_(torch.randn(local.shape, generator=generator) * std)
+            if local.device.type == "cpu":
+                local.normal_(0.0, std, generator=generator)
+            else:  # a CPU generator draws on the CPU
+                local.copy_(torch.randn(local.shape, generator=generator, dtype=local.dtype).mul_(std))
 
 
 @torch.no_grad()

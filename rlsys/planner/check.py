@@ -1,6 +1,7 @@
 """`plan --check`: one training step of a layout on this machine, scaled down (at most 4 ranks,
 each degree at most 2, a tiny Qwen2, or for an MoE model a tiny model of its family), with the
-estimate beside what each rank held."""
+estimate beside what each rank held. `plan --check-full`: rank 0 of the layout at the model's
+full size, alone in a fake process group (`StepShape.one_rank`), its step peak beside the estimate."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import transformers
 
 from rlsys.models.moe import num_experts
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model
-from rlsys.planner.estimate import Layout, Precision, Workload, rank_memory
+from rlsys.planner.estimate import Layout, Precision, RankMemory, Workload, rank_memory
 from rlsys.planner.measure import StepShape, measure
 from rlsys.planner.shards import ModelShapes
 
@@ -57,6 +58,45 @@ def check(config, layout: Layout, step: StepShape = StepShape(rows=2, seq_len=64
         estimate = rank_memory(shapes, small, work, precision, rank)
         rows.append({"layout": small.name, "rank": rank, "estimate": estimate, "measured": got})
     return rows
+
+
+FULL_SIZE_STEP = StepShape(rows=1, seq_len=256, steps=2, one_rank=True)
+
+
+def _full_size_memory(model_dir: str, layout: Layout, step: StepShape) -> RankMemory:
+    """The estimate of rank 0 at full size, computing in fp32 as on a CPU."""
+    shapes = ModelShapes(transformers.AutoConfig.from_pretrained(model_dir))
+    work = Workload(sequences=step.rows * layout.dims.dp_size, seq_len=step.seq_len,
+                    micro_batch_rows=step.micro_batch or step.rows)
+    return rank_memory(shapes, layout, work, Precision(compute_bytes=4, mixed=False), 0)
+
+
+def full_size_estimate(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_STEP) -> int:
+    """Bytes rank 0 holds at its step's peak, wherever they live (states, gathered weights, activations)."""
+    estimate = _full_size_memory(model_dir, layout, step)
+    return estimate.held + estimate.gathered + estimate.activations
+
+
+def check_full_size(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_STEP) -> dict:
+    """Rank 0 of `layout` at the size of the model in `model_dir` (a config.json is enough), measured
+    on this machine in fp32 (CPU), beside the estimate of the same rank: what it holds wherever it
+    lives (states, gathered weights, activations) against its resident-memory peak."""
+    [measured] = measure(asdict(layout.parallel), model_dir, step)
+    estimated_peak = full_size_estimate(model_dir, layout, step)
+    return {"layout": layout.name, "estimate": _full_size_memory(model_dir, layout, step),
+            "estimated_peak": estimated_peak, "measured": measured, "ratio": estimated_peak / measured["step_peak"]}
+
+
+def full_size_table(rows: list[dict]) -> str:
+    lines = ["| layout | states MiB est / measured | step peak MiB est / measured | est / measured | step s |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        est, got = row["estimate"], row["measured"]
+        held = got["params"] + got["grads"] + got["optim"]
+        lines.append(f"| {row['layout']} | {est.held / MIB:.0f} / {held / MIB:.0f} "
+                     f"| {row['estimated_peak'] / MIB:.0f} / {got['step_peak'] / MIB:.0f} "
+                     f"| {row['ratio']:.2f} | {got['step_s']:.0f} |")
+    return "\n".join(lines)
 
 
 def check_table(rows: list[dict]) -> str:

@@ -3,6 +3,7 @@ one to run and why; `--check` runs one step of it here, scaled down, beside its 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -30,6 +31,7 @@ class PlanArgs:
     """Host memory of a node, for the states `parallel.offload` keeps there."""
     top: int = 10
     check: bool = False
+    check_full: bool = False
 
 
 def load_job(path: str, overrides: list[str]) -> RLJobConfig | TrainJobConfig:
@@ -129,4 +131,31 @@ def run_plan(args: PlanArgs) -> dict:
         print(check_table(check(config, best.layout)))
         print("(a tiny model's step peak is mostly the process's fixed overheads; docs/parallel.md compares "
               "peaks on the 0.5B shape)")
+    if args.check_full:
+        _check_full_size(cfg.model.path, best.layout)
     return {"fits": True, "layout": best.layout.name}
+
+
+def _available_memory() -> int:
+    """Bytes of memory this machine can give a new process (Linux's MemAvailable, else what is free)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_full_size(model_dir: str, layout: Layout) -> None:
+    """Rank 0 of `layout` at full size here, if this machine's memory holds it."""
+    from rlsys.planner.check import FULL_SIZE_STEP, check_full_size, full_size_estimate, full_size_table
+
+    print("\n--check-full: rank 0 of the layout at full size, its peers stood in by a fake process group, "
+          "random weights, fp32 on this machine's CPU\n")
+    if layout.dims.pp > 1 or layout.dims.ep > 1:
+        print("not run: pp and ep exchange sizes through collectives, which a fake process group cannot carry")
+        return
+    needed, available = full_size_estimate(model_dir, layout, FULL_SIZE_STEP), _available_memory()
+    if needed > 0.9 * available:
+        print(f"not run: the rank needs about {needed / GIB:.1f} GiB; this machine has {available / GIB:.1f} GiB free")
+        return
+    print(full_size_table([check_full_size(model_dir, layout)]))

@@ -6,6 +6,13 @@ its estimate.
 Each layout runs in its own gloo (or nccl) process group of spawned processes (no Ray: the
 model engine does not need it). Peak memory on CPU is the rank process's resident set (sampled
 every 5 ms) above its size before the model was built; on GPU, torch's max_memory_allocated.
+
+`StepShape.one_rank` measures a layout of any size at the model's full size: rank 0 alone, the
+other ranks stood in by torch's fake process group (its collectives return without sending, so
+what they would bring is garbage, but the rank's memory and compute are real: torchtitan estimates
+memory so), the weights drawn at random (`model.random_init`: a directory with config.json is
+enough). Pipeline and expert parallelism exchange sizes through collectives, which a fake group
+cannot carry.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class StepShape:
     """Rows per micro-batch (0: all the rank's rows)."""
     lora_rank: int = 0
     device: str = "cpu"
+    one_rank: bool = False
+    """Rank 0 of the layout alone, in a fake process group, with random weights."""
 
 
 class PeakSampler:
@@ -106,10 +115,16 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     on_gpu = args.device == "cuda"
     if on_gpu:
         torch.cuda.set_device(rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=dims.world_size)
-    spec = EngineSpec(ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank)), OptimConfig(), dims, parallel,
-                      micro_batch_size=args.micro_batch or args.rows, total_steps=10, param_dtype=None)
+    if args.one_rank:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    else:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=dims.world_size)
+    model = ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank), random_init=args.one_rank)
+    spec = EngineSpec(model, OptimConfig(), dims, parallel, micro_batch_size=args.micro_batch or args.rows,
+                      total_steps=10, param_dtype=None)
     Peak = CudaPeak if on_gpu else PeakSampler
     baseline = Peak.rss()
     with Peak() as load:
@@ -138,8 +153,11 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
 
 def measure(layout: dict, model_dir: str, args: StepShape) -> list[dict]:
     """Per rank of `layout` (a `parallel:` section's keys), what it held in the last step:
-    bytes of params, grads, optim; load_peak, step_peak; step_s."""
-    world = ParallelDims.of(ParallelConfig(**layout)).world_size
+    bytes of params, grads, optim; load_peak, step_peak; step_s. With `args.one_rank`, rank 0's."""
+    dims = ParallelDims.of(ParallelConfig(**layout))
+    if args.one_rank and (dims.pp > 1 or dims.ep > 1):
+        raise ValueError("one rank in a fake process group cannot run pp or ep: they exchange sizes")
+    world = 1 if args.one_rank else dims.world_size
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -42,6 +42,19 @@ def test_rank_bytes_equal_measured_dense(tiny_model_dir, layout):
     assert estimated_bytes(tiny_model_dir, layout, STEP) == measured
 
 
+def test_lora_rank_bytes_equal_measured(tiny_model_dir):
+    """With LoRA only the adapters have gradients and AdamW state; the parameters are the base's and theirs."""
+    from dataclasses import replace
+
+    step = replace(STEP, lora_rank=4)
+    [measured] = measure({"dp_shard": 1}, tiny_model_dir, step)
+    shapes = ModelShapes(transformers.AutoConfig.from_pretrained(tiny_model_dir))
+    work = Workload(sequences=step.rows, seq_len=step.seq_len, micro_batch_rows=step.rows, lora_rank=4)
+    estimate = rank_memory(shapes, layout_of(dp_shard=1), work, CPU, 0)
+    assert (estimate.params, estimate.grads, estimate.optim) == \
+        (measured["params"], measured["grads"], measured["optim"])
+
+
 def test_one_rank_in_a_fake_group_holds_what_a_real_rank_holds(tiny_model_dir):
     """`StepShape.one_rank` (rank 0 alone, its peers a fake process group, random weights) holds the
     bytes rank 0 of the real layout holds."""

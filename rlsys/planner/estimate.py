@@ -54,6 +54,9 @@ class Workload:
     engine_tp: int = 1
     engine_released: bool = True
     """The engine frees its weights and KV cache while the trainer updates (vLLM sleep mode)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on every linear layer of the blocks: only they have gradients and
+    optimizer state, and the reference is the base model (no copy)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,11 @@ def rank_memory(shapes: ModelShapes, layout: Layout, work: Workload, precision: 
     p = precision.param_bytes
     memory = RankMemory(params=held.elements * p, grads=held.elements * p, optim=2 * held.elements * p,
                         offloaded=layout.offload)
-    if work.reference:
+    if work.lora_rank:
+        adapters = adapter_elements(shapes, layout, held, work.lora_rank)
+        memory.params += adapters * FP32
+        memory.grads, memory.optim = adapters * FP32, 2 * adapters * FP32
+    elif work.reference:
         memory.reference = held.elements * p
     if work.critic and critic_shapes is not None:
         memory.critic = 4 * rank_shards(critic_shapes, dims, rank, layout.stages_per_rank, fsdp).elements * p
@@ -206,6 +213,15 @@ def rank_memory(shapes: ModelShapes, layout: Layout, work: Workload, precision: 
     if work.engine_gib:
         memory.engine = shapes.total * precision.engine_bytes // work.engine_tp + int(work.engine_gib * 2**30)
     return memory
+
+
+def adapter_elements(shapes: ModelShapes, layout: Layout, held: RankShards, rank: int) -> int:
+    """A rank's share of LoRA adapters (rank x (inputs + outputs) for each linear weight of its
+    blocks), split as its blocks' weights are (tp, FSDP): about rank / hidden of the blocks."""
+    dims = layout.dims
+    total = sum(rank * sum(p.shape) for p in shapes.params
+                if p.layer in held.layers and len(p.shape) == 2 and not p.expert)
+    return int(total / (dims.tp * dims.dp_shard * dims.cp))
 
 
 def _gathered(shapes: ModelShapes, layout: Layout, whole: RankShards, precision: Precision) -> int:

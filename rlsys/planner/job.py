@@ -49,7 +49,8 @@ def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
     train = cfg.train
     if isinstance(cfg, TrainJobConfig):
         return Workload(sequences=train.global_batch_size, seq_len=cfg.data.max_seq_len,
-                        micro_batch_rows=train.micro_batch_size, micro_batch_tokens=train.micro_batch_tokens)
+                        micro_batch_rows=train.micro_batch_size, micro_batch_tokens=train.micro_batch_tokens,
+                        lora_rank=cfg.model.lora.rank)
     algo, rollout = cfg.algorithm, cfg.rollout
     kl = algo.kl_coef > 0 or algo.use_kl_in_reward
     critic = algo.adv_estimator == "gae"
@@ -59,6 +60,7 @@ def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
                     micro_batch_rows=train.micro_batch_size, micro_batch_tokens=train.micro_batch_tokens,
                     update_passes=algo.ppo_epochs * (2 if critic else 1),  # a critic trains beside the policy
                     forward_passes=old_logprobs + kl + critic, reference=kl, critic=critic,
+                    lora_rank=cfg.model.lora.rank,
                     engine_gib=rollout.engine_memory_gib if colocated else 0.0,
                     engine_tp=rollout.tensor_parallel_size, engine_released=rollout.free_memory_in_update)
 

@@ -111,7 +111,7 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     parallel = ParallelConfig(**layout)
     dims = ParallelDims.of(parallel)
-    torch.set_num_threads(max(1, os.cpu_count() // dims.world_size))
+    torch.set_num_threads(max(1, os.cpu_count() // (1 if args.one_rank else dims.world_size)))  # ranks here
     on_gpu = args.device == "cuda"
     if on_gpu:
         torch.cuda.set_device(rank)

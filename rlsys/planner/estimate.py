@@ -229,16 +229,24 @@ def _gathered(shapes: ModelShapes, layout: Layout, whole: RankShards, precision:
     the root's (the embedding, final norm and LM head: FSDP2 keeps the root gathered from forward
     to backward), or the whole stage when a pipeline keeps it gathered, or the whole model when
     one rank's root is the only unit (without offload, which makes a unit of every block); with
-    each, its unsharded gradients in fp32."""
+    each, its unsharded gradients in fp32, at the peak, the start of the backward pass: then an
+    untied input embedding has no gradient yet (the backward reaches it last, when the blocks'
+    activations are gone)."""
     dims = layout.dims
     one_unit = dims.dp_replicate * dims.dp_shard * dims.cp == 1 and not layout.offload
     if dims.pp > 1 or one_unit:  # one unit, or a stage kept gathered
-        unsharded = whole.elements
-    else:
-        outside = _outside_blocks(shapes, dims.tp)
-        block = (whole.elements - outside) / max(1, len(whole.layers))
-        unsharded = 2 * block + outside
-    return int(unsharded * (precision.compute_bytes + FP32))
+        return int(whole.elements * (precision.compute_bytes + FP32))
+    outside = _outside_blocks(shapes, dims.tp)
+    block = (whole.elements - outside) / max(1, len(whole.layers))
+    weights = 2 * block + outside
+    grads = weights - (0 if shapes.tied else _input_embedding(shapes, dims.tp))
+    return int(weights * precision.compute_bytes + grads * FP32)
+
+
+def _input_embedding(shapes: ModelShapes, tp: int) -> float:
+    """Elements of the input embedding a rank holds before FSDP2."""
+    return sum(math.prod(p.shape) / (tp if p.tp_dim is not None else 1) for p in shapes.params
+               if p.name.endswith("embed_tokens.weight"))
 
 
 def _outside_blocks(shapes: ModelShapes, tp: int) -> float:

@@ -3,7 +3,7 @@ alone, its peers torch's fake process group, random weights (`StepShape.one_rank
 this machine's CPU; a model directory needs only its config.json.
 
     .venv/bin/python benchmarks/plan_full_size.py --model examples/plan/qwen2.5-7b \
-        --layout dp_shard=64 --layout dp_shard=8,tp=8 --layout dp_shard=64,activation_checkpointing=1
+        --layout dp_shard=64 --layout dp_shard=16,tp=4 --layout dp_shard=64,activation_checkpointing=1
 
 Layouts with pp or ep are refused (their collectives exchange sizes, which a fake group cannot carry).
 """
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 
+from rlsys.config.loader import ConfigError
 from rlsys.planner.check import check_full_size, full_size_table
 from rlsys.planner.estimate import layout_of
 from rlsys.planner.measure import StepShape
+from rlsys.stages.preflight import check_layout, read_model_config
 
 
 def parse_layout(text: str) -> dict:
@@ -30,6 +32,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     args = parser.parse_args()
     step = StepShape(rows=args.rows, seq_len=args.seq_len, steps=2, one_rank=True)
+    config = read_model_config(args.model, "--model")
+    for layout in args.layout:  # refused before any is run: a run takes minutes
+        try:
+            check_layout(layout_of(**layout).parallel, config)
+        except ConfigError as err:
+            parser.error(f"--layout {layout}: {err}")
     rows = []
     for layout in args.layout:
         rows.append(check_full_size(args.model, layout_of(**layout), step))

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 
+from memory import parse_layout
+
 from rlsys.config.loader import ConfigError
 from rlsys.planner.check import check_full_size, full_size_table
 from rlsys.planner.estimate import layout_of
 from rlsys.planner.measure import StepShape
 from rlsys.stages.preflight import check_layout, read_model_config
-
-
-def parse_layout(text: str) -> dict:
-    return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
 
 
 def main() -> None:

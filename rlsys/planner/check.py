@@ -73,7 +73,10 @@ def _full_size_memory(model_dir: str, layout: Layout, step: StepShape) -> RankMe
 
 def full_size_estimate(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_STEP) -> int:
     """Bytes rank 0 holds at its step's peak, wherever they live (states, gathered weights, activations)."""
-    estimate = _full_size_memory(model_dir, layout, step)
+    return _held_peak(_full_size_memory(model_dir, layout, step))
+
+
+def _held_peak(estimate: RankMemory) -> int:
     return estimate.held + estimate.gathered + estimate.activations
 
 
@@ -82,9 +85,9 @@ def check_full_size(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_
     on this machine in fp32 (CPU), beside the estimate of the same rank: what it holds wherever it
     lives (states, gathered weights, activations) against its resident-memory peak."""
     [measured] = measure(asdict(layout.parallel), model_dir, step)
-    estimated_peak = full_size_estimate(model_dir, layout, step)
-    return {"layout": layout.name, "estimate": _full_size_memory(model_dir, layout, step),
-            "estimated_peak": estimated_peak, "measured": measured, "ratio": estimated_peak / measured["step_peak"]}
+    estimate = _full_size_memory(model_dir, layout, step)
+    return {"layout": layout.name, "estimate": estimate, "estimated_peak": _held_peak(estimate),
+            "measured": measured, "ratio": _held_peak(estimate) / measured["step_peak"]}
 
 
 def full_size_table(rows: list[dict]) -> str:

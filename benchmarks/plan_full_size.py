@@ -1,6 +1,7 @@
 """The planner's estimate beside a measured rank at the model's full size: rank 0 of each layout
-alone, its peers torch's fake process group, random weights (`StepShape.one_rank`), fp32 on
-this machine's CPU; a model directory needs only its config.json.
+alone, its peers torch's fake process group, random weights (`StepShape.one_rank`), in fp32
+on the CPU or bf16 over fp32 masters on one GPU (`--device cuda`); a model directory needs only
+its config.json.
 
     .venv/bin/python benchmarks/plan_full_size.py --model examples/plan/qwen2.5-7b \
         --layout dp_shard=64 --layout dp_shard=16,tp=4 --layout dp_shard=64,activation_checkpointing=1
@@ -28,8 +29,10 @@ def main() -> None:
                         help="e.g. dp_shard=8,tp=8 (repeatable)")
     parser.add_argument("--rows", type=int, default=1, help="rows per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: fp32; cuda: one GPU, bf16 compute over fp32 masters")
     args = parser.parse_args()
-    step = StepShape(rows=args.rows, seq_len=args.seq_len, steps=2, one_rank=True)
+    step = StepShape(rows=args.rows, seq_len=args.seq_len, steps=2, device=args.device, one_rank=True)
     config = read_model_config(args.model, "--model")
     for layout in args.layout:  # refused before any is run: a run takes minutes
         try:

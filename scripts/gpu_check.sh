@@ -14,8 +14,9 @@
 # On the GPU machine, in order: the rollout engine on CUDA (held-out accuracy of the SFT model; 20
 # GRPO steps colocated, sleep mode between rollouts, the log-prob gap after each sync in bf16 and
 # in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; the weight sync's throughput),
-# then the training engine (fp32 and bf16 parity with one HF process, CUDA IPC reads, throughput;
-# scripts/gpu_check.py), the memory of a 0.5B-shaped rank, and the pretrain stage through Ray,
+# then the training engine (fp32 and bf16 parity with one HF process, offload, CUDA IPC reads, throughput;
+# scripts/gpu_check.py), the memory of a 0.5B-shaped rank with and without offload, rank 0 of 7B layouts
+# at full size beside the planner's estimate, and the pretrain stage through Ray,
 # resumed from its checkpoint. Each check's log goes to $OUT (the device tool) or a temporary
 # directory; each check prints its seconds. GPU_CHECKS="rl_fp32 grpo_05b" runs only the checks it names.
 set -uo pipefail
@@ -141,5 +142,9 @@ check weight_placement "$py" -m pytest -q -p no:cacheprovider tests/test_engine_
 if [ "$gpus" = 1 ]; then  # a 0.5B-shaped model (Qwen2.5-0.5B's config, random init), one rank
   check memory_05b "$py" benchmarks/memory.py --device cuda --layout dp_shard=1 --layout dp_shard=1,offload=1 \
     --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936 --tied --rows 4 --seq-len 512 --steps 2
+  # the planner's estimate beside rank 0 of Qwen2.5-7B layouts at full size (its peers a fake process group)
+  SHOW_LINES=12 check full_7b "$py" benchmarks/plan_full_size.py --model examples/plan/qwen2.5-7b --device cuda \
+    --rows 4 --seq-len 1024 --layout dp_shard=64 --layout dp_shard=64,activation_checkpointing=1 \
+    --layout dp_shard=16,tp=4 --layout dp_shard=16,tp=4,sequence_parallel=1,loss_parallel=1
 fi
 exit $status

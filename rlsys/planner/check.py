@@ -64,11 +64,12 @@ FULL_SIZE_STEP = StepShape(rows=1, seq_len=256, steps=2, one_rank=True)
 
 
 def _full_size_memory(model_dir: str, layout: Layout, step: StepShape) -> RankMemory:
-    """The estimate of rank 0 at full size, computing in fp32 as on a CPU."""
+    """The estimate of rank 0 at full size, computing as the measured step does: fp32 on a CPU, bf16 on a GPU."""
     shapes = ModelShapes(transformers.AutoConfig.from_pretrained(model_dir))
     work = Workload(sequences=step.rows * layout.dims.dp_size, seq_len=step.seq_len,
                     micro_batch_rows=step.micro_batch or step.rows)
-    return rank_memory(shapes, layout, work, Precision(compute_bytes=4, mixed=False), 0)
+    precision = Precision() if step.device == "cuda" else Precision(compute_bytes=4, mixed=False)
+    return rank_memory(shapes, layout, work, precision, 0)
 
 
 def full_size_estimate(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_STEP) -> int:
@@ -82,8 +83,9 @@ def _held_peak(estimate: RankMemory) -> int:
 
 def check_full_size(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_STEP) -> dict:
     """Rank 0 of `layout` at the size of the model in `model_dir` (a config.json is enough), measured
-    on this machine in fp32 (CPU), beside the estimate of the same rank: what it holds wherever it
-    lives (states, gathered weights, activations) against its resident-memory peak."""
+    on `step.device`, beside the estimate of the same rank: what it holds wherever it
+    lives (states, gathered weights, activations) against its peak (resident memory, or on a GPU
+    what torch allocated)."""
     [measured] = measure(asdict(layout.parallel), model_dir, step)
     estimate = _full_size_memory(model_dir, layout, step)
     return {"layout": layout.name, "estimate": estimate, "estimated_peak": _held_peak(estimate),

@@ -54,6 +54,7 @@ class StepShape:
     """Rows per micro-batch (0: all the rank's rows)."""
     lora_rank: int = 0
     device: str = "cpu"
+    """cpu: fp32; cuda: one GPU per rank, bf16 compute over fp32 masters (`parallel.mixed_precision: auto`)."""
     one_rank: bool = False
     """Rank 0 of the layout alone, in a fake process group, with random weights."""
 
@@ -124,7 +125,7 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
                                 rank=rank, world_size=dims.world_size)
     model = ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank), random_init=args.one_rank)
     spec = EngineSpec(model, OptimConfig(), dims, parallel, micro_batch_size=args.micro_batch or args.rows,
-                      total_steps=10, param_dtype=None)
+                      total_steps=10, param_dtype=torch.bfloat16 if on_gpu else None)  # mixed_precision=auto
     Peak = CudaPeak if on_gpu else PeakSampler
     baseline = Peak.rss()
     with Peak() as load:

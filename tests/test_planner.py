@@ -79,7 +79,7 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=512)
 
 
-def test_step_peak_within_20_percent_at_05b_widths(tmp_path):
+def test_step_peak_within_15_percent_at_05b_widths(tmp_path):
     """Three layouts of a model of Qwen2.5-0.5B's widths and vocabulary with 6 of its 24 blocks (the
     whole model: benchmarks/plan_full_size.py): the estimated peak of a training step (states, FSDP's
     gathered weights, activations) against the measured one."""
@@ -100,9 +100,9 @@ def test_step_peak_within_20_percent_at_05b_widths(tmp_path):
             beyond = estimate.update_peak - estimate.states
             beyond_states[f"{plan.name} rank {rank}"] = beyond / (row["step_peak"] - held)
     print("step peak, estimated / measured:", ratios, "\nbeyond the states:", beyond_states)
-    assert all(0.8 <= ratio <= 1.2 for ratio in ratios.values()), ratios
+    assert all(0.85 <= ratio <= 1.15 for ratio in ratios.values()), ratios
     # the activations and gathered weights, apart from the states that dominate the peak
-    assert all(0.7 <= ratio <= 1.3 for ratio in beyond_states.values()), beyond_states
+    assert all(0.8 <= ratio <= 1.2 for ratio in beyond_states.values()), beyond_states
 
 
 def test_check_sets_estimate_beside_measurement():

@@ -99,6 +99,9 @@ class Layout:
     @property
     def name(self) -> str:
         parts = [f"{key}{getattr(self.dims, key)}" for key in (*MESH_DIMS, "ep") if getattr(self.dims, key) > 1]
+        if self.dims.tp > 1:  # the planner's tp layouts have both; say when one is off
+            parts += [f"-{short}" for short, key in (("sp", "sequence_parallel"), ("lp", "loss_parallel"))
+                      if not getattr(self.parallel, key)]
         return (" ".join(parts or ["1 rank"]) + (" +ac" if self.activation_checkpointing else "")
                 + (" +offload" if self.offload else ""))
 
@@ -208,8 +211,10 @@ def rank_memory(shapes: ModelShapes, layout: Layout, work: Workload, precision: 
         memory.reference = held.elements * p
     if work.critic and critic_shapes is not None:
         memory.critic = 4 * rank_shards(critic_shapes, dims, rank, layout.stages_per_rank, fsdp).elements * p
-    memory.gathered = _gathered(shapes, layout, whole, precision) if fsdp else 0
-    memory.activations = activation_bytes(ModelDims(shapes.config), layout, work, precision, held)
+    model = ModelDims(shapes.config)
+    logits = logit_bytes(model, layout, work, held)
+    memory.activations = activation_bytes(model, layout, work, precision, held) + logits
+    memory.gathered = _gathered(shapes, layout, whole, precision, logits) if fsdp else 0
     if work.engine_gib:
         memory.engine = shapes.total * precision.engine_bytes // work.engine_tp + int(work.engine_gib * 2**30)
     return memory
@@ -224,23 +229,23 @@ def adapter_elements(shapes: ModelShapes, layout: Layout, held: RankShards, rank
     return int(total / (dims.tp * dims.dp_shard * dims.cp))
 
 
-def _gathered(shapes: ModelShapes, layout: Layout, whole: RankShards, precision: Precision) -> int:
-    """FSDP2's unsharded weights in the compute dtype: a block and the next (prefetched) one plus
-    the root's (the embedding, final norm and LM head: FSDP2 keeps the root gathered from forward
-    to backward), or the whole stage when a pipeline keeps it gathered, or the whole model when
-    one rank's root is the only unit (without offload, which makes a unit of every block); with
-    each, its unsharded gradients in fp32, at the peak, the start of the backward pass: then an
-    untied input embedding has no gradient yet (the backward reaches it last, when the blocks'
-    activations are gone)."""
-    dims = layout.dims
-    one_unit = dims.dp_replicate * dims.dp_shard * dims.cp == 1 and not layout.offload
-    if dims.pp > 1 or one_unit:  # one unit, or a stage kept gathered
-        return int(whole.elements * (precision.compute_bytes + FP32))
+def _gathered(shapes: ModelShapes, layout: Layout, whole: RankShards, precision: Precision,
+              logits: float) -> int:
+    """FSDP2's unsharded weights and gradients, in the compute dtype, at the step's peak. That is
+    the loss's backward, where the root's weights are gathered (the embedding, final norm and LM
+    head: FSDP2 keeps the root gathered from forward to backward; the whole model when one rank's
+    root is the only unit, the whole stage when a pipeline keeps it gathered) and no gradient exists
+    yet; unless the `logits` bytes freed after it outweigh what the first block's backward gathers:
+    that block and the next (prefetched), its gradients and the root's (an untied input embedding
+    has none yet: the backward reaches it last, when the blocks' activations are gone)."""
+    dims, b = layout.dims, precision.compute_bytes
+    if dims.pp > 1 or (dims.dp_replicate * dims.dp_shard * dims.cp == 1 and not layout.offload):
+        return int(whole.elements * b)  # one unit, or a stage kept gathered: its gradients come as activations go
     outside = _outside_blocks(shapes, dims.tp)
     block = (whole.elements - outside) / max(1, len(whole.layers))
-    weights = 2 * block + outside
-    grads = weights - (0 if shapes.tied else _input_embedding(shapes, dims.tp))
-    return int(weights * precision.compute_bytes + grads * FP32)
+    root_grads = outside - (0 if shapes.tied else _input_embedding(shapes, dims.tp))
+    first_backward = (2 * block + block + root_grads) * b
+    return int(outside * b + max(0.0, first_backward - logits))
 
 
 def _input_embedding(shapes: ModelShapes, tp: int) -> float:
@@ -278,12 +283,13 @@ def _cut(rows: int, per_micro_batch: int) -> list[range]:
 
 def layer_activation_bytes(model: ModelDims, tp: int, sequence_parallel: bool, compute: int) -> float:
     """Bytes one decoder block saves for backward per token on a rank: the norms' fp32 copies
-    (split by tp under sequence parallel), q/k/v and their rotated copies, attention's output,
-    and the MLP's input, gate, up, activation and product (an MoE block: its top-k experts')."""
+    (split by tp under sequence parallel), attention's input, its rotated q and k, v and its
+    output (the rotary multiplications save cos and sin, not q and k), and the MLP's input, gate,
+    up, activation and product (an MoE block: its top-k experts')."""
     h, q = model.hidden, model.heads * model.head_dim / tp
     kv = model.kv_heads * model.head_dim / tp
     norms = 2 * 2 * h * FP32 / (tp if sequence_parallel else 1)
-    attention = compute * (h + 2 * (q + 2 * kv) + 2 * q)
+    attention = compute * (h + (q + 2 * kv) + q)
     if model.experts:
         mlp = compute * (h + model.top_k * (3 * h + 4 * model.expert_intermediate)) / tp + FP32 * model.experts
     else:
@@ -293,9 +299,8 @@ def layer_activation_bytes(model: ModelDims, tp: int, sequence_parallel: bool, c
 
 def activation_bytes(model: ModelDims, layout: Layout, work: Workload, precision: Precision,
                      held: RankShards) -> int:
-    """Activations one rank holds at the end of its micro-batches' forward: its blocks' (for as
-    many micro-batches as its pipeline stage keeps in flight), and on the last stage the logits
-    with their fp32 copies (split over tp: loss parallel)."""
+    """Activations one rank's blocks hold at the end of its micro-batches' forward (for as many
+    micro-batches as its pipeline stage keeps in flight)."""
     dims, b = layout.dims, precision.compute_bytes
     _, tokens = micro_batches(layout, work)
     per_layer = layer_activation_bytes(model, dims.tp, layout.sequence_parallel, b)
@@ -305,14 +310,32 @@ def activation_bytes(model: ModelDims, layout: Layout, work: Workload, precision
         blocks = block_inputs + tokens * per_layer
     else:
         blocks = layers * tokens * per_layer
-    in_flight = 1
-    if dims.pp > 1:
-        count, _ = micro_batches(layout, work)
-        schedule = layout.parallel.pp_schedule
-        in_flight = count if schedule == "gpipe" else min(count, dims.pp * layout.stages_per_rank)
-    # the logits, their fp32 copy, and in the loss's backward its softmax and gradient
-    logits = tokens * model.vocab / dims.tp * (b + 3 * FP32) if held.last_stage or dims.pp == 1 else 0
-    return int(blocks * in_flight + logits)
+    return int(blocks * _in_flight(layout, work))
+
+
+def _in_flight(layout: Layout, work: Workload) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once."""
+    if layout.dims.pp == 1:
+        return 1
+    count, _ = micro_batches(layout, work)
+    if layout.parallel.pp_schedule == "gpipe":
+        return count
+    return min(count, layout.dims.pp * layout.stages_per_rank)
+
+
+LOSS_BACKWARD_COPIES = 3
+"""fp32 logit-sized tensors alive in the loss's backward: the fp32 logits it saved, their gradient
+and a temporary; the compute-dtype logits are gone by then."""
+
+
+def logit_bytes(model: ModelDims, layout: Layout, work: Workload, held: RankShards) -> int:
+    """The loss's backward on the last stage: fp32 logit-sized tensors of a micro-batch, split over
+    tp only under loss parallel (otherwise each tp rank holds the whole vocabulary)."""
+    if not (held.last_stage or layout.dims.pp == 1):
+        return 0
+    _, tokens = micro_batches(layout, work)
+    vocab_split = layout.dims.tp if layout.parallel.loss_parallel else 1
+    return int(tokens * model.vocab / vocab_split * LOSS_BACKWARD_COPIES * FP32)
 
 
 def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:

@@ -17,11 +17,11 @@ cannot carry.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import socket
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
 
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.layout import ParallelConfig
@@ -37,7 +39,6 @@ from rlsys.config.model import LoraConfig, ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.engine.model_engine import EngineSpec, ModelEngine
 from rlsys.engine.weights import local_tensor
-from rlsys.host_memory import release_freed_memory
 from rlsys.parallel.dims import ParallelDims
 
 
@@ -59,52 +60,64 @@ class StepShape:
     """Rank 0 of the layout alone, in a fake process group, with random weights."""
 
 
-class PeakSampler:
-    """Resident-set high-water mark of this process over a window."""
-
-    def __init__(self):
-        self.peak, self._running = 0, False
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self):
-        self.peak, self._running = self.rss(), True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while self._running:
-            self.peak = max(self.peak, self.rss())
-            time.sleep(0.005)
-
-    def __exit__(self, *exc):
-        self._running = False
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-
 def local_bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
-class CudaPeak:
-    """torch's allocated-bytes high-water mark on this process's GPU over a window."""
-
-    @staticmethod
-    def rss() -> int:
-        return torch.cuda.memory_allocated()
+class CpuAllocations:
+    """The bytes tensors hold on the CPU over named windows, counted from every allocation and free
+    that torch's profiler records from the moment this is entered: what CUDA's max_memory_allocated
+    counts on a GPU, not the pages the process keeps mapped (its allocator keeps freed memory)."""
 
     def __enter__(self):
-        torch.cuda.reset_peak_memory_stats()
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        self.peaks: dict[str, int] = {}
         return self
 
+    def window(self, name: str):
+        return record_function(f"{WINDOW}{name}")
+
     def __exit__(self, *exc):
+        self._profiler.__exit__(*exc)
+        events = self._profiler.profiler.kineto_results.events()
+        changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        windows = sorted((e.start_ns(), e.end_ns(), e.name()[len(WINDOW):]) for e in events
+                         if e.name().startswith(WINDOW))
+        live, index = 0, 0
+        for start, end, name in windows:  # in time order; the last window of a name counts
+            while index < len(changes) and changes[index][0] < start:
+                live += changes[index][1]
+                index += 1
+            peak = live
+            while index < len(changes) and changes[index][0] <= end:
+                live += changes[index][1]
+                peak = max(peak, live)
+                index += 1
+            self.peaks[name] = peak
+
+
+WINDOW = "rlsys.measure."
+
+
+class CudaAllocations:
+    """torch's allocated-bytes high-water mark on this process's GPU over named windows, above what
+    was allocated when this was entered."""
+
+    def __enter__(self):
+        self.peaks: dict[str, int] = {}
+        self._baseline = torch.cuda.memory_allocated()
+        return self
+
+    @contextlib.contextmanager
+    def window(self, name: str):
+        torch.cuda.reset_peak_memory_stats()
+        yield
         torch.cuda.synchronize()
-        self.peak = torch.cuda.max_memory_allocated()
+        self.peaks[name] = torch.cuda.max_memory_allocated() - self._baseline
+
+    def __exit__(self, *exc):
+        pass
 
 
 def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape, results) -> None:
@@ -126,10 +139,22 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     model = ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank), random_init=args.one_rank)
     spec = EngineSpec(model, OptimConfig(), dims, parallel, micro_batch_size=args.micro_batch or args.rows,
                       total_steps=10, param_dtype=torch.bfloat16 if on_gpu else None)  # mixed_precision=auto
-    Peak = CudaPeak if on_gpu else PeakSampler
-    baseline = Peak.rss()
-    with Peak() as load:
-        engine = ModelEngine(spec, dims.build_mesh(args.device), torch.device(args.device, rank if on_gpu else None))
+    device = torch.device(args.device, rank if on_gpu else None)
+    with (CudaAllocations() if on_gpu else CpuAllocations()) as memory:
+        with memory.window("load"):
+            engine = ModelEngine(spec, dims.build_mesh(args.device), device)
+        grads, step_s = _steps(engine, dims, rank, model_dir, args, memory)
+    params = local_bytes(p for _, p in engine.named_parameters())
+    optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
+                        for t in state.values() if t.dim() > 0)
+    results.put((rank, {"params": params, "grads": grads, "optim": optim, "load_peak": memory.peaks["load"],
+                        "step_peak": memory.peaks["step"], "step_s": step_s}))
+    dist.destroy_process_group()
+
+
+def _steps(engine: ModelEngine, dims: ParallelDims, rank: int, model_dir: str, args: StepShape,
+           memory) -> tuple[int, float]:
+    """`args.steps` training steps on random tokens; the last one's gradient bytes and seconds."""
     vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
     ids = torch.randint(0, min(vocab, 1000), (args.rows * dims.dp_size, args.seq_len),
                         generator=torch.Generator().manual_seed(0))
@@ -138,18 +163,12 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
     for _ in range(args.steps):  # the last step is measured: from the second on, AdamW's state is held
         started = time.perf_counter()
-        with Peak() as step:
+        with memory.window("step"):
             engine.forward_backward(shard, loss_fn)
             grads = local_bytes(p.grad for _, p in engine.named_parameters() if p.grad is not None)
             engine.optimizer_step()
-            release_freed_memory()
         step_s = time.perf_counter() - started
-    params = local_bytes(p for _, p in engine.named_parameters())
-    optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
-                        for t in state.values() if t.dim() > 0)
-    results.put((rank, {"params": params, "grads": grads, "optim": optim,
-                        "load_peak": load.peak - baseline, "step_peak": step.peak - baseline, "step_s": step_s}))
-    dist.destroy_process_group()
+    return grads, step_s
 
 
 def measure(layout: dict, model_dir: str, args: StepShape) -> list[dict]:

@@ -14,8 +14,9 @@ Each layout runs in its own gloo process group (torch.multiprocessing, no Ray: t
 model engine does not need it). The `ideal` column is the model's total bytes divided
 by the ranks that split it (dp_shard x cp x tp x pp; pipeline stages split by layer, so
 the stage with the embedding or the LM head holds more); `vs ideal` is the rank's parameter bytes
-against it. Peak memory on CPU is the rank process's resident set (sampled every 5 ms)
-above its size before the model was built; on GPU, torch's max_memory_allocated.
+against it. Peak memory is the bytes tensors hold above what they held before the model was
+built (torch's allocator's count: what the planner estimates), and on the CPU the process's
+resident set beside it (the host memory it took; `rlsys.planner.measure`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import torch
 from rlsys.planner.measure import StepShape, measure
 
 GIB = 2**30
+
+
+def peak(row: dict, window: str) -> str:
+    """Tensor bytes, and on the CPU the process's resident set beside them, in MiB."""
+    resident = row[f"{window}_resident"]
+    return f"{row[f'{window}_peak'] / 2**20:.0f}" + ("" if resident is None else f" / {resident / 2**20:.0f}")
 
 
 def write_model(out_dir: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
@@ -93,8 +100,8 @@ def main() -> None:
         kind += f", LoRA rank {args.lora_rank} on every linear layer" if args.lora_rank else ""
         print(f"model: {kind}, {count / 1e6:.1f} M parameters, {total / GIB:.3f} GiB in fp32; "
               f"batch {args.rows} x {args.seq_len} tokens per data-parallel rank, step {args.steps} measured\n")
-        print("| layout | rank | params MiB | grads MiB | optimizer MiB | ideal MiB | vs ideal | load peak MiB "
-              "| step peak MiB | step s |")
+        print("| layout | rank | params MiB | grads MiB | optimizer MiB | ideal MiB | vs ideal "
+              "| load peak MiB tensors / process | step peak MiB tensors / process | step s |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         step_s = {}
         for layout in layouts:
@@ -105,8 +112,8 @@ def main() -> None:
             for rank, row in enumerate(rows):
                 print(f"| {name} | {rank} | {row['params'] / 2**20:.1f} | {row['grads'] / 2**20:.1f} "
                       f"| {row['optim'] / 2**20:.1f} | {total / shards / 2**20:.1f} "
-                      f"| {row['params'] / (total / shards):.3f} | {row['load_peak'] / 2**20:.0f} "
-                      f"| {row['step_peak'] / 2**20:.0f} | {row['step_s']:.2f} |")
+                      f"| {row['params'] / (total / shards):.3f} | {peak(row, 'load')} | {peak(row, 'step')} "
+                      f"| {row['step_s']:.2f} |")
     if args.experts:
         compare_dense(args, step, layouts, step_s)
 

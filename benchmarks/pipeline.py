@@ -96,7 +96,7 @@ def main() -> None:
     pp = 2
     with tempfile.TemporaryDirectory() as model_dir:
         count = write_model(model_dir, args.hidden, args.layers, heads=4, kv_heads=2,
-                            intermediate=args.hidden * 3, vocab=8192)
+                            intermediate=args.hidden * 3, vocab=8192, tied=False)
         shape = (args.rows, args.seq_len)
         reference, _ = measure({}, model_dir, shape, args.steps)
         print(f"model: {count / 1e6:.1f} M parameters, {args.layers} layers; batch {args.rows} x {args.seq_len} "

@@ -4,8 +4,11 @@ and optimizer state it holds, and the peak memory of loading the model and of th
 its estimate.
 
 Each layout runs in its own gloo (or nccl) process group of spawned processes (no Ray: the
-model engine does not need it). Peak memory on CPU is the rank process's resident set (sampled
-every 5 ms) above its size before the model was built; on GPU, torch's max_memory_allocated.
+model engine does not need it). Peak memory is the bytes tensors hold
+above what they held before the model was built, as torch's allocator counts them:
+max_memory_allocated on a GPU; on the CPU, the allocations and frees torch's profiler records (not
+the resident set, which keeps what the allocator freed): the figure the planner estimates. On the
+CPU the resident set's peaks come beside them (sampled every 5 ms): the host memory a run takes.
 
 `StepShape.one_rank` measures a layout of any size at the model's full size: rank 0 alone, the
 other ranks stood in by torch's fake process group (its collectives return without sending, so
@@ -22,6 +25,7 @@ import logging
 import os
 import queue
 import socket
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -64,6 +68,34 @@ def local_bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
+class PeakSampler:
+    """Resident-set high-water mark of this process over a window, sampled every 5 ms."""
+
+    def __init__(self):
+        self.peak, self._running = 0, False
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        self.peak, self._running = self.rss(), True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while self._running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self._running = False
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
 class CpuAllocations:
     """The bytes tensors hold on the CPU over named windows, counted from every allocation and free
     that torch's profiler records from the moment this is entered: what CUDA's max_memory_allocated
@@ -73,10 +105,16 @@ class CpuAllocations:
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profiler.__enter__()
         self.peaks: dict[str, int] = {}
+        self.resident: dict[str, int] = {}
+        """The process's resident-set high-water mark in each window, above its size on entering."""
+        self._baseline = PeakSampler.rss()
         return self
 
+    @contextlib.contextmanager
     def window(self, name: str):
-        return record_function(f"{WINDOW}{name}")
+        with record_function(f"{WINDOW}{name}"), PeakSampler() as sampler:
+            yield
+        self.resident[name] = sampler.peak - self._baseline
 
     def __exit__(self, *exc):
         self._profiler.__exit__(*exc)
@@ -147,8 +185,10 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     params = local_bytes(p for _, p in engine.named_parameters())
     optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
                         for t in state.values() if t.dim() > 0)
+    resident = getattr(memory, "resident", {})  # the CPU's: host memory the process kept
     results.put((rank, {"params": params, "grads": grads, "optim": optim, "load_peak": memory.peaks["load"],
-                        "step_peak": memory.peaks["step"], "step_s": step_s}))
+                        "step_peak": memory.peaks["step"], "step_s": step_s,
+                        "load_resident": resident.get("load"), "step_resident": resident.get("step")}))
     dist.destroy_process_group()
 
 
@@ -173,7 +213,8 @@ def _steps(engine: ModelEngine, dims: ParallelDims, rank: int, model_dir: str, a
 
 def measure(layout: dict, model_dir: str, args: StepShape) -> list[dict]:
     """Per rank of `layout` (a `parallel:` section's keys), what it held in the last step:
-    bytes of params, grads, optim; load_peak, step_peak; step_s. With `args.one_rank`, rank 0's."""
+    bytes of params, grads, optim; load_peak, step_peak (tensor bytes); on the CPU load_resident and
+    step_resident (the process's resident set); step_s. With `args.one_rank`, rank 0's."""
     dims = ParallelDims.of(ParallelConfig(**layout))
     if args.one_rank and (dims.pp > 1 or dims.ep > 1):
         raise ValueError("one rank in a fake process group cannot run pp or ep: they exchange sizes")

@@ -13,7 +13,7 @@ from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
 from rlsys.algorithms.aggregation import aggregate
 from rlsys.algorithms.kl import kl_penalty
 from rlsys.algorithms.policy_loss import gspo_loss, ppo_clip_loss
-from rlsys.config.rl import AlgorithmConfig
+from rlsys.config.rl import AlgorithmConfig, RolloutCorrectionConfig
 
 SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7]
 GROUPS = [0, 0, 0, 0, 1, 1, 2]  # group 2 is a group of one, group 1 has equal rewards
@@ -256,24 +256,85 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
         check_algorithm(AlgorithmConfig(extensions=[str(tmp_path / "missing.py")]), ParallelConfig())
     with pytest.raises(ConfigError, match="algorithm.policy_loss: gspo's sequence ratio"):
         check_algorithm(AlgorithmConfig(policy_loss="gspo"), ParallelConfig(cp=2))
-    with pytest.raises(ConfigError, match="algorithm.rollout_is: with old_logprobs: rollout"):
-        check_algorithm(AlgorithmConfig(rollout_is="token", old_logprobs="rollout"), ParallelConfig())
+    with pytest.raises(ConfigError, match="algorithm.rollout_correction: with old_logprobs: rollout"):
+        check_algorithm(AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token"),
+                                        old_logprobs="rollout"), ParallelConfig())
+    for per_sequence in ({"rollout_is": "sequence"}, {"rollout_rs": "geometric"},
+                         {"rollout_token_veto_threshold": 0.1}):
+        with pytest.raises(ConfigError, match="algorithm.rollout_correction: a sequence-level weight"):
+            check_algorithm(AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(**per_sequence)),
+                            ParallelConfig(cp=2))
+
+
+def correction(old_probs, rollout_probs, mask, **cfg):
+    """correction_factors on probabilities written out by hand (one row, NaN where the engine
+    left padding)."""
+    from rlsys.algorithms.rollout_correction import correction_factors
+
+    old = torch.tensor([[math.log(p) for p in old_probs]])
+    rollout = torch.tensor([[math.log(p) if p == p else p for p in rollout_probs]])
+    return correction_factors(old, rollout, torch.tensor([mask], dtype=torch.float), RolloutCorrectionConfig(**cfg))
+
+
+# ratios pi_old / pi_rollout of the three response tokens: 3, 0.5, 1; the fourth is padding
+RATIOS_3_HALF_1 = dict(old_probs=[0.6, 0.1, 0.5, 1.0], rollout_probs=[0.2, 0.2, 0.5, float("nan")],
+                       mask=[1, 1, 1, 0])
 
 
 def test_truncated_importance_weights_by_token_and_by_sequence():
-    from rlsys.algorithms.rollout_correction import truncated_is_weights
+    factors, metrics = correction(**RATIOS_3_HALF_1, rollout_is="token", rollout_is_threshold=2.0)
+    assert torch.allclose(factors, torch.tensor([[2.0, 0.5, 1.0, 1.0]]))
+    assert metrics["rollout_corr/truncated_frac"].tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    factors, metrics = correction(**RATIOS_3_HALF_1, rollout_is="sequence", rollout_is_threshold=2.0)
+    assert torch.allclose(factors, torch.full((1, 4), 1.5))  # 3 x 0.5 x 1
+    assert metrics["rollout_corr/truncated_frac"].sum() == 0
+    factors, _ = correction([0.9, 0.9, 0.9, 1.0], [1e-13, 1e-13, 1e-13, 1.0], [1, 1, 1, 0],
+                            rollout_is="sequence", rollout_is_threshold=2.0)  # a product of e^90: no overflow
+    assert torch.allclose(factors, torch.full((1, 4), 2.0))
 
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    old = torch.tensor([[math.log(0.6), math.log(0.1), math.log(0.5), 0.0]])
-    rollout = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.5), float("nan")]])  # ratios 3, 0.5, 1
-    weights, truncated = truncated_is_weights(old, rollout, mask, "token", threshold=2.0)
-    assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 1.0, 1.0]]))
-    assert truncated.tolist() == [[1.0, 0.0, 0.0, 0.0]]
-    weights, truncated = truncated_is_weights(old, rollout, mask, "sequence", threshold=2.0)
-    assert torch.allclose(weights, torch.full((1, 4), 1.5))  # 3 x 0.5 x 1
-    assert truncated.sum() == 0
-    weights, _ = truncated_is_weights(old + 30, rollout, mask, "sequence", threshold=2.0)  # e^90: no overflow
-    assert torch.allclose(weights, torch.full((1, 4), 2.0))
+
+def test_rejection_by_token_sequence_and_geometric_mean():
+    # token, [0.5, 2]: the ratio of 3 is dropped, 0.5 and 1 kept (IcePop's two-sided mask)
+    factors, metrics = correction(**RATIOS_3_HALF_1, rollout_rs="token", rollout_rs_threshold=2.0)
+    assert factors.tolist() == [[0.0, 1.0, 1.0, 1.0]]
+    assert metrics["rollout_corr/rejected_frac"].tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    # a lower bound of 0.6 drops the 0.5 as well
+    factors, _ = correction(**RATIOS_3_HALF_1, rollout_rs="token", rollout_rs_threshold=2.0,
+                            rollout_rs_threshold_lower=0.6)
+    assert factors.tolist() == [[0.0, 0.0, 1.0, 1.0]]
+    # sequence: the product 1.5 lies within [0.5, 2]; within [1/1.4, 1.4] it does not
+    assert correction(**RATIOS_3_HALF_1, rollout_rs="sequence", rollout_rs_threshold=2.0)[0].tolist() == [[1.0] * 4]
+    assert correction(**RATIOS_3_HALF_1, rollout_rs="sequence",
+                      rollout_rs_threshold=1.4)[0].tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    # geometric: 1.5 ** (1/3) = 1.145 within [1/1.2, 1.2], not within [1/1.1, 1.1]
+    assert correction(**RATIOS_3_HALF_1, rollout_rs="geometric", rollout_rs_threshold=1.2)[0].tolist() == [[1.0] * 4]
+    assert correction(**RATIOS_3_HALF_1, rollout_rs="geometric",
+                      rollout_rs_threshold=1.1)[0].tolist() == [[0.0, 0.0, 0.0, 1.0]]
+
+
+def test_veto_drops_a_response_and_corrections_compose():
+    # the ratio of 0.5 is below a veto of 0.6: the whole response goes; above 0.4 it stays
+    assert correction(**RATIOS_3_HALF_1, rollout_token_veto_threshold=0.6)[0].tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    assert correction(**RATIOS_3_HALF_1, rollout_token_veto_threshold=0.4)[0].tolist() == [[1.0] * 4]
+    # truncated weights times the token mask: 2 x 0 (rejected), 0.5 x 1, 1 x 1
+    factors, metrics = correction(**RATIOS_3_HALF_1, rollout_is="token", rollout_rs="token", rollout_rs_threshold=2.0)
+    assert torch.allclose(factors, torch.tensor([[0.0, 0.5, 1.0, 1.0]]))
+    assert set(metrics) == {"rollout_corr/is_weight", "rollout_corr/truncated_frac", "rollout_corr/rejected_frac"}
+
+
+def test_mismatch_metrics_by_hand():
+    from rlsys.algorithms.rollout_correction import mismatch_metrics
+
+    engine = torch.zeros(4)
+    logs = [math.log(3.0), math.log(0.6), 0.0, 0.0]  # ratios 3, 0.6, 1, 1
+    got = mismatch_metrics(torch.tensor(logs), engine)
+    assert got["rollout/logprob_abs_diff"] == pytest.approx(sum(abs(x) for x in logs) / 4)
+    assert got["mismatch/kl_k1"] == pytest.approx(-sum(logs) / 4)
+    assert got["mismatch/kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in logs) / 4)
+    assert got["mismatch/abs_log_ratio_max"] == pytest.approx(math.log(3.0))
+    assert got["mismatch/abs_log_ratio_p50"] == pytest.approx(-math.log(0.6) / 2)  # between 0 and |log 0.6|
+    assert got["mismatch/ratio_outside_2x_frac"] == pytest.approx(1 / 4)  # the 3
+    assert mismatch_metrics(torch.zeros(0), torch.zeros(0)) == {}
 
 
 def test_rollout_is_weights_each_tokens_policy_gradient():
@@ -288,7 +349,7 @@ def test_rollout_is_weights_each_tokens_policy_gradient():
     current = torch.nn.functional.pad(logprobs_of_labels(logits, batch["input_ids"]).detach(), (1, 0))
     # the engine made row 0's second token 3x less likely than the trainer, its third 2x likelier
     rollout = current - torch.tensor([[0.0, 0.0, 0.0, math.log(3.0), math.log(0.5)], [0.0] * 5])
-    algo = AlgorithmConfig(rollout_is="token", rollout_is_threshold=2.0)
+    algo = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
     counts = {"tokens": 4, "sequences": 2}
     out = actor_loss(counts, algo)(logits, {**batch, "rollout_logprobs": rollout})
     plain = actor_loss(counts, AlgorithmConfig())(logits, batch)

@@ -170,7 +170,9 @@ def test_rlvr_logs_every_phase_and_exports(straight_rl):
     assert list(rows) == [0, 1, 2, 3, 4] and "val/accuracy" in rows[0] and "val/accuracy" in rows[4]
     for name in ["reward/mean", "reward/std", "reward/accuracy", "reward/errors", "response/length_mean",
                  "actor/kl", "actor/clip_frac", "actor/entropy", "actor/grad_norm", "rollout/logprob_abs_diff",
-                 "throughput/tokens_per_s", "sync/time_s"] + [f"time/{p}_s" for p in PHASES]:
+                 "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/abs_log_ratio_p99", "mismatch/abs_log_ratio_max",
+                 "mismatch/ratio_outside_2x_frac", "throughput/tokens_per_s", "sync/time_s"] + \
+            [f"time/{p}_s" for p in PHASES]:
         assert name in rows[1], name
     # the engines hold the trainer's weights: after the first sync (vLLM's loaders) and the later ones (replayed)
     assert all(rows[step]["rollout/logprob_abs_diff"] < 1e-4 for step in range(1, 5))

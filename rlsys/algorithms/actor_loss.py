@@ -1,6 +1,6 @@
 """The actor's loss of one micro-batch, as a pure loss function for the model engine: the
-configured policy-gradient loss (`algorithm.policy_loss`) on the batch's advantages, weighted
-by rollout importance sampling where it is on, plus an optional KL term, aggregated by
+configured policy-gradient loss (`algorithm.policy_loss`) on the batch's advantages, corrected
+for the engine/trainer mismatch where it is on (`algorithm.rollout_correction`), plus an optional KL term, aggregated by
 `algorithm.loss_agg`."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rlsys.algorithms.aggregation import aggregate, aggregates_per_sequence, mas
 from rlsys.algorithms.kl import kl_penalty
 from rlsys.algorithms.lm_loss import LossOutput, entropy_from_logits, logprobs_of_labels, sampling_logits, token_level
 from rlsys.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss
-from rlsys.algorithms.rollout_correction import truncated_is_weights
+from rlsys.algorithms.rollout_correction import correction_factors
 from rlsys.config.rl import AlgorithmConfig
 from rlsys.data.batching import Batch
 
@@ -29,7 +29,7 @@ def actor_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float
     A micro-batch holds [B, T] tensors aligned with input_ids: loss_mask (1 on response
     tokens), advantages, old_logprobs (absent when the update is on-policy: the current
     log-probs, detached, are the old ones) and, with a KL term, ref_logprobs, and with
-    `algorithm.rollout_is`, rollout_logprobs (the engine's). Its rows output the current
+    `algorithm.rollout_correction`, rollout_logprobs (the engine's). Its rows output the current
     log-probs when `with_logprobs` (each row costs a transfer, and a gather under context
     parallel). Values outside the mask (padding) never reach the loss, NaN included.
     (A partial, see `rlsys.algorithms.lm_loss`.)"""
@@ -37,7 +37,7 @@ def actor_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float
     loss_agg = loss_kind.loss_agg or algo.loss_agg
     loss_fn = partial(_actor_loss, loss_kind=loss_kind, loss_agg=loss_agg, counts=counts, algo=algo,
                       temperature=temperature, with_logprobs=with_logprobs)
-    per_row = aggregates_per_sequence(loss_agg) or algo.rollout_is == "sequence"
+    per_row = aggregates_per_sequence(loss_agg) or algo.rollout_correction.per_sequence
     return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn
 
 
@@ -55,10 +55,9 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
     terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
     pg_per_token, is_metrics = terms.per_token, {}
     if "rollout_logprobs" in micro:
-        weights, truncated = truncated_is_weights(old_logprobs, micro["rollout_logprobs"][:, 1:], mask,
-                                                  algo.rollout_is, algo.rollout_is_threshold)
-        pg_per_token = pg_per_token * weights
-        is_metrics = {"rollout_corr/is_weight": weights, "rollout_corr/truncated_frac": truncated}
+        factors, is_metrics = correction_factors(old_logprobs, micro["rollout_logprobs"][:, 1:], mask,
+                                                 algo.rollout_correction)
+        pg_per_token = pg_per_token * factors
     per_token, kl = pg_per_token, torch.zeros_like(current)
     if algo.kl_coef > 0:
         kl = kl_penalty(logprobs, masked(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)

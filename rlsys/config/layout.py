@@ -52,7 +52,7 @@ class ParallelConfig:
     pack_sequences: bool = True
     """Lay the sequences of each micro-batch end to end in as few rows as they fit, with a
     block-causal mask, so no compute goes to padding (VeRL's use_remove_padding). Used with
-    token-level losses (not GSPO, seq-mean-token-mean or sequence-level rollout_is), without
+    token-level losses (not GSPO, seq-mean-token-mean or a sequence-level rollout_correction), without
     pp or cp."""
     share_prompts: bool = True
     """With pack_sequences: rows with the same prompt (a GRPO group's samples) share one copy of it in

@@ -58,6 +58,42 @@ class KLControlConfig:
 
 
 @dataclass(config=STRICT)
+class RolloutCorrectionConfig:
+    """Corrections for the mismatch between the engine that sampled and the trainer (other kernels,
+    bf16, another batch shape, or an older policy under async RL), from the ratio pi_old / pi_rollout
+    of each response token: the trainer's old log-prob against the engine's. They compose: each
+    token's policy-gradient loss is multiplied by its importance weight and by 0 where a rejection
+    mask or the veto drops it (the loss keeps its normaliser: a dropped token counts as a zero)."""
+
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance sampling: weight each token by min(ratio, rollout_is_threshold), or
+    every token of a response by min(product of its ratios, rollout_is_threshold)."""
+    rollout_is_threshold: float = Field(default=2.0, gt=1)
+    """Upper bound of the importance weights (VeRL's default)."""
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Rejection: drop tokens whose ratio (token), or responses whose product of ratios
+    (sequence) or geometric mean of ratios (geometric) lies outside [rollout_rs_threshold_lower,
+    rollout_rs_threshold]. token with both bounds is IcePop's two-sided mask."""
+    rollout_rs_threshold: float = Field(default=2.0, gt=1)
+    """Upper bound of the rejection."""
+    rollout_rs_threshold_lower: float | None = Field(default=None, gt=0, lt=1)
+    """Lower bound of the rejection (None: 1 / rollout_rs_threshold)."""
+    rollout_token_veto_threshold: float | None = Field(default=None, gt=0, lt=1)
+    """Drop every response holding a token whose ratio is below this (a token the trainer finds
+    far less likely than the engine did); None: no veto."""
+
+    @property
+    def active(self) -> bool:
+        return self.rollout_is != "none" or self.rollout_rs != "none" or self.rollout_token_veto_threshold is not None
+
+    @property
+    def per_sequence(self) -> bool:
+        """Some weight or mask depends on a whole response."""
+        return (self.rollout_is == "sequence" or self.rollout_rs in ("sequence", "geometric")
+                or self.rollout_token_veto_threshold is not None)
+
+
+@dataclass(config=STRICT)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (VeRL's names): grpo (group-normalised; Dr. GRPO without
@@ -102,12 +138,9 @@ class AlgorithmConfig:
     """Dynamic sampling: prompt batches drawn per step at most; a batch still short of
     mixed groups is filled with equal-score ones and a warning (VeRL's max_num_gen_batches
     stops the run with an error instead)."""
-    rollout_is: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance sampling against the engine's sampling log-probs: each token's
-    policy loss is weighted by min(pi_old / pi_rollout, rollout_is_threshold), per token or
-    one weight per response (VeRL's rollout_correction.rollout_is)."""
-    rollout_is_threshold: float = Field(default=2.0, gt=1)
-    """Upper bound of the rollout importance weights (VeRL's default)."""
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=lambda: RolloutCorrectionConfig())
+    """Corrections for the engine sampling with other numbers than the trainer's (VeRL's
+    algorithm.rollout_correction): importance weights, rejection masks, a veto."""
     extensions: list[str] = Field(default_factory=list)
     """Python files or packages whose `@register_advantage` / `@register_policy_loss`
     decorators add estimators and losses to choose by name."""

@@ -126,11 +126,12 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
     if algo.policy_loss == "gspo" and parallel.cp > 1:
         raise ConfigError("algorithm.policy_loss: gspo's sequence ratio needs each sequence on one rank; "
                           "not with parallel.cp > 1")
-    if algo.rollout_is == "sequence" and parallel.cp > 1:
-        raise ConfigError("algorithm.rollout_is: a sequence weight needs each sequence on one rank; "
-                          "not with parallel.cp > 1")
-    if algo.rollout_is != "none" and algo.old_logprobs == "rollout":
-        raise ConfigError("algorithm.rollout_is: with old_logprobs: rollout every weight is 1; "
+    correction = algo.rollout_correction
+    if correction.per_sequence and parallel.cp > 1:
+        raise ConfigError("algorithm.rollout_correction: a sequence-level weight, rejection or veto needs each "
+                          "sequence on one rank; not with parallel.cp > 1")
+    if correction.active and algo.old_logprobs == "rollout":
+        raise ConfigError("algorithm.rollout_correction: with old_logprobs: rollout every ratio is 1; "
                           "use old_logprobs: auto or trainer")
 
 
@@ -139,10 +140,10 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
     need them over the full vocabulary (the trainer does not apply top-p), DAPO's filter needs
     groups, a critic warm-up needs a critic."""
     algo = cfg.algorithm
-    reads_engine_logprobs = algo.rollout_is != "none" or algo.old_logprobs == "rollout"
+    reads_engine_logprobs = algo.rollout_correction.active or algo.old_logprobs == "rollout"
     if cfg.rollout.top_p < 1 and reads_engine_logprobs:
         raise ConfigError("rollout.top_p: below 1 the engine's log-probs are renormalised over the nucleus, "
-                          "which algorithm.rollout_is and old_logprobs: rollout cannot use")
+                          "which algorithm.rollout_correction and old_logprobs: rollout cannot use")
     if algo.filter_groups and cfg.rollout.n < 2:
         raise ConfigError("algorithm.filter_groups: needs groups of rollout.n >= 2 responses")
     if cfg.critic.warmup_steps and algo.adv_estimator != "gae":

@@ -28,6 +28,7 @@ from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae_advantages_and_returns
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
 from rlsys.algorithms.kl import KLController, kl_in_reward
+from rlsys.algorithms.rollout_correction import mismatch_metrics
 from rlsys.algorithms.value_loss import value_loss
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import (
@@ -182,7 +183,7 @@ class RLVRTrainer:
             **_sample_metrics(samples, batch, timer.times),
             **(_agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
             **(self._async_metrics(samples, step) if self.stream is not None else {}),
-            **_logprob_gap(sampler_logprobs, engine_logprobs, batch),
+            **_mismatch(sampler_logprobs, engine_logprobs, batch),
             **update_metrics,
             **sync_metrics,
             **timer.times,
@@ -269,7 +270,7 @@ class RLVRTrainer:
                 batch["old_logprobs"] = self._logprobs(batch)
         elif self.old_logprobs == "rollout":
             batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
-        if algo.rollout_is != "none":
+        if algo.rollout_correction.active:
             batch["rollout_logprobs"] = on_response_tokens(engine_logprobs, batch)
         if needs_reference(algo):
             with timer("reference"):
@@ -411,12 +412,11 @@ def _agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
-def _logprob_gap(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:
-    """rollout/logprob_abs_diff: mean |trainer log-prob - engine log-prob| over the response
-    tokens of the rows the trainer's log-probs cover (the first rows of the batch), both of the
-    sampling policy (none while a critic warms up without a trainer pass)."""
+def _mismatch(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:
+    """The engine/trainer mismatch (`rollout_correction.mismatch_metrics`) over the response tokens
+    of the rows the trainer's log-probs cover (the first rows of the batch), both of the sampling
+    policy (none while a critic warms up without a trainer pass)."""
     if trainer is None:
         return {}
     mask = batch["loss_mask"][:len(trainer)].bool()
-    gap = (trainer[mask] - engine[:int(mask.sum())]).abs().mean().item() if mask.any() else 0.0
-    return {"rollout/logprob_abs_diff": gap}
+    return mismatch_metrics(trainer[mask], engine[:int(mask.sum())])

@@ -85,11 +85,11 @@ def trained_gradients(group, *batches_and_losses) -> list[tuple[dict[str, float]
     return results
 
 
-def layout_run(cfg, sft, rl, counts) -> tuple[list[tuple[dict[str, float], dict[str, torch.Tensor]]],
-                                               torch.Tensor, list[dict[str, tuple[int, ...]]]]:
+def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, float], dict[str, torch.Tensor]]],
+                                                          torch.Tensor, list[dict[str, tuple[int, ...]]]]:
     """A training group in `cfg`'s layout on the parity batches: the metrics and full gradients of
     the SFT loss and of the RL policy loss (`trained_gradients`), the SFT batch's log-probs, and each
-    rank's local parameter shapes."""
+    rank's local parameter shapes; `then(group)` runs last, before the group shuts down."""
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
     from rlsys.algorithms.actor_loss import actor_loss
@@ -99,7 +99,10 @@ def layout_run(cfg, sft, rl, counts) -> tuple[list[tuple[dict[str, float], dict[
     try:
         results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
         logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
-        return results, logprobs, group.on_each(probes.local_shapes)
+        shapes = group.on_each(probes.local_shapes)
+        if then is not None:
+            then(group)
+        return results, logprobs, shapes
     finally:
         group.shutdown()
 

@@ -98,6 +98,8 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         (("algorithm.rollout_correction.rollout_is=token", "rollout.top_p=0.9"),
          "rollout.top_p: below 1 the engine's log-probs"),
         (("algorithm.filter_groups=true", "rollout.n=1"), "algorithm.filter_groups: needs groups of rollout.n >= 2"),
+        ("algorithm.router_replay=r2", "algorithm.router_replay: the model has no MoE layers to replay"),
+        ("algorithm.router_replay=r3", "algorithm.router_replay: r3 (the rollout engine's routing) is not supported"),
         ("critic.warmup_steps=3", "critic.warmup_steps: there is no critic unless"),
         ("train.async_mode=one_step", "train.async_mode: one_step generates while the trainer updates"),
         ("rollout.block_size=48", "rollout.block_size: 48 tokens; on CPU a multiple of 32"),

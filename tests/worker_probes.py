@@ -34,6 +34,22 @@ def _forward_backward(worker, shard, loss_fn) -> dict[str, float]:
     return metrics
 
 
+def routed_pass(group, batch) -> list[tuple[dict[str, float], dict[str, torch.Tensor]]]:
+    """A forward pass of the log-probs over `batch`, recording the experts each token went to
+    (replaying them where `batch` holds a routing): the collected ranks' metrics and rows."""
+    from rlsys.algorithms.lm_loss import token_logprobs
+
+    shards = [ray.put(shard) for shard in split_rows(batch, group.dims.dp_size)]
+    refs = [actor.__ray_call__.remote(_routed_pass, shards[group.dp_ranks[rank]], token_logprobs())
+            for rank, actor in enumerate(group.actors)]
+    outputs = group.wait(refs)
+    return [outputs[rank] for _, rank in group.collected]
+
+
+def _routed_pass(worker, shard, loss_fn):
+    return worker.policy.forward_backward(shard, loss_fn, forward_only=True, record_routing=True)
+
+
 def full_gradients(worker) -> dict[str, torch.Tensor]:
     """Unsharded gradients by parameter name (gathers: run it on every rank)."""
     return {name: _full(p.grad).cpu() for name, p in worker.policy.named_parameters()}

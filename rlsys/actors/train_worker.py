@@ -147,6 +147,14 @@ class TrainWorker:
         return rows.get("logprobs")
 
     @releases_freed_memory
+    def compute_logprobs_and_routing(self, shard: Batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """compute_logprobs of the policy ("logprobs"), and the experts each token of its MoE layers
+        went to ("routed_experts", [B, T, MoE layers, k]): what routing replay routes the update to."""
+        _, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True,
+                                               record_routing=True)
+        return rows
+
+    @releases_freed_memory
     def compute_values(self, shard: Batch) -> torch.Tensor | None:
         """The critic's values [B, T] aligned with input_ids (column 0 is 0), without grad."""
         _, rows = self.critic.forward_backward(shard, token_values, forward_only=True)

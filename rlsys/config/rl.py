@@ -141,6 +141,11 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=lambda: RolloutCorrectionConfig())
     """Corrections for the engine sampling with other numbers than the trainer's (VeRL's
     algorithm.rollout_correction): importance weights, rejection masks, a veto."""
+    router_replay: Literal["off", "r2", "r3"] = "off"
+    """MoE routing replay. r2: the experts each token went to in the trainer's pass that computes
+    the old log-probs (taken even when the update is on-policy) are the experts every update
+    forward of the step routes it to, weighted by the current router (VeRL's, slime's R2). r3:
+    the rollout engine's routing (not supported yet)."""
     extensions: list[str] = Field(default_factory=list)
     """Python files or packages whose `@register_advantage` / `@register_policy_loss`
     decorators add estimators and losses to choose by name."""

@@ -22,7 +22,7 @@ dense mask is computed over a row's whole width, so a prompt short beside its
 responses saves less than the wider rows cost (the fraction is a guard, not a
 measured break-even).
 
-Every [B, T] field is packed the same way, so a loss whose terms are sums over
+Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed
 after another is never a target: its `loss_mask` is 0 there, as position 0 of an
 unpacked row never is one.
@@ -55,14 +55,18 @@ class Packing:
     shared_length: torch.Tensor
     """[B]: how many leading tokens each row reads from `prompt_row` (0 unless it shares)."""
 
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """A per-token output [rows, width] back to [B, T]; column 0 (no prediction) is 0. A
-        shared prompt's tokens read the copy whose output saw the whole prompt."""
-        rows = torch.zeros(self.shape, dtype=packed.dtype, device=packed.device)
+    def unpack(self, packed: torch.Tensor, per_label: bool = True) -> torch.Tensor:
+        """A per-token output [rows, width, ...] back to [B, T, ...]. A shared prompt's tokens read
+        the copy whose output saw the whole prompt. `per_label`: an output for each token's label
+        (a log-prob), whose column 0 (nothing predicts the first token) is 0; else an output for
+        each input token (the experts it went to)."""
+        rows = torch.zeros((*self.shape, *packed.shape[2:]), dtype=packed.dtype, device=packed.device)
         rows[self.source] = packed[self.target]
         shared = torch.arange(self.shape[1], device=packed.device) < self.shared_length[:, None].to(packed.device)
+        shared = shared.view(*shared.shape, *[1] * (packed.dim() - 2))
         rows = torch.where(shared, rows[self.prompt_row.to(packed.device)], rows)
-        rows[:, 0] = 0
+        if per_label:
+            rows[:, 0] = 0
         return rows
 
 
@@ -95,7 +99,7 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
 
     packed = {}
     for name, values in batch.items():
-        out = torch.zeros((num_rows, width), dtype=values.dtype)
+        out = torch.zeros((num_rows, width, *values.shape[2:]), dtype=values.dtype)
         out[target] = values[source]
         packed[name] = out
     if "loss_mask" in packed:

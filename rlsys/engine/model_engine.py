@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -42,7 +41,15 @@ from rlsys.models import lora
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
 from rlsys.parallel.pipeline_schedule import run_schedule
-from rlsys.parallel.rank_sequence import RankSequence, loss_logits, rank_sequence, whole_rows
+from rlsys.parallel.rank_sequence import (
+    RankSequence,
+    loss_logits,
+    pad_columns,
+    rank_sequence,
+    whole_positions,
+    whole_rows,
+)
+from rlsys.parallel.router_replay import ROUTING_FIELD, replay_agreement, start_recording, take_recorded
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class ModelEngine:
         self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
         self.pp_group = mesh["pp"].get_group()
         self.pp_rank = mesh["pp"].get_local_rank()
+        self.moe_blocks = [block for part in self.parts for block in moe_blocks(part)]
         self.router = self._router_balance()
         # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
         split = spec.parallel.sequence_parallel or (self.router is not None and spec.dims.tp > 1)
@@ -102,7 +110,7 @@ class ModelEngine:
     def _router_balance(self) -> RouterBalance | None:
         """An MoE model's load-balancing loss over every MoE layer of this rank's parts (None
         for a dense model), over the tokens of all data-, context- and tensor-parallel ranks."""
-        blocks = [block for part in self.parts for block in moe_blocks(part)]
+        blocks = self.moe_blocks
         if not blocks:
             return None
         coef = self.spec.model.router_aux_loss_coef
@@ -141,21 +149,24 @@ class ModelEngine:
 
     # -- compute --------------------------------------------------------------
 
-    def forward_backward(self, shard: Batch, loss_fn: LossFn, forward_only: bool = False
-                         ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    def forward_backward(self, shard: Batch, loss_fn: LossFn, forward_only: bool = False,
+                         record_routing: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Run `loss_fn` on every micro-batch of this rank's `shard` (and backward unless
         `forward_only`). Returns the metric sums, added up over the data-parallel ranks, and
         the per-row outputs of this shard, [rows, T] like its input_ids (on the ranks that
-        compute the loss: under pipelining, the last stage)."""
+        compute the loss: under pipelining, the last stage). An MoE model's `record_routing`
+        adds the experts each token went to (`router_replay.ROUTING_FIELD`); a shard holding
+        that field routes its tokens to them (`rlsys.parallel.router_replay`)."""
         for part in self.parts:
             part.train(not forward_only and self.trainable)
         if self.spec.dims.pp > 1:
             sums, rows = self._pipelined(shard, loss_fn, forward_only)
         else:
-            sums, rows = self._micro_batched(shard, loss_fn, forward_only)
+            sums, rows = self._micro_batched(shard, loss_fn, forward_only, record_routing)
         for part in self.fsdp_parts:
             part.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
-        return {**self._sum_metrics(sums), **self._router_metrics()}, rows
+        replayed = replay_agreement(self.moe_blocks, self.router.group, self.device) if ROUTING_FIELD in shard else {}
+        return {**self._sum_metrics(sums), **self._router_metrics(), **replayed}, rows
 
     def _router_metrics(self) -> dict[str, float]:
         """The routers' load-balancing loss (over MoE layers and passes) and their busiest
@@ -170,7 +181,7 @@ class ModelEngine:
         loss, max_load, count = totals.tolist()
         return {"router/aux_loss": loss / count, "router/max_load": max_load / count} if count else {}
 
-    def _micro_batched(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
+    def _micro_batched(self, shard: Batch, loss_fn: LossFn, forward_only: bool, record_routing: bool = False):
         sums: dict[str, torch.Tensor] = {}
         rows: dict[str, list[torch.Tensor]] = {}
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
@@ -188,20 +199,31 @@ class ModelEngine:
                     self.router.skip_pass()
                 elif self.router is not None:
                     self.router.start(passes)
+                if record_routing:
+                    start_recording(self.moe_blocks)
                 out = loss_fn(loss_logits(self._forward(seq, filler), seq), seq.fields)
                 if not forward_only:
                     (out.loss * 0 if filler else out.loss).backward()
                 if filler:
                     continue
+                if record_routing:
+                    out.rows[ROUTING_FIELD] = self._recorded_routing(seq, packing)
                 for name, value in out.metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
                 for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
-                    value = whole_rows(value.detach(), seq, self.cp_group)
-                    if packing:
-                        value = packing.unpack(value)
+                    if name != ROUTING_FIELD:
+                        value = whole_rows(value.detach(), seq, self.cp_group)
+                        value = packing.unpack(value) if packing else value
                     width = shard["input_ids"].shape[1] - value.shape[1]
-                    rows.setdefault(name, []).append(F.pad(value.cpu(), (0, width)))
+                    rows.setdefault(name, []).append(pad_columns(value.cpu(), width))
         return sums, {name: torch.cat(parts) for name, parts in rows.items()}
+
+    def _recorded_routing(self, seq: RankSequence, packing) -> torch.Tensor:
+        """The experts the last forward routed `seq`'s tokens to, [B, T, MoE layers, k] for the
+        micro-batch's rows as they were before packing and context parallel."""
+        routing = whole_positions(take_recorded(self.moe_blocks, self.mesh["tp"].get_group()), seq, self.cp_group)
+        routing = packing.unpack(routing, per_label=False) if packing else routing
+        return routing.to(torch.int16)
 
     def _micro_batches(self, shard: Batch) -> tuple[list[Batch], int]:
         """The shard's micro-batches, and how many passes that add nothing to run after them.
@@ -297,6 +319,8 @@ class ModelEngine:
         if self.router is not None:
             weights = self._token_weights(seq)
             moe["moe_token_mask"] = torch.zeros_like(weights) if filler else weights
+        if ROUTING_FIELD in seq.fields:
+            moe["moe_routing"] = seq.fields[ROUTING_FIELD][:, :ids.shape[1]].to(self.device)
         return self.parts[0](input_ids=ids, attention_mask=self._attention_mask(seq),
                              position_ids=positions.to(self.device), use_cache=False, **moe).logits
 

@@ -179,6 +179,15 @@ class MoEBlock(nn.Module):
         """[B, T] 1 for this pass's real tokens (the engine passes it with each forward)."""
         self.tp_split: tuple[int, int] | None = None
         """(tp rank, tp size) when the tokens are split between the tensor-parallel ranks."""
+        self.moe_index = 0
+        """This block's place among the model's MoE blocks (its slice of a replayed routing)."""
+        self.replay: torch.Tensor | None = None
+        """[B, T, k] experts to route this pass's tokens to (routing replay), else None."""
+        self.recorded: list[torch.Tensor] | None = None
+        """When a list, each forward appends the experts it chose, [B, T', k] (T' this tp rank's
+        share of T)."""
+        self.agreement = torch.zeros(2)
+        """Replay: [real tokens whose own top-k set equals the replayed one, real tokens] so far."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
@@ -186,6 +195,13 @@ class MoEBlock(nn.Module):
         probs = F.softmax(_replicated(self.gate, tokens, lambda x: F.linear(x, self.gate.weight)), dim=-1,
                           dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.replay is not None:  # the recorded experts, weighted by this pass's router (its gradient)
+            replayed = self._this_rank(self.replay).reshape(-1, self.top_k).to(chosen.device, torch.long)
+            if not _in_backward():
+                self._count_agreement(chosen, replayed, shape)
+            chosen, weights = replayed, probs.gather(-1, replayed)
+        if self.recorded is not None:
+            self.recorded.append(chosen.detach().view(shape[0], shape[1], -1).to(torch.int16))
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self.experts(tokens, chosen, weights.to(tokens.dtype))
@@ -200,11 +216,19 @@ class MoEBlock(nn.Module):
         """This rank's real tokens among the block's [B, T'] (its tensor-parallel share of T)."""
         if self.token_mask is None:
             return torch.ones(shape[0] * shape[1], device=self.gate.weight.device)
-        mask = self.token_mask
-        if self.tp_split is not None:
-            rank, size = self.tp_split
-            mask = mask.chunk(size, dim=1)[rank]
-        return mask.reshape(-1).to(self.gate.weight.device)
+        return self._this_rank(self.token_mask).reshape(-1).to(self.gate.weight.device)
+
+    def _this_rank(self, per_token: torch.Tensor) -> torch.Tensor:
+        """This tensor-parallel rank's share of a [B, T, ...] per-token tensor."""
+        if self.tp_split is None:
+            return per_token
+        rank, size = self.tp_split
+        return per_token.chunk(size, dim=1)[rank]
+
+    def _count_agreement(self, own: torch.Tensor, replayed: torch.Tensor, shape: torch.Size) -> None:
+        same = (own.sort(-1).values == replayed.sort(-1).values).all(-1).float()
+        valid = self._valid(shape).to(same.device)
+        self.agreement += torch.stack([(same * valid).sum(), valid.sum()]).detach().cpu()
 
 
 def _replicated(module: nn.Module, tokens: torch.Tensor, fn) -> torch.Tensor:
@@ -223,22 +247,25 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
 
 def install_moe_blocks(model: nn.Module) -> int:
     """Put a `MoEBlock` in place of every decoder layer's sparse MoE block (`mlp` with experts);
-    returns how many. A forward pre-hook on each layer takes the `moe_token_mask` keyword the
-    engine passes with the model's inputs (HF hands its keywords down to every layer; a
-    recomputed layer gets them again) and gives it to the layer's block."""
+    returns how many. A forward pre-hook on each layer takes the keywords the engine passes with
+    the model's inputs (HF hands its keywords down to every layer; a recomputed layer gets them
+    again): `moe_token_mask` [B, T] and, to replay a routing, `moe_routing` [B, T, MoE blocks, k]."""
     count = 0
     for layer in getattr(model.model, "layers", []):
         if layer is None:
             continue
         if hasattr(getattr(layer, "mlp", None), "experts"):
             layer.mlp = MoEBlock(layer.mlp)
+            layer.mlp.moe_index = count
             count += 1
-        layer.register_forward_pre_hook(_take_token_mask, with_kwargs=True)
+        layer.register_forward_pre_hook(_take_moe_inputs, with_kwargs=True)
     return count
 
 
-def _take_token_mask(layer: nn.Module, args, kwargs):
+def _take_moe_inputs(layer: nn.Module, args, kwargs):
     mask = kwargs.pop("moe_token_mask", None)
+    routing = kwargs.pop("moe_routing", None)
     if isinstance(layer.mlp, MoEBlock):
         layer.mlp.token_mask = mask
+        layer.mlp.replay = None if routing is None else routing[:, :, layer.mlp.moe_index]
     return args, kwargs

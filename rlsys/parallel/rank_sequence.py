@@ -75,5 +75,21 @@ def whole_rows(rows: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:
     return F.pad(torch.cat(parts, dim=1), (1, 0))[:, :seq.length]
 
 
+def whole_positions(values: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:
+    """Per-input-position values of `seq`, [B, span, ...] -> [B, length, ...] in sequence order
+    (under context parallel, a collective over `cp_group`, each rank's chunk in rank order)."""
+    if seq.chunked:
+        parts = [torch.empty_like(values) for _ in range(dist.get_world_size(cp_group))]
+        dist.all_gather(parts, values.contiguous(), group=cp_group)
+        values = torch.cat(parts, dim=1)
+    return values[:, :seq.length]
+
+
+def pad_columns(value: torch.Tensor, extra: int) -> torch.Tensor:
+    """`value` [B, T, ...] with `extra` zero columns after its T (per-token fields may carry
+    trailing dimensions: a routing's layers and experts)."""
+    return F.pad(value, (0, 0) * (value.dim() - 2) + (0, extra))
+
+
 def _pad_columns(batch: Batch, extra: int) -> Batch:
-    return {name: F.pad(value, (0, extra)) for name, value in batch.items()} if extra else batch
+    return {name: pad_columns(value, extra) for name, value in batch.items()} if extra else batch

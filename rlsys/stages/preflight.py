@@ -18,7 +18,7 @@ from rlsys.config.rl import AlgorithmConfig
 from rlsys.config.rollout import EvalConfig
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.config.training import TrainConfig
-from rlsys.models.moe import moe_family
+from rlsys.models.moe import moe_family, num_experts
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
@@ -58,6 +58,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
     check_algorithm(cfg.algorithm, cfg.parallel)
     _check_algorithm_against_job(cfg)
+    check_router_replay(cfg.algorithm, cfg.parallel, model_config)
     check_rl_batch(cfg, dims.dp_size)
     if cfg.reward.overlong_buffer_len >= cfg.rollout.response_budget:
         raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below the response "
@@ -133,6 +134,23 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
     if correction.active and algo.old_logprobs == "rollout":
         raise ConfigError("algorithm.rollout_correction: with old_logprobs: rollout every ratio is 1; "
                           "use old_logprobs: auto or trainer")
+
+
+def check_router_replay(algo: AlgorithmConfig, parallel: ParallelConfig, model_config: PretrainedConfig) -> None:
+    """R2 replays an MoE model's routing from the trainer's old-log-prob pass."""
+    if algo.router_replay == "off":
+        return
+    if algo.router_replay == "r3":
+        raise ConfigError("algorithm.router_replay: r3 (the rollout engine's routing) is not supported yet; "
+                          "r2 replays the routing of the trainer's old-log-prob pass")
+    if not num_experts(model_config):
+        raise ConfigError("algorithm.router_replay: the model has no MoE layers to replay")
+    if parallel.pp > 1:
+        raise ConfigError("algorithm.router_replay: not with parallel.pp > 1 yet (the routing of the earlier "
+                          "stages' layers does not reach the last stage)")
+    if algo.old_logprobs == "rollout":
+        raise ConfigError("algorithm.router_replay: r2 records the routing in the trainer's old-log-prob pass; "
+                          "not with old_logprobs: rollout")
 
 
 def _check_algorithm_against_job(cfg: RLJobConfig) -> None:

@@ -43,6 +43,7 @@ from rlsys.data.batching import (
 from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.parallel.router_replay import ROUTING_FIELD
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.stages.agent_setup import AgentSetup, agent_setup
@@ -265,7 +266,10 @@ class RLVRTrainer:
         """The log-prob fields the update reads: old (a trainer pass, or the engine's), the
         engine's for rollout importance sampling, the reference's for a KL term."""
         algo = self.cfg.algorithm
-        if self.old_logprobs == "trainer":
+        if self.old_logprobs == "trainer" and algo.router_replay == "r2":
+            with timer("old_logprob"):
+                batch["old_logprobs"], batch[ROUTING_FIELD] = self._logprobs_and_routing(batch)
+        elif self.old_logprobs == "trainer":
             with timer("old_logprob"):
                 batch["old_logprobs"] = self._logprobs(batch)
         elif self.old_logprobs == "rollout":
@@ -275,6 +279,12 @@ class RLVRTrainer:
         if needs_reference(algo):
             with timer("reference"):
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
+
+    def _logprobs_and_routing(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The old log-probs and the experts each token went to in the same pass (R2)."""
+        shards = self.train_group.run_data_parallel("compute_logprobs_and_routing", batch,
+                                                    temperature=self.cfg.rollout.temperature)
+        return torch.cat([rows["logprobs"] for rows in shards]), torch.cat([rows[ROUTING_FIELD] for rows in shards])
 
     def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         return torch.cat(self.train_group.run_data_parallel("compute_logprobs", batch,

@@ -1,0 +1,53 @@
+"""Routing replay for MoE RL (R2): the experts each token went to in the pass that computed the
+old log-probs are recorded, per token and MoE layer, and the update's forwards route every token to
+those experts again, weighted by the current router's probabilities of them (so the router still
+learns). Without it the update's router may pick other experts for the same token than the pass
+it is compared with, and the PPO ratio measures the change of routing rather than of the policy.
+
+The recorded routing travels with the batch as one more per-token field, `routed_experts`
+[B, T, MoE layers, k] (int16), cut, packed and split over context-parallel ranks as every field
+is; the engine hands it to the model, each MoE block takes its layer's slice and, under tensor
+parallel, its rank's share of the tokens (`MoEBlock.replay`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlsys.parallel.moe_block import MoEBlock
+
+ROUTING_FIELD = "routed_experts"
+
+
+def start_recording(blocks: list[MoEBlock]) -> None:
+    for block in blocks:
+        block.recorded = []
+
+
+def take_recorded(blocks: list[MoEBlock], tp_group) -> torch.Tensor:
+    """The experts the blocks chose in the last forward, [B, T, MoE layers, k] for the model's
+    whole input (gathered over the tensor-parallel ranks that split its tokens), int32 (what gloo
+    and nccl gather); stops recording."""
+    chosen = torch.stack([block.recorded.pop() for block in blocks], dim=2).to(torch.int32)
+    for block in blocks:
+        block.recorded = None
+    if blocks[0].tp_split is not None:
+        parts = [torch.empty_like(chosen) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(parts, chosen.contiguous(), group=tp_group)
+        chosen = torch.cat(parts, dim=1)
+    return chosen
+
+
+def replay_agreement(blocks: list[MoEBlock], group, device: torch.device) -> dict[str, float]:
+    """router/replay_agreement: the share of (real token, MoE layer) pairs of the passes since the
+    last call whose replayed experts are the set the router would have chosen itself, over every
+    rank of `group` (none without a replay); resets the counts."""
+    totals = sum((block.agreement for block in blocks), torch.zeros(2))
+    for block in blocks:
+        block.agreement = torch.zeros(2)
+    totals = totals.to(device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    agree, count = totals.tolist()
+    return {"router/replay_agreement": agree / count} if count else {}

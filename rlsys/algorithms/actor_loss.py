@@ -72,6 +72,9 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
             "actor/clip_frac": token_share(terms.clipped, mask, counts),
             "actor/entropy": token_share(entropy, mask, counts),
             "actor/kl": token_share(kl, mask, counts),
+            # how far this update's policy has moved from the old one on these tokens (VeRL's ppo_kl)
+            "actor/ppo_kl": token_share(old_logprobs - current, mask, counts),
+            "actor/log_ratio_abs": token_share((current - old_logprobs).abs(), mask, counts),
         }
         if terms.clipped_lower is not None:
             metrics["actor/clip_frac_lower"] = token_share(terms.clipped_lower, mask, counts)

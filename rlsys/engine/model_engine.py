@@ -165,7 +165,9 @@ class ModelEngine:
             sums, rows = self._micro_batched(shard, loss_fn, forward_only, record_routing)
         for part in self.fsdp_parts:
             part.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
-        replayed = replay_agreement(self.moe_blocks, self.router.group, self.device) if ROUTING_FIELD in shard else {}
+        replayed = {}
+        if ROUTING_FIELD in shard and self.router is not None:
+            replayed = replay_agreement(self.moe_blocks, self.router.group, self.device)
         return {**self._sum_metrics(sums), **self._router_metrics(), **replayed}, rows
 
     def _router_metrics(self) -> dict[str, float]:

@@ -84,8 +84,7 @@ def _held_peak(estimate: RankMemory) -> int:
 def check_full_size(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_STEP) -> dict:
     """Rank 0 of `layout` at the size of the model in `model_dir` (a config.json is enough), measured
     on `step.device`, beside the estimate of the same rank: what it holds wherever it
-    lives (states, gathered weights, activations) against its peak (resident memory, or on a GPU
-    what torch allocated)."""
+    lives (states, gathered weights, activations) against the peak of what its tensors held."""
     [measured] = measure(asdict(layout.parallel), model_dir, step)
     estimate = _full_size_memory(model_dir, layout, step)
     return {"layout": layout.name, "estimate": estimate, "estimated_peak": _held_peak(estimate),

@@ -3,7 +3,8 @@ mini-batches per step (off-policy updates inside the step), without replay and w
 run one after the other in one process, and per run the mean over its steps of how far the
 update's policy moved from the old one on the tokens it trained (`actor/log_ratio_abs`,
 `actor/ppo_kl`), how many tokens PPO clipped, and with R2 the share of (token, layer) pairs
-the update's routers would have sent elsewhere (1 - `router/replay_agreement`).
+the update's routers would have sent elsewhere (1 - `router/replay_agreement`). Step 1 of
+both runs trains on the same samples (the same seed and weights); later steps differ.
 
     .venv/bin/python benchmarks/router_replay.py --data runs/arith/data/rl_train.parquet
 
@@ -47,7 +48,9 @@ def run(args, replay: str) -> dict[str, float]:
 
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps = [row for row in rows if "actor/clip_frac" in row]
-    return {name: statistics.mean(row[name] for row in steps) for name in FIGURES if name in steps[0]}
+    first = {f"{name} (step 1)": steps[0][name] for name in ("reward/mean", *FIGURES) if name in steps[0]}
+    means = {name: statistics.mean(row[name] for row in steps) for name in FIGURES if name in steps[0]}
+    return {**first, **means}
 
 
 def main() -> None:
@@ -63,13 +66,14 @@ def main() -> None:
 
         write_tiny_model(args.model, TinyModelSpec(hidden_size=128, num_hidden_layers=4, num_experts=16,
                                                    num_experts_per_tok=2, moe_intermediate_size=64))
-    results = {replay: run(args, replay) for replay in ("off", "r2")}
+    results = {replay: run(args, replay) for replay in ("none", "r2")}
     print(f"\nQwen3-MoE (random, 16 experts top-2, 4 layers), {args.steps} steps of 16 prompts x 4 responses, "
-          f"4 mini-batches x 2 epochs a step; means over the steps:\n")
+          f"4 mini-batches x 2 epochs a step; step 1 (the same samples in both runs: the same reward), then "
+          f"means over the steps (the runs' samples differ from step 2 on):\n")
     print("| figure | without replay | R2 |")
     print("|---|---|---|")
-    for name in FIGURES:
-        cells = [f"{results[replay][name]:.4g}" if name in results[replay] else "-" for replay in ("off", "r2")]
+    for name in results["r2"]:
+        cells = [f"{results[replay][name]:.4g}" if name in results[replay] else "-" for replay in ("none", "r2")]
         print(f"| {name} | {cells[0]} | {cells[1]} |")
 
 

@@ -88,8 +88,10 @@ def check_routing_replay(group, batch) -> None:
     first = cat_rows([rows for _, rows in probes.routed_pass(group, batch)])
     real = batch["attention_mask"].bool()
     replayed = {**batch, ROUTING_FIELD: first[ROUTING_FIELD]}
-    again = cat_rows([rows for _, rows in probes.routed_pass(group, replayed)])
+    passes = probes.routed_pass(group, replayed)
+    again = cat_rows([rows for _, rows in passes])
     assert torch.equal(again[ROUTING_FIELD][real], first[ROUTING_FIELD][real])
+    assert passes[0][0]["router/replay_agreement"] == 1.0  # the same weights choose the same experts
     assert (again["logprobs"] - first["logprobs"]).abs().max() < 1e-6
     group.on_each(probes.perturb_parameters, 0.5, 7)
     passes = probes.routed_pass(group, replayed)
@@ -160,7 +162,7 @@ def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model
     raw = rl_raw(moe_model_dirs[family], arith_files, str(tmp_path / "rl"))
     raw["parallel"] = {"dp_shard": 2, "ep": 2}
     replays = family == "qwen3_moe" and not through_object_store
-    raw["algorithm"]["router_replay"] = "r2" if replays else "off"
+    raw["algorithm"]["router_replay"] = "r2" if replays else "none"
     raw["rollout"].update(sync_shared_memory=not through_object_store, sync_bucket_mb=0.02)
     cfg = build_config(RLJobConfig, raw)
     trainer = RLVRTrainer(cfg)

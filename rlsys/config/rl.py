@@ -141,7 +141,7 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=lambda: RolloutCorrectionConfig())
     """Corrections for the engine sampling with other numbers than the trainer's (VeRL's
     algorithm.rollout_correction): importance weights, rejection masks, a veto."""
-    router_replay: Literal["off", "r2", "r3"] = "off"
+    router_replay: Literal["none", "r2", "r3"] = "none"
     """MoE routing replay. r2: the experts each token went to in the trainer's pass that computes
     the old log-probs (taken even when the update is on-policy) are the experts every update
     forward of the step routes it to, weighted by the current router (VeRL's, slime's R2). r3:

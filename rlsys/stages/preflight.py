@@ -138,7 +138,7 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
 
 def check_router_replay(algo: AlgorithmConfig, parallel: ParallelConfig, model_config: PretrainedConfig) -> None:
     """R2 replays an MoE model's routing from the trainer's old-log-prob pass."""
-    if algo.router_replay == "off":
+    if algo.router_replay == "none":
         return
     if algo.router_replay == "r3":
         raise ConfigError("algorithm.router_replay: r3 (the rollout engine's routing) is not supported yet; "

@@ -27,7 +27,7 @@ def old_logprobs_source(cfg: RLJobConfig) -> Literal["current", "trainer", "roll
     algo = cfg.algorithm
     if algo.old_logprobs != "auto":
         return algo.old_logprobs
-    on_policy = (updates_per_step(cfg) == 1 and not algo.use_kl_in_reward and algo.router_replay == "off"
+    on_policy = (updates_per_step(cfg) == 1 and not algo.use_kl_in_reward and algo.router_replay == "none"
                  and cfg.train.async_mode == "off")  # asynchronous: older weights sampled
     return "current" if on_policy else "trainer"
 

@@ -29,6 +29,7 @@ from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
 from rlsys.engine.state import export_hf
 from rlsys.host_memory import releases_freed_memory
 from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.router_replay import without_routing
 from rlsys.sync.shards import ShardBucket, Shared, pack
 
 
@@ -138,6 +139,8 @@ class TrainWorker:
     def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor | None:
         """Per-token log-probs [B, T] at the sampling temperature, aligned with input_ids
         (column 0 is 0), without grad (None on a pipeline stage before the last)."""
+        if reference:
+            shard = without_routing(shard)
         if reference and self.reference is None:  # LoRA: the base model is the reference
             with self.policy.adapters_off():
                 _, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True)
@@ -157,13 +160,13 @@ class TrainWorker:
     @releases_freed_memory
     def compute_values(self, shard: Batch) -> torch.Tensor | None:
         """The critic's values [B, T] aligned with input_ids (column 0 is 0), without grad."""
-        _, rows = self.critic.forward_backward(shard, token_values, forward_only=True)
+        _, rows = self.critic.forward_backward(without_routing(shard), token_values, forward_only=True)
         return rows.get("values")
 
     @releases_freed_memory
     def critic_step(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
         """forward_backward of the value loss, then one critic optimizer step."""
-        metrics, _ = self.critic.forward_backward(shard, loss_fn)
+        metrics, _ = self.critic.forward_backward(without_routing(shard), loss_fn)
         return {**metrics, **{f"critic/{k}": v for k, v in self.critic.optimizer_step().items()}}
 
     # -- weights for the rollout engines ------------------------------------

@@ -20,6 +20,12 @@ from rlsys.parallel.moe_block import MoEBlock
 ROUTING_FIELD = "routed_experts"
 
 
+def without_routing(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` for a model whose routers are not the policy's (the reference, the critic): the
+    policy's routing is not replayed there."""
+    return {name: value for name, value in batch.items() if name != ROUTING_FIELD}
+
+
 def start_recording(blocks: list[MoEBlock]) -> None:
     for block in blocks:
         block.recorded = []

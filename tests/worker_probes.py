@@ -22,11 +22,17 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def forward_backward(group, batch, loss_fn) -> list[dict[str, float]]:
     """Accumulate `loss_fn`'s gradients over `batch`, split as the group splits a training batch
     (without an optimizer step); the collected ranks' metrics, in data-parallel order."""
+    return _on_shards(group, batch, _forward_backward, loss_fn)
+
+
+def _on_shards(group, batch, fn, *args) -> list:
+    """`fn(worker, shard, *args)` on every rank, `batch` split as the group splits a training
+    batch; the collected ranks' results, in data-parallel order."""
     shards = [ray.put(shard) for shard in split_rows(batch, group.dims.dp_size)]
-    refs = [actor.__ray_call__.remote(_forward_backward, shards[group.dp_ranks[rank]], loss_fn)
+    refs = [actor.__ray_call__.remote(fn, shards[group.dp_ranks[rank]], *args)
             for rank, actor in enumerate(group.actors)]
-    metrics = group.wait(refs)
-    return [metrics[rank] for _, rank in group.collected]
+    outputs = group.wait(refs)
+    return [outputs[rank] for _, rank in group.collected]
 
 
 def _forward_backward(worker, shard, loss_fn) -> dict[str, float]:
@@ -39,11 +45,7 @@ def routed_pass(group, batch) -> list[tuple[dict[str, float], dict[str, torch.Te
     (replaying them where `batch` holds a routing): the collected ranks' metrics and rows."""
     from rlsys.algorithms.lm_loss import token_logprobs
 
-    shards = [ray.put(shard) for shard in split_rows(batch, group.dims.dp_size)]
-    refs = [actor.__ray_call__.remote(_routed_pass, shards[group.dp_ranks[rank]], token_logprobs())
-            for rank, actor in enumerate(group.actors)]
-    outputs = group.wait(refs)
-    return [outputs[rank] for _, rank in group.collected]
+    return _on_shards(group, batch, _routed_pass, token_logprobs())
 
 
 def _routed_pass(worker, shard, loss_fn):

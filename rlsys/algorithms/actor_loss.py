@@ -1,7 +1,7 @@
 """The actor's loss of one micro-batch, as a pure loss function for the model engine: the
 configured policy-gradient loss (`algorithm.policy_loss`) on the batch's advantages, corrected
-for the engine/trainer mismatch where it is on (`algorithm.rollout_correction`), plus an optional KL term, aggregated by
-`algorithm.loss_agg`."""
+for the engine/trainer mismatch where it is on (`algorithm.rollout_correction`), plus an
+optional KL term, aggregated by `algorithm.loss_agg`."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
         per_token = per_token + algo.kl_coef * kl
     loss = aggregate(per_token, mask, loss_agg, counts)
     with torch.no_grad():
+        moved = current - old_logprobs  # how far this update's policy is from the old one on these tokens
         entropy = entropy_from_logits(logits[:, :-1])
         if isinstance(entropy, DTensor):
             entropy = entropy.full_tensor()
@@ -72,9 +73,8 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
             "actor/clip_frac": token_share(terms.clipped, mask, counts),
             "actor/entropy": token_share(entropy, mask, counts),
             "actor/kl": token_share(kl, mask, counts),
-            # how far this update's policy has moved from the old one on these tokens (VeRL's ppo_kl)
-            "actor/ppo_kl": token_share(old_logprobs - current, mask, counts),
-            "actor/log_ratio_abs": token_share((current - old_logprobs).abs(), mask, counts),
+            "actor/ppo_kl": token_share(-moved, mask, counts),  # VeRL's ppo_kl
+            "actor/log_ratio_abs": token_share(moved.abs(), mask, counts),
         }
         if terms.clipped_lower is not None:
             metrics["actor/clip_frac_lower"] = token_share(terms.clipped_lower, mask, counts)

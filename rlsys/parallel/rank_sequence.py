@@ -70,19 +70,22 @@ def whole_rows(rows: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:
     j + 1 and column 0 is unused; the whole sequence's column 0 is zero."""
     if not seq.chunked:
         return rows[:, :seq.length]
-    parts = [torch.empty_like(rows[:, 1:]) for _ in range(dist.get_world_size(cp_group))]
-    dist.all_gather(parts, rows[:, 1:].contiguous(), group=cp_group)
-    return F.pad(torch.cat(parts, dim=1), (1, 0))[:, :seq.length]
+    return F.pad(_chunks_in_rank_order(rows[:, 1:], cp_group), (1, 0))[:, :seq.length]
 
 
 def whole_positions(values: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:
     """Per-input-position values of `seq`, [B, span, ...] -> [B, length, ...] in sequence order
     (under context parallel, a collective over `cp_group`, each rank's chunk in rank order)."""
     if seq.chunked:
-        parts = [torch.empty_like(values) for _ in range(dist.get_world_size(cp_group))]
-        dist.all_gather(parts, values.contiguous(), group=cp_group)
-        values = torch.cat(parts, dim=1)
+        values = _chunks_in_rank_order(values, cp_group)
     return values[:, :seq.length]
+
+
+def _chunks_in_rank_order(chunk: torch.Tensor, cp_group) -> torch.Tensor:
+    """Every context-parallel rank's `chunk`, laid end to end along dim 1."""
+    parts = [torch.empty_like(chunk) for _ in range(dist.get_world_size(cp_group))]
+    dist.all_gather(parts, chunk.contiguous(), group=cp_group)
+    return torch.cat(parts, dim=1)
 
 
 def pad_columns(value: torch.Tensor, extra: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ def check(config, layout: Layout, step: StepShape = StepShape(rows=2, seq_len=64
         measured = measure(asdict(small.parallel), model_dir, step)
     work = Workload(sequences=step.rows * small.dims.dp_size, seq_len=step.seq_len,
                     micro_batch_rows=step.micro_batch or step.rows)
-    precision = Precision(compute_bytes=4, mixed=False)  # one step on CPU computes in fp32
+    precision = measured_precision(step)
     rows = []
     for rank, got in enumerate(measured):
         estimate = rank_memory(shapes, small, work, precision, rank)
@@ -63,13 +63,17 @@ def check(config, layout: Layout, step: StepShape = StepShape(rows=2, seq_len=64
 FULL_SIZE_STEP = StepShape(rows=1, seq_len=256, steps=2, one_rank=True)
 
 
+def measured_precision(step: StepShape) -> Precision:
+    """What a measured step computes in (`planner.measure`): fp32 on a CPU, bf16 over fp32 masters on a GPU."""
+    return Precision() if step.device == "cuda" else Precision(compute_bytes=4, mixed=False)
+
+
 def _full_size_memory(model_dir: str, layout: Layout, step: StepShape) -> RankMemory:
-    """The estimate of rank 0 at full size, computing as the measured step does: fp32 on a CPU, bf16 on a GPU."""
+    """The estimate of rank 0 at full size, computing as the measured step does."""
     shapes = ModelShapes(transformers.AutoConfig.from_pretrained(model_dir))
     work = Workload(sequences=step.rows * layout.dims.dp_size, seq_len=step.seq_len,
                     micro_batch_rows=step.micro_batch or step.rows)
-    precision = Precision() if step.device == "cuda" else Precision(compute_bytes=4, mixed=False)
-    return rank_memory(shapes, layout, work, precision, 0)
+    return rank_memory(shapes, layout, work, measured_precision(step), 0)
 
 
 def full_size_estimate(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_STEP) -> int:
@@ -87,8 +91,9 @@ def check_full_size(model_dir: str, layout: Layout, step: StepShape = FULL_SIZE_
     lives (states, gathered weights, activations) against the peak of what its tensors held."""
     [measured] = measure(asdict(layout.parallel), model_dir, step)
     estimate = _full_size_memory(model_dir, layout, step)
-    return {"layout": layout.name, "estimate": estimate, "estimated_peak": _held_peak(estimate),
-            "measured": measured, "ratio": _held_peak(estimate) / measured["step_peak"]}
+    peak = _held_peak(estimate)
+    return {"layout": layout.name, "estimate": estimate, "estimated_peak": peak, "measured": measured,
+            "ratio": peak / measured["step_peak"]}
 
 
 def full_size_table(rows: list[dict]) -> str:

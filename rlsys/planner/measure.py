@@ -144,6 +144,8 @@ class CudaAllocations:
 
     def __enter__(self):
         self.peaks: dict[str, int] = {}
+        self.resident: dict[str, int] = {}
+        """Empty on a GPU: the host's memory is not what the GPU's step holds."""
         self._baseline = torch.cuda.memory_allocated()
         return self
 
@@ -185,10 +187,9 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     params = local_bytes(p for _, p in engine.named_parameters())
     optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
                         for t in state.values() if t.dim() > 0)
-    resident = getattr(memory, "resident", {})  # the CPU's: host memory the process kept
     results.put((rank, {"params": params, "grads": grads, "optim": optim, "load_peak": memory.peaks["load"],
                         "step_peak": memory.peaks["step"], "step_s": step_s,
-                        "load_resident": resident.get("load"), "step_resident": resident.get("step")}))
+                        "load_resident": memory.resident.get("load"), "step_resident": memory.resident.get("step")}))
     dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from rlsys.config.loader import ConfigError, config_to_dict, load_config
+from rlsys.config.loader import ConfigError, build_config, config_to_dict, load_config
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, PipelineStage, RLJobConfig, TrainJobConfig
 from rlsys.stages.run_dir import CONFIG_FILE, HF_MODEL_DIR, SUMMARY_FILE
 
@@ -45,7 +45,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     started = time.time()
     results: list[StageResult] = []
     for index, (spec, job) in enumerate(zip(cfg.stages, jobs)):
-        finished = _finished_summary(index, spec, job)
+        finished = finished_summary(index, spec, job)
         if finished is None:
             log.info("pipeline: stage %d/%d %r (%s) in %s", index + 1, len(jobs), spec.name, spec.stage,
                      job.output_dir)
@@ -104,20 +104,33 @@ def _check_pipeline(cfg: PipelineConfig) -> None:
             raise ConfigError(f"stages[{index}].config: required (the stage's YAML file)")
 
 
-def _finished_summary(index: int, spec: PipelineStage, job) -> dict | None:
+def finished_summary(index: int, spec: PipelineStage, job) -> dict | None:
     """The stage's summary when it finished earlier with this same config, else None."""
     summary_path = os.path.join(job.output_dir, SUMMARY_FILE)
     if not os.path.isfile(summary_path):
         return None
     with open(os.path.join(job.output_dir, CONFIG_FILE)) as f:
-        recorded = yaml.safe_load(f)
-    wanted = yaml.safe_load(yaml.safe_dump(config_to_dict(job), sort_keys=False))
-    difference = _first_difference(recorded, wanted)
+        recorded = _in_current_schema(type(job), yaml.safe_load(f))
+    difference = _first_difference(recorded, _plain(job))
     if difference:
         raise ConfigError(f"stages[{index}] ({spec.name}): finished in {job.output_dir} with a different config "
                           f"({difference}); delete that directory to run the stage again")
     with open(summary_path) as f:
         return json.load(f)
+
+
+def _in_current_schema(job_type: type, recorded: dict) -> dict:
+    """The recorded config as today's schema reads it: a key added since it was written takes its
+    default, so an upgrade alone does not make a finished stage look changed. One the schema no
+    longer reads is compared as written (and so differs)."""
+    try:
+        return _plain(build_config(job_type, recorded))
+    except ConfigError:
+        return recorded
+
+
+def _plain(job) -> dict:
+    return yaml.safe_load(yaml.safe_dump(config_to_dict(job), sort_keys=False))
 
 
 def _first_difference(old, new, prefix: str = "") -> str | None:

@@ -47,7 +47,7 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     from rlsys.sync.weight_sync import WeightSync
 
     ensure_ray(cfg.ray)
-    train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, cfg.rollout.placement)
+    train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, int(cfg.rollout.placement == "colocated"))
     train = TrainGroup(build_worker_spec(cfg, 1, 1), cfg.ray, gpu_share=train_gpus)
     rollout = None
     try:

@@ -495,3 +495,21 @@ def test_a_tool_turn_inside_a_response_is_skipped_not_a_cut(estimator):
     assert out.loss.item() == pytest.approx(garbage.loss.item()) and math.isfinite(out.loss.item())
     metrics = {k: v.item() for k, v in out.metrics.items()}
     assert metrics == pytest.approx({k: v.item() for k, v in garbage.metrics.items()})
+
+
+def test_distillation_reverse_kl_by_hand():
+    """log pi - log teacher at each response token, 0 off the mask; token means over the batch.
+    As an advantage (mode: advantage) a token the teacher likes more than the policy is pushed up."""
+    from rlsys.algorithms.distill import reverse_kl
+
+    policy = torch.tensor([[0.0, -1.0, -0.5, -2.0], [0.0, -0.2, -3.0, 9.0]])
+    teacher = torch.tensor([[0.0, -1.5, -0.1, -2.0], [0.0, -1.2, -1.0, float("nan")]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])
+    kl, metrics = reverse_kl(policy, teacher, mask)
+    expected = torch.tensor([[0.0, 0.5, -0.4, 0.0], [0.0, 1.0, -2.0, 0.0]])
+    assert torch.allclose(kl, expected)
+    assert metrics["distill/reverse_kl"] == pytest.approx((0.5 - 0.4 + 0.0 + 1.0 - 2.0) / 5)
+    assert metrics["distill/teacher_logprob_mean"] == pytest.approx((-1.5 - 0.1 - 2.0 - 1.2 - 1.0) / 5)
+    assert metrics["distill/policy_logprob_mean"] == pytest.approx((-1.0 - 0.5 - 2.0 - 0.2 - 3.0) / 5)
+    advantages = -1.0 * kl
+    assert advantages[1, 2] == 2.0 and advantages[0, 1] == -0.5

@@ -90,7 +90,7 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size: 3 does not split the model's 2 attention"),
         ("algorithm.kl_estimator=k4", "algorithm.kl_estimator: Input should be 'k1', 'k2', 'k3', 'kl', 'mse', "
                                        "'low_var_kl' or 'abs'"),
-        ("reward.terms=[{weight: 1.0}]", "reward.terms[0]: give a registered name or a path"),
+        ("reward.terms=[{weight: 1.0}]", "reward.terms[0]: give a registered name, a path or a model"),
         ("model.random_init=true", "model.random_init: this stage samples from the model"),
         ("reward.terms=[]", "reward.terms: empty; name at least one reward (registered: arith, calc, code_exec"),
         ("eval.reward=''", "eval.reward: empty; name the reward that judges a response"),

@@ -83,13 +83,13 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def gpu_shares(gpus_per_worker: float, placement: str) -> tuple[float, float]:
-    """GPUs a training rank's actor and its colocated rollout engine take of the rank's bundle: they
-    split it (Ray fractional GPUs), so that both see the GPU and the engine can read the rank's
-    shards through CUDA IPC. A separate engine takes none of it."""
-    if placement == "colocated":
-        return gpus_per_worker / 2, gpus_per_worker / 2
-    return gpus_per_worker, 0.0
+def gpu_shares(gpus_per_worker: float, colocated_engines: int) -> tuple[float, float]:
+    """GPUs a training rank's actor and each engine colocated with it (the rollout engine, a frozen
+    model's engine) take of the rank's bundle: they split it (Ray fractional GPUs), so that all see
+    the GPU and the rollout engine can read the rank's shards through CUDA IPC. Separate engines
+    take none of it."""
+    share = gpus_per_worker / (1 + colocated_engines)
+    return share, share if colocated_engines else 0.0
 
 
 def check_resources(num_workers: int, cpus: float, gpus: float, key: str, local_cpus: int | None = None) -> None:

@@ -4,10 +4,9 @@ agent loops of its share."""
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, spawn, wait_placed
+from rlsys.actors.cluster import actor_name, spawn
+from rlsys.actors.engine_placement import place_engines
 from rlsys.actors.group import ActorGroup
 from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.agents.loop import AgentLoop
@@ -26,36 +25,23 @@ class RolloutGroup(ActorGroup):
                  gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
                  adapter: AdapterSpec | None = None, fp32_head: bool = False):
-        """colocated: engine i sits in bundle i of the training group's placement group and takes
-        no extra CPUs (generation and training alternate); separate: a placement group of its own.
+        """Placed by `place_engines` (colocated: in the training ranks' bundles; separate: their own).
         `loops`: the agent loops the engines run, by name; `tool_client` (`ToolPool.client()`) the
         tool workers their loops call; `adapter`: the engines serve the policy's LoRA adapter over the
         base model, which they load once and keep (no memory release); `fp32_head`: the engines compute logits
         in fp32 (`model.fp32_lm_head`)."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
-        self.own_placement = None
-        if cfg.placement == "colocated":
-            placement, num_cpus, num_gpus = train_placement, 0, gpu_share
-            bundles = len(train_placement.bundle_specs)
-            threads = max(1, int(train_cpus) // cfg.num_engines)
-        else:
-            gpus = cfg.gpus_per_engine * cfg.tensor_parallel_size
-            check_resources(cfg.num_engines, cfg.cpus_per_engine, gpus, "rollout.cpus_per_engine")
-            bundle = {"CPU": cfg.cpus_per_engine, **({"GPU": gpus} if gpus else {})}
-            placement = self.own_placement = placement_group([bundle] * cfg.num_engines, strategy="PACK")
-            wait_placed(placement, f"rollout engines ({cfg.num_engines} x {bundle})")
-            num_cpus, num_gpus, bundles = cfg.cpus_per_engine, gpus, cfg.num_engines
-            threads = max(1, int(cfg.cpus_per_engine))
+        self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines",
+                                       "rollout.cpus_per_engine")
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
         actor_cls = ray.remote(RolloutWorker)
         try:
             self.actors = [
-                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, threads, self.releases_memory, loops,
-                      tools, tool_client, tool_schemas, adapter, fp32_head, env=ENGINE_ENV, num_cpus=num_cpus,
-                      num_gpus=num_gpus,
-                      scheduling_strategy=PlacementGroupSchedulingStrategy(
-                          placement, placement_group_bundle_index=i % bundles))
+                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, self.placement.threads,
+                      self.releases_memory, loops, tools, tool_client, tool_schemas, adapter, fp32_head,
+                      env=ENGINE_ENV, num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
+                      scheduling_strategy=self.placement.strategy(i))
                 for i in range(cfg.num_engines)
             ]
             self.wait([engine.__ray_ready__.remote() for engine in self.actors])
@@ -94,5 +80,4 @@ class RolloutGroup(ActorGroup):
 
     def shutdown(self) -> None:
         super().shutdown()
-        if self.own_placement is not None:
-            remove_placement_group(self.own_placement)
+        self.placement.release()

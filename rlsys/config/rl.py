@@ -11,13 +11,33 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from rlsys.config.base import STRICT
+from rlsys.config.rollout import ServingConfig
 from rlsys.config.training import LoopConfig, OptimConfig
+
+
+@dataclass(config=STRICT)
+class JudgeConfig:
+    """An LLM judge: the term's `model` generates a verdict from a template, and a parser reads
+    the score from it."""
+
+    template: str = ""
+    """A text file: the judge's user message, with {prompt}, {response} and {ground_truth} filled
+    in (rendered with the judge's chat template when it has one)."""
+    parse: str = r"(-?\d+(?:\.\d+)?)"
+    """A regular expression whose first group (or whole match) is the score, searched in the
+    verdict; or `path/to/file.py:function`, called with the verdict's text and returning a number.
+    A verdict that does not parse scores 0 and counts in reward/errors."""
+    max_new_tokens: int = Field(default=64, gt=0)
+    """Tokens of one verdict."""
+    temperature: float = Field(default=0.0, ge=0)
+    """The judge's sampling temperature (0: greedy)."""
 
 
 @dataclass(config=STRICT)
 class RewardTerm:
     name: str = ""
-    """A registered reward (docs/rewards.md); or leave empty and give `path`."""
+    """A registered reward (docs/rewards.md); or leave empty and give `path` or `model` (with `model`,
+    the term's label in reward/<name>)."""
     path: str = ""
     """A Python file defining the reward function (VeRL's compute_score signature works unchanged)."""
     function: str = "compute_score"
@@ -28,12 +48,23 @@ class RewardTerm:
     """The function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and returns a list."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for the function (e.g. `pattern` for regex_format)."""
+    model: str = ""
+    """An HF model directory that scores each response, served by vLLM engines: a sequence-classification
+    reward model (its single logit is the score; the prompt and response rendered with its chat template
+    when it has one), or, with `judge`, a causal LM whose verdict is parsed."""
+    judge: JudgeConfig | None = None
+    """Make `model` a generative judge."""
+    normalize: Literal["none", "sigmoid", "batch"] = "none"
+    """A model's score as is, through a sigmoid, or standardised over the step's responses (mean 0, std 1)."""
+    serving: ServingConfig = Field(default_factory=lambda: ServingConfig())
+    """The engines that serve `model`."""
 
 
 @dataclass(config=STRICT)
 class RewardConfig:
     terms: list[RewardTerm] = Field(default_factory=list)
-    """Reward = sum of weight x score over the terms (at least one); each term is also logged as reward/<term>."""
+    """Reward = sum of weight x score over the terms (at least one, unless algorithm.distill gives the
+    signal alone); each term is also logged as reward/<term>."""
     timeout_s: float = Field(default=10.0, gt=0)
     """Per-call time limit; a call past it scores 0 and counts in reward/errors."""
     num_workers: int = Field(default=2, gt=0)
@@ -94,6 +125,25 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(config=STRICT)
+class DistillConfig:
+    """On-policy distillation: a frozen teacher's log-prob of every token the policy sampled, served
+    by vLLM engines (prompt log-probs of prompt + response), gives the per-token reverse KL
+    log pi(token) - log teacher(token), taken with the engine's sampling log-probs of the policy."""
+
+    teacher: str = ""
+    """The teacher's HF model directory; its tokenizer must be the policy's."""
+    coef: float = Field(default=1.0, gt=0)
+    """Weight of the reverse KL."""
+    mode: Literal["advantage", "penalty"] = "advantage"
+    """advantage: each response token's advantage is coef x (log teacher - log pi), added to the
+    estimator's advantages of the reward terms when there are any (prime-rl's and Thinking Machines'
+    on-policy distillation); penalty: each token's reward loses coef x the reverse KL before the
+    advantage estimator, as a KL penalty toward the teacher."""
+    serving: ServingConfig = Field(default_factory=lambda: ServingConfig())
+    """The engines that serve the teacher."""
+
+
+@dataclass(config=STRICT)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (VeRL's names): grpo (group-normalised; Dr. GRPO without
@@ -141,6 +191,8 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=lambda: RolloutCorrectionConfig())
     """Corrections for the engine sampling with other numbers than the trainer's (VeRL's
     algorithm.rollout_correction): importance weights, rejection masks, a veto."""
+    distill: DistillConfig | None = None
+    """On-policy distillation from a teacher model (empty: off)."""
     router_replay: Literal["none", "r2", "r3"] = "none"
     """MoE routing replay. r2: the experts each token went to in the trainer's pass that computes
     the old log-probs (taken even when the update is on-policy) are the experts every update

@@ -64,6 +64,30 @@ class EvalConfig:
 
 
 @dataclass(config=STRICT)
+class ServingConfig:
+    """vLLM engines serving a frozen model beside the policy (a reward model, a judge, a distillation
+    teacher): started with the run when a config names the model, called every step, shut down with it."""
+
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: the engines sit in the training ranks' bundles, sharing their devices and reserving no
+    CPUs (they keep their memory through the update); separate: a placement group of their own."""
+    num_engines: int = Field(default=1, gt=0)
+    """Engines; each step's requests are split across them."""
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """Tensor-parallel size of each engine."""
+    cpus_per_engine: float = Field(default=1.0, ge=0)
+    """CPUs reserved per engine with placement=separate."""
+    gpus_per_engine: float = Field(default=0.0, ge=0)
+    """GPUs per engine with placement=separate (0 on CPU)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Weights and compute: auto is bfloat16 on GPU, float32 on CPU."""
+    engine_memory_gib: float = Field(default=0.5, gt=0)
+    """KV-cache memory per engine, in GiB."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """Longest sequence an engine takes (empty: the model's context length)."""
+
+
+@dataclass(config=STRICT)
 class RolloutConfig:
     num_engines: int = Field(default=1, gt=0)
     """vLLM engines; the prompt batch is split across them (data parallel)."""

@@ -24,6 +24,9 @@ class Prompt:
     data_source: str
     extra_info: Any = None
     """extra_info as stored (usually a dict; None when the row has none)."""
+    messages: list[dict] | None = None
+    """The prompt's chat messages (None for a plain-string prompt): a reward model or a judge
+    renders them in its own chat template."""
 
     @property
     def tools_kwargs(self) -> dict:
@@ -55,10 +58,11 @@ def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[d
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError("missing reward_model.ground_truth")
-    prompt = row["prompt"]
+    prompt, messages = row["prompt"], None
     if not isinstance(prompt, str):
-        prompt = tokenizer.apply_chat_template(chat_messages(to_python(prompt), "prompt"), tools=tools or None,
-                                               tokenize=False, add_generation_prompt=True)
+        messages = chat_messages(to_python(prompt), "prompt")
+        prompt = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                               add_generation_prompt=True)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if max_tokens is not None and len(ids) > max_tokens:
         raise ValueError(f"prompt of {len(ids)} tokens, over the {max_tokens} that leave room for the response "
@@ -69,6 +73,7 @@ def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[d
         ground_truth=to_python(reward_model["ground_truth"]),
         data_source=str(row.get("data_source") or ""),
         extra_info=to_python(row.get("extra_info")),
+        messages=messages,
     )
 
 

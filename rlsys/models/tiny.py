@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     MixtralConfig,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -58,6 +59,8 @@ class TinyModelSpec:
     moe_intermediate_size: int = 64
     moe_type: str = "qwen3_moe"
     """qwen3_moe, qwen2_moe (with a shared expert as wide as one expert) or mixtral."""
+    reward_head: bool = False
+    """A reward model: the same body with a one-logit sequence-classification head in place of the LM head."""
     seed: int = 0
 
 
@@ -105,6 +108,9 @@ def build_model(spec: TinyModelSpec, tokenizer: Qwen2Tokenizer):
     else:
         config = Qwen2Config(**common)
     torch.manual_seed(spec.seed)
+    if spec.reward_head:
+        config.num_labels = 1
+        return AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -126,8 +132,9 @@ def write_tiny_model(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str
     """Write a randomly initialised tiny model and its tokenizer to `out_dir`."""
     tokenizer = build_tokenizer()
     model = build_model(spec, tokenizer)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if model.can_generate():
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

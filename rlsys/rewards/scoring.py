@@ -47,7 +47,8 @@ class ScoredSample:
 
 class Term(NamedTuple):
     label: str
-    fn: RewardFunction
+    fn: RewardFunction | None
+    """None for a term a served model scores (`rlsys.actors.reward_pool.ModelTerm`)."""
     weight: float
 
 
@@ -73,9 +74,14 @@ def score_items(terms: list[Term], items: list[RewardInput], timeout_s: float) -
             values = values if isinstance(values, list) else [values] * len(items)
         else:
             values = [_guarded(lambda item=item: term.fn(item), term.label, timeout_s) for item in items]
-        for sample, value in zip(scored, values):
-            _add(sample, term, value)
+        add_term(scored, term, values)
     return scored
+
+
+def add_term(scored: list[ScoredSample], term: Term, values: list) -> None:
+    """One term's values (numbers, dicts with a score, or `Failure`s) added to the samples' scores."""
+    for sample, value in zip(scored, values):
+        _add(sample, term, value)
 
 
 def _batched_call(fn: RewardFunction, items: list[RewardInput]):
@@ -86,15 +92,15 @@ def _batched_call(fn: RewardFunction, items: list[RewardInput]):
 
 
 def _guarded(call, label: str, timeout_s: float):
-    """The call's result, or a _Failure holding the traceback when it raised or timed out."""
+    """The call's result, or a Failure holding the traceback when it raised or timed out."""
     try:
         return _with_alarm(call, timeout_s)
     except Exception:  # any failure of user code becomes a counted zero
-        return _Failure(f"reward {label!r}: {traceback.format_exc()}")
+        return Failure(f"reward {label!r}: {traceback.format_exc()}")
 
 
-class _Failure(str):
-    pass
+class Failure(str):
+    """A term's failed call for one sample: its traceback or reason, scored 0 and counted."""
 
 
 def _with_alarm(call, timeout_s: float):
@@ -114,7 +120,7 @@ def _with_alarm(call, timeout_s: float):
 
 
 def _add(sample: ScoredSample, term: Term, value) -> None:
-    if isinstance(value, _Failure):
+    if isinstance(value, Failure):
         sample.errors.append(str(value))
         value = 0.0
     extras = {}

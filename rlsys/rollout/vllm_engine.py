@@ -1,5 +1,5 @@
 """A vLLM engine inside the calling process (no engine subprocess), as a
-rollout actor or the eval stage needs it."""
+rollout actor, the eval stage or a frozen model's actor needs it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rlsys.config.rollout import RolloutConfig
+    from rlsys.config.rollout import RolloutConfig, ServingConfig
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -20,18 +20,10 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
                fp32_head: bool = False):
     """`lora_rank`: serve LoRA adapters up to this rank (0: none); `fp32_head`: logits computed in fp32
     from the bf16 hidden states and weights, as the trainer's with `model.fp32_lm_head`."""
-    # In-process engine core: starts in seconds and lives inside a Ray actor.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    dtype = prepare_engine(cfg.dtype)
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if on_gpu else "float32"
-    if on_gpu and dtype == "float32":
-        # Triton multiplies fp32 matrices in TF32 unless told otherwise, and vLLM's Triton attention
-        # kernels (FlashAttention has no fp32) take that default: an fp32 engine would then sample
-        # from log-probs ~1e-3 away from the trainer's fp32 ones
-        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     return LLM(
         model=model_path,
         dtype=dtype,
@@ -55,6 +47,43 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         **({"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= lora_rank)}
            if lora_rank else {}),
     )
+
+
+def create_served_llm(model_path: str, cfg: ServingConfig, seed: int, pooling: bool):
+    """An engine of a frozen model (`rlsys.actors.served_models`): a reward model's pooling runner
+    (`pooling`), or a causal LM for a judge's verdicts and a teacher's prompt log-probs."""
+    dtype = prepare_engine(cfg.dtype)
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    return LLM(
+        model=model_path,
+        runner="pooling" if pooling else "generate",
+        dtype=dtype,
+        enforce_eager=not on_gpu,
+        kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
+        **({"gpu_memory_utilization": free_memory_fraction()} if on_gpu else {}),
+        max_model_len=cfg.max_model_len,
+        enable_chunked_prefill=on_gpu,  # as create_llm: seeded CPU samplers cannot rewind a partial prefill
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 and not on_gpu else None,
+        seed=seed,
+    )
+
+
+def prepare_engine(dtype: str) -> str:
+    """Set this process up for an engine: vLLM's engine core runs in it (it starts in seconds and lives
+    inside a Ray actor), fp32 stays exact on GPU. Returns the dtype (auto: bfloat16 on GPU, float32 on CPU)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    on_gpu = torch.cuda.is_available()
+    dtype = dtype if dtype != "auto" else "bfloat16" if on_gpu else "float32"
+    if on_gpu and dtype == "float32":
+        # Triton multiplies fp32 matrices in TF32 unless told otherwise, and vLLM's Triton attention
+        # kernels (FlashAttention has no fp32) take that default: an fp32 engine would then sample
+        # from log-probs ~1e-3 away from the trainer's fp32 ones
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    return dtype
 
 
 def free_memory_fraction() -> float:

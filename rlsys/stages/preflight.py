@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from rlsys.config.layout import ParallelConfig, RayConfig
 from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.model import ModelConfig
-from rlsys.config.rl import AlgorithmConfig
+from rlsys.config.rl import AlgorithmConfig, RewardTerm
 from rlsys.config.rollout import EvalConfig
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.config.training import TrainConfig
@@ -64,13 +64,18 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below the response "
                           f"budget (rollout.max_response_tokens, else rollout.max_new_tokens: "
                           f"{cfg.rollout.response_budget})")
-    if not cfg.reward.terms:
+    if not cfg.reward.terms and cfg.algorithm.distill is None:
         raise ConfigError(f"reward.terms: empty; name at least one reward (registered: "
-                          f"{', '.join(registered_rewards())}) or give a path")
+                          f"{', '.join(registered_rewards())}), give a path or a model, or set algorithm.distill")
     for i, term in enumerate(cfg.reward.terms):
-        if not term.name and not term.path:
-            raise ConfigError(f"reward.terms[{i}]: give a registered name or a path")
-        resolve_term(term, f"reward.terms[{i}]")
+        if term.model:
+            check_model_term(term, f"reward.terms[{i}]")
+        elif not term.name and not term.path:
+            raise ConfigError(f"reward.terms[{i}]: give a registered name, a path or a model")
+        else:
+            resolve_term(term, f"reward.terms[{i}]")
+    if cfg.algorithm.distill is not None:
+        check_teacher(cfg.algorithm.distill.teacher, cfg.model.path)
     if cfg.eval is not None:
         _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, dims.world_size)
@@ -158,10 +163,12 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
     need them over the full vocabulary (the trainer does not apply top-p), DAPO's filter needs
     groups, a critic warm-up needs a critic."""
     algo = cfg.algorithm
-    reads_engine_logprobs = algo.rollout_correction.active or algo.old_logprobs == "rollout"
+    reads_engine_logprobs = (algo.rollout_correction.active or algo.old_logprobs == "rollout"
+                             or algo.distill is not None)
     if cfg.rollout.top_p < 1 and reads_engine_logprobs:
         raise ConfigError("rollout.top_p: below 1 the engine's log-probs are renormalised over the nucleus, "
-                          "which algorithm.rollout_correction and old_logprobs: rollout cannot use")
+                          "which algorithm.rollout_correction, algorithm.distill and old_logprobs: rollout "
+                          "cannot use")
     if algo.filter_groups and cfg.rollout.n < 2:
         raise ConfigError("algorithm.filter_groups: needs groups of rollout.n >= 2 responses")
     if cfg.critic.warmup_steps and algo.adv_estimator != "gae":
@@ -173,6 +180,43 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
         if algo.filter_groups:
             raise ConfigError("algorithm.filter_groups: DAPO's dynamic sampling draws prompts a step at a time; "
                               "not with train.async_mode")
+
+
+def check_model_term(term: RewardTerm, key: str) -> None:
+    """A reward term's model: a one-logit sequence-classification (reward) model, or with `judge` a
+    causal LM; the judge's template and parser readable."""
+    from rlsys.rewards.model_terms import read_template, verdict_parser
+
+    if term.name and term.path:
+        raise ConfigError(f"{key}: give a model or a path, not both")
+    config = check_model_dir(ModelConfig(path=term.model), f"{key}.model")
+    kinds = getattr(config, "architectures", None) or ["?"]
+    if term.judge is not None:
+        if not kinds[0].endswith("ForCausalLM"):
+            raise ConfigError(f"{key}.model: a judge generates, so it must be a causal LM; {term.model} is {kinds[0]}")
+        read_template(term.judge.template, f"{key}.judge.template")
+        verdict_parser(term.judge, f"{key}.judge")
+        return
+    if not kinds[0].endswith(("ForSequenceClassification", "ForRewardModel")) or config.num_labels != 1:
+        raise ConfigError(f"{key}.model: a reward model has a one-logit sequence-classification head; {term.model} "
+                          f"is {kinds[0]} with {config.num_labels} labels (for a generative judge add {key}.judge)")
+
+
+def check_teacher(teacher: str, policy: str) -> None:
+    """The distillation teacher: a causal LM whose tokenizer is the policy's (its log-probs are of
+    the policy's token ids)."""
+    from rlsys.data.tokenizer import load_tokenizer
+
+    key = "algorithm.distill.teacher"
+    config = check_model_dir(ModelConfig(path=teacher), key)
+    kind = (getattr(config, "architectures", None) or ["?"])[0]
+    if not kind.endswith("ForCausalLM"):
+        raise ConfigError(f"{key}: the teacher must be a causal LM; {teacher} is {kind}")
+    ours, theirs = load_tokenizer(policy, "model.path").get_vocab(), load_tokenizer(teacher, key).get_vocab()
+    if ours != theirs:
+        differ = sum(ours.get(token) != index for token, index in theirs.items()) + len(ours.keys() - theirs.keys())
+        raise ConfigError(f"{key}: its tokenizer differs from model.path's ({len(theirs)} vs {len(ours)} tokens, "
+                          f"{differ} mapped differently); distillation compares log-probs of the same token ids")
 
 
 def check_model_dir(model: ModelConfig, key: str):

@@ -1,12 +1,14 @@
 """The RLVR loop, run by the driver (the single controller).
 
 One step, in data-flow order:
-  prompts -> RolloutGroup.rollout (an agent loop per trajectory) -> rewards (DAPO: again, until the batch has enough
-     groups of mixed rewards; the engines then free their memory)
-  -> TrainGroup.compute_logprobs (old, unless the update is on-policy or takes the
-     engine's; reference if KL is on) -> KL in the reward (optional) -> the critic's values (PPO)
-  -> advantages -> per mini-batch: critic_step with the value loss (PPO), then train_step with the
-     policy loss (mini-batches x epochs) -> weight sync to the engines
+  prompts -> RolloutGroup.rollout (an agent loop per trajectory) -> rewards (functions in the reward actors,
+     reward models and judges in their engines; DAPO: again, until the batch has enough groups of mixed
+     rewards; the engines then free their memory)
+  -> the teacher's log-probs (distillation; while the trainer works) -> TrainGroup.compute_logprobs (old,
+     unless the update is on-policy or takes the engine's; reference if KL is on) -> KL and the teacher's
+     reverse KL in the reward (optional) -> the critic's values (PPO)
+  -> advantages (+ the teacher's signal) -> per mini-batch: critic_step with the value loss (PPO), then
+     train_step with the policy loss (mini-batches x epochs) -> weight sync to the engines
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from rlsys.actors.cluster import gpu_shares
 from rlsys.actors.phases import PhaseTimer, set_phase
 from rlsys.actors.reward_pool import RewardPool
 from rlsys.actors.rollout_group import RolloutGroup
+from rlsys.actors.served_models import ServedModelGroup
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.agents.trajectory import Trajectory
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae_advantages_and_returns
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
+from rlsys.algorithms.distill import reverse_kl
 from rlsys.algorithms.kl import KLController, kl_in_reward
 from rlsys.algorithms.rollout_correction import mismatch_metrics
 from rlsys.algorithms.value_loss import value_loss
@@ -44,6 +48,7 @@ from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.parallel.router_replay import ROUTING_FIELD
+from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.stages.agent_setup import AgentSetup, agent_setup
@@ -108,15 +113,16 @@ class RLVRTrainer:
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-        self.train_group = self.rollout_group = self.tools = self.stream = None
+        self.train_group = self.rollout_group = self.tools = self.stream = self.teacher = None
         self.reward_pool = RewardPool(cfg.reward)
         try:
             self.tools = self.agents.start_tools()
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
                                      with_reference=needs_reference(cfg.algorithm),
                                      critic=cfg.critic if self.with_critic else None)
-            train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, cfg.rollout.placement)
+            train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, _colocated_engines(cfg))
             self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
+            self._start_served_models(engine_gpus)
             self.rollout_group = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train_group.placement,
                                               cfg.ray.cpus_per_worker * self.train_group.dims.world_size,
                                               gpu_share=engine_gpus, loops=self.agents.loops, tools=cfg.tools,
@@ -132,6 +138,18 @@ class RLVRTrainer:
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_served_models(self, gpu_share: float) -> None:
+        """The engines of the reward terms' models and of the distillation teacher, colocated with
+        the training ranks or on their own resources."""
+        cfg = self.cfg
+        placement = {"train_placement": self.train_group.placement, "gpu_share": gpu_share,
+                     "train_cpus": cfg.ray.cpus_per_worker * self.train_group.dims.world_size}
+        self.reward_pool.start_models(cfg.seed, **placement)
+        distill = cfg.algorithm.distill
+        if distill is not None:
+            self.teacher = ServedModelGroup("teacher", distill.teacher, distill.serving, cfg.seed,
+                                            "algorithm.distill.serving", **placement)
 
     def _weight_sync(self) -> AdapterSync | WeightSync:
         """The adapters alone, or every weight (a LoRA policy's merged, through the object store:
@@ -153,12 +171,22 @@ class RLVRTrainer:
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  self.tokenizer.pad_token_id, [s.response_mask for s in samples])
         engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
+        teacher_calls = self._submit_teacher(samples)
         self._add_logprobs(batch, engine_logprobs, timer)
         token_rewards = on_last_response_token(rewards, batch)
         if cfg.algorithm.use_kl_in_reward:
             token_rewards, kl_metrics = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                                      batch["loss_mask"], cfg.algorithm.kl_penalty, self.kl_ctrl)
             reward_metrics.update(kl_metrics)
+        distill_kl = None
+        if teacher_calls is not None:
+            with timer("teacher"):
+                teacher_logprobs = self._gather_teacher(samples, teacher_calls, batch)
+            distill_kl, distill_metrics = reverse_kl(on_response_tokens(engine_logprobs, batch), teacher_logprobs,
+                                                     batch["loss_mask"])
+            reward_metrics.update(distill_metrics)
+            if cfg.algorithm.distill.mode == "penalty":
+                token_rewards = token_rewards - cfg.algorithm.distill.coef * distill_kl
         if self.with_critic:
             with timer("values"):
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
@@ -166,6 +194,8 @@ class RLVRTrainer:
         groups = torch.arange(len(samples)) // cfg.rollout.n
         inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups, batch.get("values"))
         batch["advantages"] = compute_advantages(inputs, cfg.algorithm)
+        if distill_kl is not None and cfg.algorithm.distill.mode == "advantage":
+            batch["advantages"] = batch["advantages"] - cfg.algorithm.distill.coef * distill_kl
         if self.with_critic:
             _, batch["returns"] = gae_advantages_and_returns(inputs, cfg.algorithm.gamma, cfg.algorithm.lam)
         with timer("update"):
@@ -175,11 +205,10 @@ class RLVRTrainer:
                 self.stream.drain()
             sync_metrics = self.sync.run(version=step)
         timer.times["time/step_s"] = time.perf_counter() - started
-        verifier = self.reward_pool.terms[0].label
         return {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored),
+            **self._accuracy(scored),
             **reward_metrics,
             **_sample_metrics(samples, batch, timer.times),
             **(_agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
@@ -202,7 +231,8 @@ class RLVRTrainer:
             with timer("generate"):
                 samples = self._generate(step, draw, timer)
             with timer("reward"):
-                scored, draw_metrics = self.reward_pool.score(reward_inputs(samples, self.prompts))
+                scored, draw_metrics = self.reward_pool.score(reward_inputs(samples, self.prompts),
+                                                              exchanges(samples, self.prompts))
             errors += draw_metrics["reward/errors"]
             rewards = self._shaped_rewards(samples, scored)
             scores = torch.tensor([s.score for s in scored])  # mixed by score, not by length penalty
@@ -242,6 +272,27 @@ class RLVRTrainer:
             version=step - 1)  # the policy the last step synced
         timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]
         return samples
+
+    def _accuracy(self, scored: list[ScoredSample]) -> dict[str, float]:
+        """The share of responses the first reward term scores 1 or more (none without terms)."""
+        if not self.reward_pool.terms:
+            return {}
+        verifier = self.reward_pool.terms[0].label
+        return {"reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored)}
+
+    def _submit_teacher(self, samples: list[Trajectory]) -> list | None:
+        """Ask the teacher for its log-prob of every response token (None without distillation)."""
+        if self.teacher is None:
+            return None
+        return self.teacher.submit_split("token_logprobs", [(s.prompt_ids + s.response_ids, len(s.prompt_ids))
+                                                            for s in samples])
+
+    def _gather_teacher(self, samples: list[Trajectory], calls: list, batch: Batch) -> torch.Tensor:
+        """The teacher's log-probs of the sampled tokens, [B, T] as the batch's response tokens."""
+        per_sample = self.teacher.gather(calls)
+        sampled = [lp for s, logprobs in zip(samples, per_sample)
+                   for lp, kept in zip(logprobs, s.response_mask) if kept]
+        return on_response_tokens(torch.tensor(sampled), batch)
 
     def _async_metrics(self, samples: list[Trajectory], step: int) -> dict[str, float]:
         """How stale the trained tokens are (policy versions behind the one updated): mean, max and each
@@ -344,8 +395,9 @@ class RLVRTrainer:
     def shutdown(self) -> None:
         """Retire every actor of this attempt, dead ones included."""
         self.reward_pool.shutdown()
-        if self.tools is not None:
-            self.tools.shutdown()
+        for group in (self.tools, self.teacher):
+            if group is not None:
+                group.shutdown()
         if self.evaluator is not None:
             self.evaluator.shutdown()
         for group in (self.rollout_group, self.train_group):
@@ -396,6 +448,15 @@ class RLSession:
 
     def shutdown(self) -> None:
         self.trainer.shutdown()
+
+
+def _colocated_engines(cfg: RLJobConfig) -> int:
+    """Engines of each kind that share a training rank's devices: the rollout's, each model term's,
+    the teacher's."""
+    serving = [t.serving for t in cfg.reward.terms if t.model]
+    if cfg.algorithm.distill is not None:
+        serving.append(cfg.algorithm.distill.serving)
+    return sum(c.placement == "colocated" for c in [cfg.rollout, *serving])
 
 
 def _sample_metrics(samples: list[Trajectory], batch: Batch, times: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,78 @@
+"""What a model in the loop costs per RL step, side by side in one run: the same job scored by the
+verifier alone (a function term), by the verifier and a reward model (a model term served by a
+vLLM engine), and by the verifier with a distillation teacher. Each run's mean over its steps
+after the first of time/reward_s, time/teacher_s and time/step_s.
+
+    .venv/bin/python benchmarks/model_terms.py --model runs/arith/sft/hf_model \\
+        --data runs/arith/data/rl_train.parquet
+
+The reward model is the policy's shape with a random one-logit head (`TinyModelSpec`'s
+reward_head), the teacher the policy itself: what is timed is serving them, not what they score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+FIGURES = ("time/generate_s", "time/reward_s", "time/teacher_s", "time/update_s", "time/step_s")
+
+
+def write_reward_model(policy: str, out: str) -> str:
+    """A one-logit sequence-classification model of the policy's shape and tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        config = AutoConfig.from_pretrained(policy)
+        config.num_labels = 1
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
+        AutoTokenizer.from_pretrained(policy).save_pretrained(out)
+    return out
+
+
+def run(args, name: str, extra: list[str]) -> dict[str, float]:
+    import rlsys.tasks  # noqa: F401  (registers the arith verifier, as `python -m rlsys.run` does)
+    from rlsys.config.loader import load_config
+    from rlsys.config.schema import RLJobConfig
+    from rlsys.stages.rl_trainer import run_rlvr
+
+    out = os.path.join(args.out, name)
+    cfg = load_config(RLJobConfig, None, [
+        f"output_dir={out}", f"model.path={args.model}", f"data.train_files=[{args.data}]", "rollout.n=8",
+        "rollout.max_new_tokens=8", "rollout.engine_memory_gib=0.25", f"train.steps={args.steps}",
+        f"train.prompts_per_step={args.prompts}", "train.micro_batch_tokens=16384", "train.save_every=0",
+        "train.val_every=0", "train.resume=false", "eval=null", "optim.lr=5e-5", "parallel.dp_shard=1",
+        "ray.include_dashboard=false", "tracking.backends=[jsonl]", "seed=0", *extra])
+    run_rlvr(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+    return {f: statistics.mean(row.get(f, 0.0) for row in rows) for f in FIGURES}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", default="runs/bench/model_terms")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=64)
+    args = parser.parse_args()
+    rm = write_reward_model(args.model, os.path.join(args.out, "reward-model"))
+    rm_term = f"{{name: rm, model: {rm}, weight: 0.1, serving: {{engine_memory_gib: 0.25}}}}"
+    runs = {
+        "verifier": ["reward.terms=[{name: arith}]"],
+        "verifier + reward model": [f"reward.terms=[{{name: arith}}, {rm_term}]"],
+        "verifier + teacher": ["reward.terms=[{name: arith}]", f"algorithm.distill.teacher={args.model}",
+                               "algorithm.distill.serving.engine_memory_gib=0.25"],
+    }
+    results = {name: run(args, name.replace(" + ", "_").replace(" ", "_"), extra) for name, extra in runs.items()}
+    print(f"\n{args.prompts} prompts x 8 responses a step, mean of steps 2..{args.steps}")
+    print("| run | " + " | ".join(FIGURES) + " |")
+    print("|---|" + "---|" * len(FIGURES))
+    for name, figures in results.items():
+        print(f"| {name} | " + " | ".join(f"{figures[f]:.3f}" for f in FIGURES) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Frozen models served beside the policy: vLLM engines in Ray actors that score responses with a
+reward model, write a judge's verdicts, or give a teacher's log-prob of every response token.
+
+A `ServedModelGroup` is started with the run when a config names a model (a reward term's
+`model`, `algorithm.distill.teacher`), placed as the rollout engines are (`place_engines`), and
+shut down with the run; a dead engine fails the step with one line, as a rollout engine does.
+Each call's items are split across the engines in contiguous shares."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from rlsys.actors.cluster import actor_name, spawn
+from rlsys.actors.engine_placement import place_engines
+from rlsys.actors.group import ActorGroup
+from rlsys.config.rollout import ServingConfig
+from rlsys.console import redirect_actor_output
+from rlsys.rewards.model_terms import Exchange, reward_model_text
+from rlsys.rollout.vllm_engine import cpu_thread_binding, create_served_llm
+
+
+class ServedModelWorker:
+    def __init__(self, model_path: str, cfg: ServingConfig, seed: int, num_threads: int, pooling: bool):
+        """`pooling`: a reward model (vLLM's pooling runner); else a causal LM."""
+        redirect_actor_output()
+        torch.set_num_threads(num_threads)
+        if not torch.cuda.is_available():
+            binding = cpu_thread_binding(num_threads, cfg.tensor_parallel_size)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
+        self.llm = create_served_llm(model_path, cfg, seed, pooling)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def reward_scores(self, exchanges: list[Exchange]) -> list[float]:
+        """The reward model's logit for each exchange, rendered as it reads conversations
+        (`reward_model_text`) and tokenised without added special tokens (the text has them)."""
+        from vllm import PoolingParams, TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=self._ids(reward_model_text(self.tokenizer, e))) for e in exchanges]
+        outputs = self.llm.classify(prompts, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        return [float(out.outputs.probs[0]) for out in outputs]
+
+    def verdicts(self, requests: list[str], max_new_tokens: int, temperature: float, seed: int) -> list[str]:
+        """The judge's reply to each request (a user message, in its chat template when it has one)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=self._ids(self._user_turn(r))) for r in requests]
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
+                  for i in range(len(requests))]
+        return [out.outputs[0].text for out in self.llm.generate(prompts, params, use_tqdm=False)]
+
+    def token_logprobs(self, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
+        """For each (token ids, start), the model's log-prob of every token from `start` on, each
+        given the tokens before it (vLLM's prompt log-probs: one forward, nothing sampled that counts)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in sequences], params,
+                                    use_tqdm=False)
+        return [[out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
+                for (ids, start), out in zip(sequences, outputs)]
+
+    def _user_turn(self, text: str) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return text
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+class ServedModelGroup(ActorGroup):
+    def __init__(self, role: str, model_path: str, cfg: ServingConfig, seed: int, key: str, pooling: bool = False,
+                 train_placement=None, train_cpus: float = 1.0, gpu_share: float = 0.0):
+        """Engines rlsys/<role>/<i> serving `model_path`; `key` is the config key of their serving settings."""
+        super().__init__([actor_name(role, i) for i in range(cfg.num_engines)])
+        self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, f"{role} engines",
+                                       f"{key}.cpus_per_engine")
+        actor_cls = ray.remote(ServedModelWorker)
+        try:
+            self.actors = [spawn(actor_cls, role, i, model_path, cfg, seed + i, self.placement.threads, pooling,
+                                 num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
+                                 scheduling_strategy=self.placement.strategy(i))
+                           for i in range(cfg.num_engines)]
+            self.wait([actor.__ray_ready__.remote() for actor in self.actors])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit_split(self, method: str, items: list, *args) -> list:
+        """Start `method` on contiguous shares of `items`, one per engine; `gather` joins the results."""
+        engines = len(self.actors)
+        shares = [items[i * len(items) // engines:(i + 1) * len(items) // engines] for i in range(engines)]
+        return [(i, self.submit(i, method, share, *args)) for i, share in enumerate(shares) if share]
+
+    def gather(self, pending: list) -> list:
+        indices, refs = [i for i, _ in pending], [ref for _, ref in pending]
+        return [value for share in self.wait(refs, indices) for value in share]
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if hasattr(self, "placement"):
+            self.placement.release()

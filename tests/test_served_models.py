@@ -1,0 +1,179 @@
+"""Frozen models in the loop: a reward model's score and a teacher's log-probs served by vLLM equal
+transformers' forward; a judge's verdicts parse or count as failures; a teacher with another
+tokenizer is refused; an RL run distils a teacher and scores with a reward model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rlsys.config.loader import ConfigError
+from rlsys.config.rl import JudgeConfig, RewardTerm
+from rlsys.config.rollout import ServingConfig
+from rlsys.rewards.model_terms import Exchange, VerdictError, parse_verdict, reward_model_text, verdict_parser
+
+SERVING = ServingConfig(engine_memory_gib=0.1)
+EXCHANGES = [Exchange(({"role": "user", "content": "12+30="},), "", "42"),
+             Exchange(({"role": "system", "content": "Add."}, {"role": "user", "content": "7+5="}), "", "13"),
+             Exchange(None, "3+4=", "7")]
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> str:
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("rm")), TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=105, reward_head=True, seed=3))
+
+
+def test_reward_model_scores_equal_transformers_forward(reward_model_dir):
+    """The engine's score is the model's one logit of the conversation in its chat template (or the
+    policy's prompt text and the response): transformers' forward of the same tokens, within 1e-4."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlsys.actors.served_models import ServedModelWorker
+
+    worker = ServedModelWorker(reward_model_dir, SERVING, seed=0, num_threads=2, pooling=True)
+    try:
+        served = worker.reward_scores(EXCHANGES)
+    finally:
+        worker.shutdown()
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir, dtype=torch.float32).eval()
+    texts = [reward_model_text(tokenizer, e) for e in EXCHANGES]
+    assert texts[0].index("12+30=") < texts[0].index("42")  # the response as the assistant's turn
+    assert texts[2] == "3+4=7"  # no messages: the policy's prompt text, then the response
+    with torch.no_grad():
+        expected = [model(torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"]])).logits[0, 0].item()
+                    for t in texts]
+    assert served == pytest.approx(expected, abs=1e-4)
+    assert len(set(round(s, 4) for s in served)) == 3
+
+
+def test_teacher_logprobs_equal_transformers_forward(tiny_model_dir):
+    """vLLM's prompt log-probs of prompt + response, from the response's first token: the causal
+    LM's log-softmax at each position, taken at the next token."""
+    from transformers import AutoModelForCausalLM
+
+    from rlsys.actors.served_models import ServedModelWorker
+
+    sequences = [([5, 17, 23, 9, 40, 41], 3), ([8, 8, 30, 2, 61], 2)]
+    worker = ServedModelWorker(tiny_model_dir, SERVING, seed=0, num_threads=2, pooling=False)
+    try:
+        served = worker.token_logprobs(sequences)
+    finally:
+        worker.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for (ids, start), got in zip(sequences, served):
+        with torch.no_grad():
+            logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        expected = [logprobs[i - 1, ids[i]].item() for i in range(start, len(ids))]
+        assert got == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_verdict_parses_by_regex_or_by_function_and_fails_otherwise(tmp_path):
+    regex = verdict_parser(JudgeConfig(template="t", parse=r"score:\s*(\d+)"), "reward.terms[0].judge")
+    assert parse_verdict(regex, "Fine. score: 7 out of 10") == 7.0
+    with pytest.raises(VerdictError, match="no match"):
+        parse_verdict(regex, "I cannot say")
+    user = tmp_path / "parse.py"
+    user.write_text("def verdict(text):\n    return {'yes': 1.0, 'no': 0.0}[text.strip().lower()]\n")
+    parser = verdict_parser(JudgeConfig(template="t", parse=f"{user}:verdict"), "reward.terms[0].judge")
+    assert parse_verdict(parser, " Yes") == 1.0
+    with pytest.raises(VerdictError, match="KeyError"):
+        parse_verdict(parser, "maybe")
+    with pytest.raises(ConfigError, match=r"reward.terms\[0\].judge.parse: not a regular expression"):
+        verdict_parser(JudgeConfig(template="t", parse="(unclosed"), "reward.terms[0].judge")
+
+
+def test_bad_model_terms_and_teachers_are_refused_with_one_line(tiny_model_dir, reward_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlsys.stages.preflight import check_model_term, check_teacher
+
+    with pytest.raises(ConfigError, match=r"reward.terms\[1\].model: a reward model has a one-logit"):
+        check_model_term(RewardTerm(model=tiny_model_dir), "reward.terms[1]")
+    with pytest.raises(ConfigError, match=r"reward.terms\[0\].model: a judge generates"):
+        check_model_term(RewardTerm(model=reward_model_dir, judge=JudgeConfig(template="x")), "reward.terms[0]")
+    template = tmp_path / "judge.txt"
+    template.write_text("Rate {answer}")
+    with pytest.raises(ConfigError, match=r"reward.terms\[0\].judge.template: .*judge.txt: fields are"):
+        check_model_term(RewardTerm(model=tiny_model_dir, judge=JudgeConfig(template=str(template))),
+                         "reward.terms[0]")
+    with pytest.raises(ConfigError, match="algorithm.distill.teacher: the teacher must be a causal LM"):
+        check_teacher(reward_model_dir, tiny_model_dir)
+
+    other = tmp_path / "other_tokenizer"
+    import shutil
+
+    shutil.copytree(tiny_model_dir, other)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
+    with pytest.raises(ConfigError) as err:
+        check_teacher(str(other), tiny_model_dir)
+    assert str(err.value) == ("algorithm.distill.teacher: its tokenizer differs from model.path's (105 vs 104 "
+                              "tokens, 1 mapped differently); distillation compares log-probs of the same token ids")
+    check_teacher(tiny_model_dir, tiny_model_dir)
+
+
+def test_distillation_with_a_reward_model_and_a_judge_in_the_loop(rl_config, tiny_model_dir, reward_model_dir,
+                                                                  tmp_path, ray_cluster):
+    """A teacher pulls the policy: the teacher is the policy with its LM head 8x sharper (the same
+    tokenizer, a far more peaked distribution), and the exact KL(policy || teacher) of the first
+    response token, over every token of the vocabulary, falls. Beside the verifier, a reward model and a judge score every response with
+    weight 0 (logged, not trained on: GRPO would scale their random scores to the size of the
+    teacher's signal). The random judge's verdicts rarely hold a digit: the others count in
+    reward/errors and the run goes on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlsys.stages.rl_trainer import load_rl_data, run_rlvr
+
+    teacher = str(tmp_path / "teacher")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(teacher)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(teacher)
+    template = tmp_path / "judge.txt"
+    template.write_text("Question: {prompt}\nAnswer: {response}\nTruth: {ground_truth}\nScore 0-9:")
+    cfg = rl_config(
+        "train.steps=10", "train.val_every=0", "train.save_every=0", "eval=null", "algorithm.kl_coef=0",
+        "algorithm.ppo_epochs=1", "algorithm.ppo_mini_batch_size=0", "rollout.temperature=1.0",
+        f"algorithm.distill.teacher={teacher}", "algorithm.distill.coef=1.0",
+        "algorithm.distill.serving.engine_memory_gib=0.1", "optim.lr=1e-2", "optim.warmup_steps=0",
+        f"reward.terms=[{{name: arith}}, {{name: rm, model: {reward_model_dir}, weight: 0.0, normalize: sigmoid, "
+        f"serving: {{engine_memory_gib: 0.1}}}}, {{name: judge, model: {teacher}, weight: 0.0, "
+        f"judge: {{template: {template}, parse: '(\\d)', max_new_tokens: 4}}, serving: {{engine_memory_gib: 0.1}}}}]")
+    run_rlvr(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.output_dir, "metrics.jsonl"))]
+    prompts = [p.text for p in load_rl_data(cfg).prompts[:16]]
+    before, after = (_first_token_kl(policy, teacher, prompts)
+                     for policy in (tiny_model_dir, os.path.join(cfg.output_dir, "hf_model")))
+    assert after < 0.85 * before, (before, after)
+    assert all(row["distill/reverse_kl"] > 0 and row["distill/teacher_logprob_mean"] < 0 for row in rows)
+    assert sum(row["reward/errors"] for row in rows) > 0
+    for row in rows:
+        assert 0 < row["reward/rm"] < 1  # the reward model's sigmoid
+        assert 0 <= row["reward/judge"] <= 9  # a digit, where a verdict holds one
+        assert row["time/teacher_s"] > 0
+
+
+def _first_token_kl(policy: str, teacher: str, prompts: list[str]) -> float:
+    """Mean over the prompts of KL(policy || teacher) of the response's first token, exactly."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    ids = [torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"]]) for p in prompts]
+
+    def next_token_logprobs(path: str) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return torch.stack([model(x).logits[0, -1].log_softmax(-1) for x in ids])
+
+    p, t = next_token_logprobs(policy), next_token_logprobs(teacher)
+    return (p.exp() * (p - t)).sum(-1).mean().item()

@@ -1,6 +1,6 @@
 """`pipeline` end to end in a subprocess, as a user runs it: pretrain -> sft -> rlvr on the tiny
 model; killed during RL, re-run to resume there, re-run again to skip everything. (An eval stage
-runs on its own in test_train_resume_export.)"""
+runs on its own in test_train_resume_export; an SFT stage's eval runs the same `evaluate_model`.)"""
 
 from __future__ import annotations
 
@@ -24,17 +24,17 @@ TIMEOUT_S = 300
 def stage_configs(tmp_path, model_dir: str, files: dict[str, str]) -> dict[str, str]:
     """Tiny YAML configs for the three stages; returns stage name -> path."""
     common = {"ray": {"include_dashboard": False}, "tracking": {"backends": ["jsonl", "ray"]}}
-    evaluation = {"files": [files["test"]], "reward": "arith", "limit": 16, "max_new_tokens": 6,
+    evaluation = {"files": [files["test"]], "reward": "arith", "limit": 8, "max_new_tokens": 6,
                   "engine_memory_gib": 0.1}
     stages = {
         "pretrain": {**common, "model": {"path": model_dir}, "data": {"train_files": [files["pretrain"]],
                                                                       "max_seq_len": 32},
                      "train": {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4}},  # no eval: its time
-        "sft": {**common, "data": {"train_files": [files["sft"]], "max_seq_len": 32},
-                "train": {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4}, "eval": evaluation},
+        "sft": {**common, "data": {"train_files": [files["sft"]], "max_seq_len": 32},  # no eval: its time
+                "train": {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4}},
         "rlvr": {**common, "data": {"train_files": [files["rl_train"]]}, "reward": {"terms": [{"name": "arith"}]},
                  "rollout": {"n": 2, "max_new_tokens": 6, "engine_memory_gib": 0.1},
-                 "train": {"steps": 6, "prompts_per_step": 4, "micro_batch_size": 8, "save_every": 1,
+                 "train": {"steps": 4, "prompts_per_step": 4, "micro_batch_size": 8, "save_every": 1,
                            "keep_last": 2, "val_every": 0},
                  "eval": evaluation},
     }
@@ -91,10 +91,8 @@ def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_f
     assert stages["pretrain"]["status"] == stages["sft"]["status"] == "skipped (finished earlier)"
     assert stages["rlvr"]["status"].startswith("resumed from step ")
     assert int(stages["rlvr"]["status"].split()[-1]) >= 2
-    assert stages["pretrain"]["accuracy_after"] is None
-    for name in ("sft", "rlvr"):
-        assert stages[name]["accuracy_after"] is not None and 0 <= stages[name]["accuracy_after"] <= 1, stages[name]
-    assert stages["rlvr"]["accuracy_before"] is not None
+    assert stages["pretrain"]["accuracy_after"] is None and stages["sft"]["accuracy_after"] is None
+    assert 0 <= stages["rlvr"]["accuracy_before"] <= 1 and 0 <= stages["rlvr"]["accuracy_after"] <= 1, stages["rlvr"]
     # each stage started from the previous one's model
     assert yaml.safe_load(open(os.path.join(out, "rlvr", "config.yaml")))["model"]["path"] == \
         os.path.join(out, "sft", "hf_model")

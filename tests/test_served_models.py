@@ -125,10 +125,10 @@ def test_distillation_with_a_reward_model_and_a_judge_in_the_loop(rl_config, tin
                                                                   tmp_path, ray_cluster):
     """A teacher pulls the policy: the teacher is the policy with its LM head 8x sharper (the same
     tokenizer, a far more peaked distribution), and the exact KL(policy || teacher) of the first
-    response token, over every token of the vocabulary, falls. Beside the verifier, a reward model and a judge score every response with
-    weight 0 (logged, not trained on: GRPO would scale their random scores to the size of the
-    teacher's signal). The random judge's verdicts rarely hold a digit: the others count in
-    reward/errors and the run goes on."""
+    response token, over every token of the vocabulary, falls. Beside the verifier, a reward model
+    and a judge score every response with weight 0 (logged, not trained on: GRPO would scale their
+    random scores to the size of the teacher's signal). The random judge's verdicts rarely hold a
+    digit: the others count in reward/errors and the run goes on."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlsys.stages.rl_trainer import load_rl_data, run_rlvr

@@ -35,6 +35,13 @@ def summary(out: str) -> dict:
     return json.load(open(os.path.join(out, "summary.json")))
 
 
+def reverse_kl(out: str) -> str:
+    """distill/reverse_kl of the first and last steps (logged only with a teacher)."""
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    values = [row["distill/reverse_kl"] for row in rows if "distill/reverse_kl" in row]
+    return f"{values[0]:.2f} -> {values[-1]:.2f}" if values else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default="runs/arith/sft/hf_model")
@@ -43,6 +50,8 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--coef", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=5e-4,
+                        help="both RL runs' peak learning rate (the example's GRPO from a strong SFT model takes 5e-5)")
     args = parser.parse_args()
 
     init = os.path.join(args.out, "student-init")
@@ -54,23 +63,25 @@ def main() -> None:
           f"train.steps={args.pretrain_steps}", "eval=null")
     stage("sft", "examples/arith/sft.yaml", f"output_dir={sft}", f"model.path={pretrain}/hf_model",
           f"train.steps={args.sft_steps}")
-    rl = [f"model.path={sft}/hf_model", f"train.steps={args.rl_steps}", "train.save_every=0",
+    rl = [f"model.path={sft}/hf_model", f"train.steps={args.rl_steps}", f"optim.lr={args.lr}", "train.save_every=0",
           f"train.val_every={args.rl_steps}", "tracking.backends=[jsonl]"]
     runs = {
-        "GRPO (verifier)": [f"output_dir={args.out}/grpo", *rl],
-        "GRPO + distillation": [f"output_dir={args.out}/distill", *rl, f"algorithm.distill.teacher={args.teacher}",
-                                f"algorithm.distill.coef={args.coef}",
+        "GRPO (verifier)": [f"output_dir={args.out}/grpo-lr{args.lr:g}", *rl],
+        "GRPO + distillation": [f"output_dir={args.out}/distill-lr{args.lr:g}", *rl,
+                                f"algorithm.distill.teacher={args.teacher}", f"algorithm.distill.coef={args.coef}",
                                 "algorithm.distill.serving.engine_memory_gib=0.25"],
     }
     times = {name: stage("rlvr", "examples/arith/rlvr.yaml", *overrides) for name, overrides in runs.items()}
     before = summary(sft).get("eval", {}).get("accuracy")
     print(f"\nstudent ({STUDENT_LAYERS} layers) after SFT: {before}; teacher {args.teacher}")
-    print("| run | steps | held-out accuracy before -> after | wall time |")
-    print("|---|---|---|---|")
+    print("| run | steps | lr | held-out accuracy before -> after | reverse KL to the teacher, first -> last step "
+          "| wall time |")
+    print("|---|---|---|---|---|---|")
     for name, overrides in runs.items():
-        result = summary(overrides[0].split("=", 1)[1])
-        print(f"| {name} | {args.rl_steps} | {result.get('val_accuracy_before', 0):.1%} -> "
-              f"{result['val_accuracy_after']:.1%} | {times[name]:.0f} s |")
+        out = overrides[0].split("=", 1)[1]
+        result, kl = summary(out), reverse_kl(out)
+        print(f"| {name} | {args.rl_steps} | {args.lr:g} | {result.get('val_accuracy_before', 0):.1%} -> "
+              f"{result['val_accuracy_after']:.1%} | {kl} | {times[name]:.0f} s |")
 
 
 if __name__ == "__main__":

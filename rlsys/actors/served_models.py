@@ -53,13 +53,15 @@ class ServedModelWorker:
 
     def token_logprobs(self, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
         """For each (token ids, start), the model's log-prob of every token from `start` on, each
-        given the tokens before it (vLLM's prompt log-probs: one forward, nothing sampled that counts)."""
+        given the tokens before it (vLLM's prompt log-probs: one forward, nothing sampled that counts;
+        flat and not detokenised, which keeps the per-token Python work small)."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False,
+                                flat_logprobs=True)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in sequences], params,
                                     use_tqdm=False)
-        return [[out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
+        return [_prompt_token_logprobs(out.prompt_logprobs, ids, start)
                 for (ids, start), out in zip(sequences, outputs)]
 
     def _user_turn(self, text: str) -> str:
@@ -73,6 +75,18 @@ class ServedModelWorker:
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _prompt_token_logprobs(flat, ids: list[int], start: int) -> list[float]:
+    """The log-prob of each prompt token from `start` on, out of vLLM's FlatLogprobs (with
+    prompt_logprobs=0 a position holds its own token only; the first position holds none)."""
+    values = []
+    for position in range(start, len(ids)):
+        first = flat.start_indices[position]
+        if flat.token_ids[first] != ids[position]:
+            raise RuntimeError(f"prompt log-probs out of step with the tokens at position {position}")
+        values.append(flat.logprobs[first])
+    return values
 
 
 class ServedModelGroup(ActorGroup):

@@ -32,7 +32,6 @@ from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
 from rlsys.algorithms.distill import reverse_kl
 from rlsys.algorithms.kl import KLController, kl_in_reward
-from rlsys.algorithms.rollout_correction import mismatch_metrics
 from rlsys.algorithms.value_loss import value_loss
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import (
@@ -55,6 +54,7 @@ from rlsys.stages.agent_setup import AgentSetup, agent_setup
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.eval import Evaluator
 from rlsys.stages.preflight import check_rl_job
+from rlsys.stages.rl_metrics import agent_metrics, mismatch, sample_metrics
 from rlsys.stages.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
 from rlsys.stages.rollout_stream import RolloutStream
 from rlsys.stages.run_dir import finish_run
@@ -210,10 +210,10 @@ class RLVRTrainer:
             "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             **self._accuracy(scored),
             **reward_metrics,
-            **_sample_metrics(samples, batch, timer.times),
-            **(_agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
+            **sample_metrics(samples, batch, timer.times),
+            **(agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
             **(self._async_metrics(samples, step) if self.stream is not None else {}),
-            **_mismatch(sampler_logprobs, engine_logprobs, batch),
+            **mismatch(sampler_logprobs, engine_logprobs, batch),
             **update_metrics,
             **sync_metrics,
             **timer.times,
@@ -457,37 +457,3 @@ def _colocated_engines(cfg: RLJobConfig) -> int:
     if cfg.algorithm.distill is not None:
         serving.append(cfg.algorithm.distill.serving)
     return sum(c.placement == "colocated" for c in [cfg.rollout, *serving])
-
-
-def _sample_metrics(samples: list[Trajectory], batch: Batch, times: dict[str, float]) -> dict[str, float]:
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    return {
-        "response/length_mean": lengths.mean().item(),
-        "response/length_max": lengths.max().item(),
-        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-        "throughput/generated_tokens_per_s": lengths.sum().item() / times["time/generate_s"],
-        "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["time/step_s"],
-    }
-
-
-def _agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Turns and tool use of a step's trajectories; the share of response tokens masked out of the loss."""
-    count = len(trajectories)
-    response = sum(len(t.response_ids) for t in trajectories)
-    return {
-        "agent/turns_mean": sum(t.num_turns for t in trajectories) / count,
-        "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / count,
-        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
-        "agent/tool_s_mean": sum(t.tool_seconds for t in trajectories) / count,
-        "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in trajectories) / max(1, response),
-    }
-
-
-def _mismatch(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:
-    """The engine/trainer mismatch (`rollout_correction.mismatch_metrics`) over the response tokens
-    of the rows the trainer's log-probs cover (the first rows of the batch), both of the sampling
-    policy (none while a critic warms up without a trainer pass)."""
-    if trainer is None:
-        return {}
-    mask = batch["loss_mask"][:len(trainer)].bool()
-    return mismatch_metrics(trainer[mask], engine[:int(mask.sum())])

@@ -1,0 +1,44 @@
+"""The metrics of an RL step that describe its samples: lengths and throughput, agent turns and
+tool use, and the engine/trainer mismatch."""
+
+from __future__ import annotations
+
+import torch
+
+from rlsys.agents.trajectory import Trajectory
+from rlsys.algorithms.rollout_correction import mismatch_metrics
+from rlsys.data.batching import Batch
+
+
+def sample_metrics(samples: list[Trajectory], batch: Batch, times: dict[str, float]) -> dict[str, float]:
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    return {
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "throughput/generated_tokens_per_s": lengths.sum().item() / times["time/generate_s"],
+        "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["time/step_s"],
+    }
+
+
+def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Turns and tool use of a step's trajectories; the share of response tokens masked out of the loss."""
+    count = len(trajectories)
+    response = sum(len(t.response_ids) for t in trajectories)
+    return {
+        "agent/turns_mean": sum(t.num_turns for t in trajectories) / count,
+        "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / count,
+        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
+        "agent/tool_s_mean": sum(t.tool_seconds for t in trajectories) / count,
+        "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in trajectories) / max(1, response),
+    }
+
+
+def mismatch(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:
+    """The engine/trainer mismatch (`rollout_correction.mismatch_metrics`) over the response tokens
+    of the rows the trainer's log-probs cover (the first rows of the batch), both of the sampling
+    policy (none while a critic warms up without a trainer pass)."""
+    if trainer is None:
+        return {}
+    mask = batch["loss_mask"][:len(trainer)].bool()
+    return mismatch_metrics(trainer[mask], engine[:int(mask.sum())])

@@ -1,7 +1,7 @@
 """What a model in the loop costs per RL step, side by side in one run: the same job scored by the
 verifier alone (a function term), by the verifier and a reward model (a model term served by a
-vLLM engine), and by the verifier with a distillation teacher. Each run's mean over its steps
-after the first of time/reward_s, time/teacher_s and time/step_s.
+vLLM engine), and by the verifier with a distillation teacher, served by a vLLM engine or held by
+the training group. Each run's mean over its steps after the first of each phase's seconds.
 
     .venv/bin/python benchmarks/model_terms.py --model runs/arith/sft/hf_model \\
         --data runs/arith/data/rl_train.parquet
@@ -63,10 +63,13 @@ def main() -> None:
     runs = {
         "verifier": ["reward.terms=[{name: arith}]"],
         "verifier + reward model": [f"reward.terms=[{{name: arith}}, {rm_term}]"],
-        "verifier + teacher": ["reward.terms=[{name: arith}]", f"algorithm.distill.teacher={args.model}",
-                               "algorithm.distill.serving.engine_memory_gib=0.25"],
+        "verifier + teacher (engine)": ["reward.terms=[{name: arith}]", f"algorithm.distill.teacher={args.model}",
+                                        "algorithm.distill.serving.engine_memory_gib=0.25"],
+        "verifier + teacher (trainer)": ["reward.terms=[{name: arith}]", f"algorithm.distill.teacher={args.model}",
+                                         "algorithm.distill.source=trainer"],
     }
-    results = {name: run(args, name.replace(" + ", "_").replace(" ", "_"), extra) for name, extra in runs.items()}
+    results = {name: run(args, "".join(c if c.isalnum() else "_" for c in name), extra)
+               for name, extra in runs.items()}
     print(f"\n{args.prompts} prompts x 8 responses a step, mean of steps 2..{args.steps}")
     print("| run | " + " | ".join(FIGURES) + " |")
     print("|---|" + "---|" * len(FIGURES))

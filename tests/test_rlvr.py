@@ -22,6 +22,10 @@ from rlsys.data.batching import collate_rollouts
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 from rlsys.sync.weight_sync import _gpus_unseen, _Host, plan_buckets
 
+# Under pytest-xdist this module's tests run on one worker: they share a module fixture
+# (straight_rl, one RL run) built once.
+pytestmark = pytest.mark.xdist_group("test_rlvr")
+
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
 COIN = os.path.join(os.path.dirname(__file__), "assets", "coin_reward.py")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -128,7 +129,8 @@ def test_distillation_with_a_reward_model_and_a_judge_in_the_loop(rl_config, tin
     response token, over every token of the vocabulary, falls. Beside the verifier, a reward model
     and a judge score every response with weight 0 (logged, not trained on: GRPO would scale their
     random scores to the size of the teacher's signal). The random judge's verdicts rarely hold a
-    digit: the others count in reward/errors and the run goes on."""
+    digit: the others count in reward/errors and the run goes on. A teacher held by the training
+    group instead of an engine gives step 1 the same log-probs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlsys.stages.rl_trainer import load_rl_data, run_rlvr
@@ -161,6 +163,16 @@ def test_distillation_with_a_reward_model_and_a_judge_in_the_loop(rl_config, tin
         assert 0 < row["reward/rm"] < 1  # the reward model's sigmoid
         assert 0 <= row["reward/judge"] <= 9  # a digit, where a verdict holds one
         assert row["time/teacher_s"] > 0
+
+    # the teacher held by the training group (its forward in the policy's layout: 2 FSDP2 ranks)
+    # scores step 1's samples, the same as above, as its vLLM engine did
+    in_trainer = replace(cfg, output_dir=str(tmp_path / "in_trainer"), train=replace(cfg.train, steps=1),
+                         reward=replace(cfg.reward, terms=cfg.reward.terms[:1]),
+                         algorithm=replace(cfg.algorithm, distill=replace(cfg.algorithm.distill, source="trainer")))
+    run_rlvr(in_trainer)
+    first = json.loads(open(os.path.join(in_trainer.output_dir, "metrics.jsonl")).readline())
+    for name in ("distill/reverse_kl", "distill/teacher_logprob_mean", "distill/policy_logprob_mean"):
+        assert first[name] == pytest.approx(rows[0][name], abs=1e-5), name
 
 
 def _first_token_kl(policy: str, teacher: str, prompts: list[str]) -> float:

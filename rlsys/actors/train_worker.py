@@ -1,7 +1,7 @@
 """One rank of the training group, inside a Ray actor: a thin role on the model
 engine. The policy role is an engine with its optimizer, the reference role
-(for a KL penalty) an engine without one, the critic role (PPO) an engine with
-a value head and its own optimizer. The driver calls its methods on
+(for a KL penalty) and the teacher role (distillation) engines without one, the
+critic role (PPO) an engine with a value head and its own optimizer. The driver calls its methods on
 every rank at once (see `train_group.TrainGroup`)."""
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class TrainWorkerSpec:
     reference, with its adapters off."""
     critic: CriticConfig | None = None
     """Also hold a critic (PPO with GAE)."""
+    teacher: str | None = None
+    """Also hold a frozen teacher from this model directory, in the policy's layout (distillation)."""
     collective_timeout_s: float = 600.0
     micro_batch_tokens: int | None = None
 
@@ -64,6 +66,10 @@ class TrainWorkerSpec:
                           self.total_steps, torch.bfloat16 if use_bf16 else None,
                           micro_batch_tokens=self.micro_batch_tokens)
 
+    def teacher_engine_spec(self) -> EngineSpec:
+        """The policy's layout and precision over the teacher's weights, without adapters."""
+        return replace(self.engine_spec(), model=replace(self.model, path=self.teacher, lora=LoraConfig()))
+
     def critic_engine_spec(self) -> EngineSpec:
         """The policy's layout with the critic's optimizer; no loss parallel (a value is one number); every
         weight trained (no LoRA)."""
@@ -74,7 +80,8 @@ class TrainWorkerSpec:
 
 
 def build_worker_spec(cfg: TrainJobConfig | RLJobConfig, micro_batch_size: int, total_steps: int,
-                      with_reference: bool = False, critic: CriticConfig | None = None) -> TrainWorkerSpec:
+                      with_reference: bool = False, critic: CriticConfig | None = None,
+                      teacher: str | None = None) -> TrainWorkerSpec:
     """The spec of a job config with model, optim, parallel, ray and seed sections (pretrain/SFT/RLVR)."""
     return TrainWorkerSpec(
         model=cfg.model,
@@ -87,6 +94,7 @@ def build_worker_spec(cfg: TrainJobConfig | RLJobConfig, micro_batch_size: int, 
         use_gpu=cfg.ray.gpus_per_worker > 0,
         with_reference=with_reference,
         critic=critic,
+        teacher=teacher,
         collective_timeout_s=cfg.train.collective_timeout_s,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
     )
@@ -123,6 +131,8 @@ class TrainWorker:
         self.reference = ModelEngine(spec.engine_spec(), mesh, self.device, trainable=False) \
             if copy_reference else None
         self.critic = ModelEngine(spec.critic_engine_spec(), mesh, self.device) if spec.critic else None
+        self.teacher = ModelEngine(spec.teacher_engine_spec(), mesh, self.device, trainable=False) \
+            if spec.teacher else None
         self.where = spec.dims.coordinates(self.rank)
         return self.where.dp_rank, self.where.collected
 
@@ -147,6 +157,13 @@ class TrainWorker:
         else:
             engine = self.reference if reference else self.policy
             _, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
+        return rows.get("logprobs")
+
+    @releases_freed_memory
+    def compute_teacher_logprobs(self, shard: Batch) -> torch.Tensor | None:
+        """The teacher's log-probs [B, T] of the batch's tokens (its own distribution, temperature 1),
+        aligned as `compute_logprobs`'."""
+        _, rows = self.teacher.forward_backward(without_routing(shard), token_logprobs(1.0), forward_only=True)
         return rows.get("logprobs")
 
     @releases_freed_memory

@@ -134,13 +134,17 @@ class DistillConfig:
     """The teacher's HF model directory; its tokenizer must be the policy's."""
     coef: float = Field(default=1.0, gt=0)
     """Weight of the reverse KL."""
+    source: Literal["engine", "trainer"] = "engine"
+    """engine: the teacher served by vLLM engines (`serving`), its log-probs vLLM's prompt log-probs;
+    trainer: a frozen copy in the training group, in the policy's layout (each rank holds its shard
+    of it, as of a reference model), its log-probs a forward pass there."""
     mode: Literal["advantage", "penalty"] = "advantage"
     """advantage: each response token's advantage is coef x (log teacher - log pi), added to the
     estimator's advantages of the reward terms when there are any (prime-rl's and Thinking Machines'
     on-policy distillation); penalty: each token's reward loses coef x the reverse KL before the
     advantage estimator, as a KL penalty toward the teacher."""
     serving: ServingConfig = Field(default_factory=lambda: ServingConfig())
-    """The engines that serve the teacher."""
+    """The engines that serve the teacher (source: engine)."""
 
 
 @dataclass(config=STRICT)

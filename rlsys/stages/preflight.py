@@ -75,7 +75,13 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         else:
             resolve_term(term, f"reward.terms[{i}]")
     if cfg.algorithm.distill is not None:
-        check_teacher(cfg.algorithm.distill.teacher, cfg.model.path)
+        teacher_config = check_teacher(cfg.algorithm.distill.teacher, cfg.model.path)
+        if cfg.algorithm.distill.source == "trainer":
+            try:
+                check_layout(cfg.parallel, teacher_config)
+            except ConfigError as err:
+                raise ConfigError(f"algorithm.distill.source: trainer puts the teacher in the policy's layout, "
+                                  f"which it does not fit: {err}") from None
     if cfg.eval is not None:
         _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, dims.world_size)
@@ -202,9 +208,9 @@ def check_model_term(term: RewardTerm, key: str) -> None:
                           f"is {kinds[0]} with {config.num_labels} labels (for a generative judge add {key}.judge)")
 
 
-def check_teacher(teacher: str, policy: str) -> None:
+def check_teacher(teacher: str, policy: str) -> PretrainedConfig:
     """The distillation teacher: a causal LM whose tokenizer is the policy's (its log-probs are of
-    the policy's token ids)."""
+    the policy's token ids). Returns its config."""
     from rlsys.data.tokenizer import load_tokenizer
 
     key = "algorithm.distill.teacher"
@@ -217,6 +223,7 @@ def check_teacher(teacher: str, policy: str) -> None:
         differ = sum(ours.get(token) != index for token, index in theirs.items()) + len(ours.keys() - theirs.keys())
         raise ConfigError(f"{key}: its tokenizer differs from model.path's ({len(theirs)} vs {len(ours)} tokens, "
                           f"{differ} mapped differently); distillation compares log-probs of the same token ids")
+    return config
 
 
 def check_model_dir(model: ModelConfig, key: str):

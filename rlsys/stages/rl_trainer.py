@@ -119,7 +119,8 @@ class RLVRTrainer:
             self.tools = self.agents.start_tools()
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
                                      with_reference=needs_reference(cfg.algorithm),
-                                     critic=cfg.critic if self.with_critic else None)
+                                     critic=cfg.critic if self.with_critic else None,
+                                     teacher=_teacher_in_trainer(cfg))
             train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, _colocated_engines(cfg))
             self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
             self._start_served_models(engine_gpus)
@@ -147,7 +148,7 @@ class RLVRTrainer:
                      "train_cpus": cfg.ray.cpus_per_worker * self.train_group.dims.world_size}
         self.reward_pool.start_models(cfg.seed, **placement)
         distill = cfg.algorithm.distill
-        if distill is not None:
+        if distill is not None and distill.source == "engine":
             self.teacher = ServedModelGroup("teacher", distill.teacher, distill.serving, cfg.seed,
                                             "algorithm.distill.serving", **placement)
 
@@ -179,9 +180,9 @@ class RLVRTrainer:
                                                      batch["loss_mask"], cfg.algorithm.kl_penalty, self.kl_ctrl)
             reward_metrics.update(kl_metrics)
         distill_kl = None
-        if teacher_calls is not None:
+        if cfg.algorithm.distill is not None:
             with timer("teacher"):
-                teacher_logprobs = self._gather_teacher(samples, teacher_calls, batch)
+                teacher_logprobs = self._teacher_logprobs(samples, teacher_calls, batch)
             distill_kl, distill_metrics = reverse_kl(on_response_tokens(engine_logprobs, batch), teacher_logprobs,
                                                      batch["loss_mask"])
             reward_metrics.update(distill_metrics)
@@ -281,14 +282,17 @@ class RLVRTrainer:
         return {"reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored)}
 
     def _submit_teacher(self, samples: list[Trajectory]) -> list | None:
-        """Ask the teacher for its log-prob of every response token (None without distillation)."""
+        """Ask the teacher's engines for their log-prob of every response token (None without them)."""
         if self.teacher is None:
             return None
         return self.teacher.submit_split("token_logprobs", [(s.prompt_ids + s.response_ids, len(s.prompt_ids))
                                                             for s in samples])
 
-    def _gather_teacher(self, samples: list[Trajectory], calls: list, batch: Batch) -> torch.Tensor:
-        """The teacher's log-probs of the sampled tokens, [B, T] as the batch's response tokens."""
+    def _teacher_logprobs(self, samples: list[Trajectory], calls: list | None, batch: Batch) -> torch.Tensor:
+        """The teacher's log-probs of the sampled tokens, [B, T] as the batch's response tokens: from
+        its engines' `calls`, or (none) a forward pass of its copy in the training group."""
+        if calls is None:
+            return torch.cat(self.train_group.run_data_parallel("compute_teacher_logprobs", batch))
         per_sample = self.teacher.gather(calls)
         sampled = [lp for s, logprobs in zip(samples, per_sample)
                    for lp, kept in zip(logprobs, s.response_mask) if kept]
@@ -450,10 +454,16 @@ class RLSession:
         self.trainer.shutdown()
 
 
+def _teacher_in_trainer(cfg: RLJobConfig) -> str | None:
+    """The teacher's directory when the training group holds it (`algorithm.distill.source: trainer`)."""
+    distill = cfg.algorithm.distill
+    return distill.teacher if distill is not None and distill.source == "trainer" else None
+
+
 def _colocated_engines(cfg: RLJobConfig) -> int:
     """Engines of each kind that share a training rank's devices: the rollout's, each model term's,
     the teacher's."""
     serving = [t.serving for t in cfg.reward.terms if t.model]
-    if cfg.algorithm.distill is not None:
+    if cfg.algorithm.distill is not None and cfg.algorithm.distill.source == "engine":
         serving.append(cfg.algorithm.distill.serving)
     return sum(c.placement == "colocated" for c in [cfg.rollout, *serving])

@@ -67,7 +67,7 @@ def main() -> None:
         write_tiny_model(args.model, TinyModelSpec(hidden_size=128, num_hidden_layers=4, num_experts=16,
                                                    num_experts_per_tok=2, moe_intermediate_size=64))
     results = {replay: run(args, replay) for replay in ("none", "r2")}
-    print(f"\nQwen3-MoE (random, 16 experts top-2, 4 layers), {args.steps} steps of 16 prompts x 4 responses, "
+    print(f"\n{args.model}, {args.steps} steps of 16 prompts x 4 responses, "
           f"4 mini-batches x 2 epochs a step; step 1 (the same samples in both runs: the same reward), then "
           f"means over the steps (the runs' samples differ from step 2 on):\n")
     print("| figure | without replay | R2 |")

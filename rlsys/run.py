@@ -28,6 +28,12 @@ def _sft(config: str, overrides: list[str]) -> dict:
     return run_lm_training(load_config(TrainJobConfig, config, overrides), "sft")
 
 
+def _rm(config: str, overrides: list[str]) -> dict:
+    from rlsys.stages.lm_trainer import run_lm_training
+
+    return run_lm_training(load_config(TrainJobConfig, config, overrides), "rm")
+
+
 def _eval(config: str, overrides: list[str]) -> dict:
     from rlsys.stages.eval import run_eval
 
@@ -49,6 +55,7 @@ def _pipeline(config: str, overrides: list[str]) -> dict:
 STAGES: dict[str, tuple[str, Callable[[str, list[str]], dict]]] = {
     "pretrain": ("next-token pretraining on packed text documents", _pretrain),
     "sft": ("supervised fine-tuning; loss on response tokens only", _sft),
+    "rm": ("reward-model training on preference pairs (Bradley-Terry); exports a sequence classifier", _rm),
     "rlvr": ("reinforcement learning with verifiable rewards: vLLM rollouts, rewards, GRPO", _rlvr),
     "pipeline": ("stages chained (e.g. pretrain -> sft -> rlvr -> eval), each from the previous model", _pipeline),
     "eval": ("generate on a test split with vLLM and score with a reward", _eval),

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The test command: sets up the environment, then runs the whole suite on CPU, on as many pytest
 # workers as the machine has cores (at most 2: each worker starts its own Ray cluster, and the
-# suite's heaviest tests run 8 ranks and a vLLM engine). A module whose tests share an expensive module
-# fixture marks them with one xdist_group, so one worker builds it once. RLSYS_TEST_WORKERS overrides the
-# number of workers (0: one process).
+# suite's heaviest tests run 8 ranks and a vLLM engine); an idle worker takes tests queued on the other.
+# RLSYS_TEST_WORKERS overrides the number of workers (0: one process).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup_env.sh"
 cd "$repo"
 exec "${RLSYS_VENV:-$repo/.venv}/bin/python" -m pytest -p no:cacheprovider \
-  -n "${RLSYS_TEST_WORKERS:-auto}" --maxprocesses 2 --dist loadgroup "$@"
+  -n "${RLSYS_TEST_WORKERS:-auto}" --maxprocesses 2 --dist worksteal "$@"

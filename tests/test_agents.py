@@ -24,10 +24,6 @@ from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.tools.builtin import calculator
 from rlsys.tools.registry import load_tools
 
-# Under pytest-xdist this module's tests run on one worker: they share a module fixture
-# (tool_caller, a model fine-tuned to call the calculator) built once.
-pytestmark = pytest.mark.xdist_group("test_agents")
-
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 QUESTION, EXPRESSION = "12*34=", "12*34"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'

@@ -513,3 +513,17 @@ def test_distillation_reverse_kl_by_hand():
     assert metrics["distill/policy_logprob_mean"] == pytest.approx((-1.0 - 0.5 - 2.0 - 0.2 - 3.0) / 5)
     advantages = -1.0 * kl
     assert advantages[1, 2] == 2.0 and advantages[0, 1] == -0.5
+
+
+def test_bradley_terry_by_hand():
+    """Rows pair up (chosen, rejected); a row's score is its value at the one token its loss mask
+    marks; the loss is -log sigmoid(chosen - rejected), summed and divided by the step's pairs."""
+    from rlsys.algorithms.preference_loss import bradley_terry_loss
+
+    values = torch.tensor([[0.0, 2.0, 9.0], [0.0, 0.5, 0.0], [1.0, -1.0, 7.0], [0.0, 3.0, 0.0]])
+    mask = torch.tensor([[0, 1, 0], [0, 1, 0], [0, 1, 0], [0, 0, 1]])
+    out = bradley_terry_loss(num_pairs=4)(values[..., None], {"loss_mask": mask})
+    margins = torch.tensor([2.0 - 0.5, -1.0 - 0.0])
+    assert out.loss.item() == pytest.approx((-torch.nn.functional.logsigmoid(margins)).sum().item() / 4)
+    assert out.metrics["rm/accuracy"].item() == pytest.approx(1 / 4)
+    assert out.metrics["rm/margin"].item() == pytest.approx(0.5 / 4)

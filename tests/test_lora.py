@@ -30,10 +30,6 @@ from rlsys.models import lora
 from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 
-# Under pytest-xdist this module's tests run on one worker: they share a module fixture
-# (lora_rl, one LoRA RL run) built once.
-pytestmark = pytest.mark.xdist_group("test_lora")
-
 LORA = {"rank": 8, "alpha": 16.0}
 
 

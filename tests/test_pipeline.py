@@ -149,6 +149,25 @@ def test_a_stage_finished_before_a_config_key_was_added_stays_finished(pipeline_
         finished_summary(2, spec, job)
 
 
+def test_a_pipeline_chains_sft_into_a_reward_model_and_rl(tmp_path, pipeline_file):
+    """sft -> rm -> rlvr: the rm stage starts from the SFT model and passes it on, so RL starts from
+    it too, and the RL stage's `model: stage:rm` term is the rm stage's export."""
+    raw = yaml.safe_load(open(pipeline_file))
+    stages = {s["name"]: s for s in raw["stages"]}
+    rl = yaml.safe_load(open(stages["rlvr"]["config"]))
+    rl["reward"]["terms"].append({"name": "rm", "model": "stage:rm", "weight": 0.5})
+    yaml.safe_dump(rl, open(stages["rlvr"]["config"], "w"))
+    raw["stages"] = [stages["sft"], {"name": "rm", "stage": "rm", "config": stages["sft"]["config"]}, stages["rlvr"]]
+    jobs = plan_jobs(build_config(PipelineConfig, raw))
+    sft_model = os.path.join(raw["output_dir"], "sft", "hf_model")
+    assert jobs[1].model.path == jobs[2].model.path == sft_model
+    assert jobs[2].reward.terms[1].model == os.path.join(raw["output_dir"], "rm", "hf_model")
+    raw["stages"][1]["name"] = "scorer"
+    with pytest.raises(ConfigError, match=r"stages\[2\] \(rlvr\): reward.terms\[1\].model: no earlier rm stage "
+                                          r"is named 'rm' \(rm stages: scorer\)"):
+        plan_jobs(build_config(PipelineConfig, raw))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"stages": []}, "stages: give at least one stage"),
     ({"stages": [{"name": "a", "stage": "sft", "config": "x.yaml"}] * 2},

@@ -20,10 +20,6 @@ import pytest
 import yaml
 from test_rlvr import rl_raw
 
-# Under pytest-xdist this module's tests run on one worker: they share a module fixture
-# (head, a two-node Ray cluster and a submitted job) built once.
-pytestmark = pytest.mark.xdist_group("test_ray_cluster")
-
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 JOB = "rlsys-test-job"
 

@@ -22,10 +22,6 @@ from rlsys.data.batching import collate_rollouts
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 from rlsys.sync.weight_sync import _gpus_unseen, _Host, plan_buckets
 
-# Under pytest-xdist this module's tests run on one worker: they share a module fixture
-# (straight_rl, one RL run) built once.
-pytestmark = pytest.mark.xdist_group("test_rlvr")
-
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
 COIN = os.path.join(os.path.dirname(__file__), "assets", "coin_reward.py")
 
@@ -96,9 +92,9 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     layout's syncs are checked by the uninterrupted run's `rollout/logprob_abs_diff`.)"""
     cfg = rl_config(*layout)
     through_object_store = "rollout.sync_shared_memory=false" in layout
-    queues_before = set(glob.glob("/dev/shm/psm_*"))
     trainer = RLVRTrainer(cfg)
     try:
+        queues = set().union(*trainer.rollout_group.on_each(probes.shared_memory_queues))
         if through_object_store:
             assert trainer.sync._can_share() and not trainer.sync.in_place
             _assert_too_few_file_descriptors_keep_shards_private(trainer)
@@ -117,7 +113,8 @@ def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     finally:
         trainer.shutdown()
     # a tensor-parallel engine's shared-memory queues are gone with it (a killed actor left them)
-    assert set(glob.glob("/dev/shm/psm_*")) <= queues_before
+    assert "rollout.tensor_parallel_size=2" not in layout or queues
+    assert not any(os.path.exists(queue) for queue in queues), queues
 
 
 def logprob_gap(trainer: RLVRTrainer) -> float:

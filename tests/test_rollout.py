@@ -11,10 +11,6 @@ from rlsys.agents.loop import SingleTurnLoop
 from rlsys.agents.trajectory import Sampling
 from rlsys.config.rollout import RolloutConfig
 
-# Under pytest-xdist this module's tests run on one worker: they share a module fixture
-# (worker, an engine in this process) built once.
-pytestmark = pytest.mark.xdist_group("test_rollout")
-
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir):

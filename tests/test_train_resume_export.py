@@ -13,10 +13,6 @@ import pytest
 
 from rlsys.stages.lm_trainer import run_lm_training
 
-# Under pytest-xdist this module's tests run on one worker: they share a module fixture
-# (straight_run, one SFT run per layout) built once.
-pytestmark = pytest.mark.xdist_group("test_train_resume_export")
-
 STEPS = 6
 LAYOUTS = {
     "tp2-sp-lp": {"tp": 2, "sequence_parallel": True, "loss_parallel": True},

@@ -95,6 +95,16 @@ def pipeline_micro_batches(worker, shard) -> int:
     return worker.policy._pipeline_micro_batches(shard)
 
 
+def shared_memory_queues(rollout_worker) -> set[str]:
+    """The /dev/shm/psm_* segments (vLLM's shared-memory queues) that the engine's process and its
+    worker processes map."""
+    import psutil
+
+    me = psutil.Process()
+    return {m.path for process in (me, *me.children(recursive=True)) for m in process.memory_maps(grouped=True)
+            if m.path.startswith("/dev/shm/psm_")}
+
+
 def experts_repacked(rollout_worker) -> list[int]:
     """How many MoE layers each vLLM worker of a rollout engine has packed again after syncs."""
     return rollout_worker.llm.collective_rpc(_experts_repacked)

@@ -52,6 +52,9 @@ class TrainWorkerSpec:
     """Also hold a critic (PPO with GAE)."""
     teacher: str | None = None
     """Also hold a frozen teacher from this model directory, in the policy's layout (distillation)."""
+    value_head: bool = False
+    """The trained model is a reward model: a one-output head in place of the LM head (the `rm` stage),
+    exported as a sequence-classification model."""
     collective_timeout_s: float = 600.0
     micro_batch_tokens: int | None = None
 
@@ -62,9 +65,10 @@ class TrainWorkerSpec:
     def engine_spec(self) -> EngineSpec:
         mixed = self.parallel.mixed_precision
         use_bf16 = mixed == "bf16" or (mixed == "auto" and self.use_gpu)
-        return EngineSpec(self.model, self.optim, self.dims, self.parallel, self.micro_batch_size,
+        parallel = replace(self.parallel, loss_parallel=False) if self.value_head else self.parallel  # one value
+        return EngineSpec(self.model, self.optim, self.dims, parallel, self.micro_batch_size,
                           self.total_steps, torch.bfloat16 if use_bf16 else None,
-                          micro_batch_tokens=self.micro_batch_tokens)
+                          micro_batch_tokens=self.micro_batch_tokens, value_head=self.value_head)
 
     def teacher_engine_spec(self) -> EngineSpec:
         """The policy's layout and precision over the teacher's weights, without adapters."""
@@ -81,7 +85,7 @@ class TrainWorkerSpec:
 
 def build_worker_spec(cfg: TrainJobConfig | RLJobConfig, micro_batch_size: int, total_steps: int,
                       with_reference: bool = False, critic: CriticConfig | None = None,
-                      teacher: str | None = None) -> TrainWorkerSpec:
+                      teacher: str | None = None, value_head: bool = False) -> TrainWorkerSpec:
     """The spec of a job config with model, optim, parallel, ray and seed sections (pretrain/SFT/RLVR)."""
     return TrainWorkerSpec(
         model=cfg.model,
@@ -95,6 +99,7 @@ def build_worker_spec(cfg: TrainJobConfig | RLJobConfig, micro_batch_size: int, 
         with_reference=with_reference,
         critic=critic,
         teacher=teacher,
+        value_head=value_head,
         collective_timeout_s=cfg.train.collective_timeout_s,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
     )
@@ -228,7 +233,7 @@ class TrainWorker:
     @releases_freed_memory
     def export_hf(self, out_dir: str) -> None:
         export_hf(self.policy.weights, self.spec.model, out_dir, self.where.pp, self.spec.dims.pp,
-                  writes_stage=self.where.leads_stage, writes_config=self.rank == 0)
+                  writes_stage=self.where.leads_stage, writes_config=self.rank == 0, reward_head=self.spec.value_head)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

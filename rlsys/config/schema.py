@@ -80,7 +80,7 @@ class EvalJobConfig(JobConfig):
 class PipelineStage:
     name: str = ""
     """Stage name: its output goes to output_dir/name, and the summary table names it."""
-    stage: Literal["pretrain", "sft", "rlvr", "eval"] = "sft"
+    stage: Literal["pretrain", "sft", "rm", "rlvr", "eval"] = "sft"
     """The stage to run."""
     config: str = ""
     """That stage's YAML config file (its own `output_dir` is replaced by output_dir/name)."""
@@ -96,5 +96,6 @@ class PipelineConfig:
     """Pipeline directory: a subdirectory per stage, summary.md / summary.json and report.html."""
     stages: list[PipelineStage] = Field(default_factory=list)
     """The stages in order. From the second on, model.path is the previous stage's final HF directory
-    (an `eval` stage passes its input model on). Finished stages are skipped on a re-run; an
-    interrupted one resumes from its last checkpoint."""
+    (an `eval` or `rm` stage passes its input model on; an rlvr stage's reward term names an rm stage's
+    reward model as `model: stage:<name>`). Finished stages are skipped on a re-run; an interrupted one
+    resumes from its last checkpoint."""

@@ -30,6 +30,10 @@ class DataConfig:
     tools_key: str = "tools"
     """SFT: a column of OpenAI function schemas a chat row's template renders (`tools=`), as the agent loop
     renders them into its prompts."""
+    chosen_key: str = "chosen"
+    """Reward-model training (`rm`): the preferred response's column (a string), beside `prompt_key`."""
+    rejected_key: str = "rejected"
+    """Reward-model training (`rm`): the other response's column (a string)."""
 
 
 @dataclass(config=STRICT)

@@ -90,6 +90,16 @@ def _render(messages: list[dict], tokenizer, add_generation_prompt: bool, tools:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def conversation_text(tokenizer, messages: list[dict] | None, prompt_text: str, response: str) -> str:
+    """A prompt and its response as a reward model reads them: its chat template over the prompt's
+    messages and the response as the assistant's turn when it has a template and the prompt has
+    messages, else the prompt text followed by the response."""
+    if messages is not None and getattr(tokenizer, "chat_template", None):
+        turns = [*messages, {"role": "assistant", "content": response}]
+        return tokenizer.apply_chat_template(turns, tokenize=False)
+    return prompt_text + response
+
+
 def chat_messages(value, key: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"{key!r} must be a non-empty list of {{role, content}} messages")

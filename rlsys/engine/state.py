@@ -69,11 +69,13 @@ class RankState:
 
 
 def export_hf(weights: RankWeights, model_cfg: ModelConfig, out_dir: str, pp_rank: int, pp: int,
-              writes_stage: bool, writes_config: bool) -> None:
+              writes_stage: bool, writes_config: bool, reward_head: bool = False) -> None:
     """A Hugging Face directory of the full model (a collective), under the names on disk
     `save_pretrained` writes (`rlsys.models.moe` for MoE experts). Each pipeline stage's
     writer saves that stage's full tensors as one safetensors shard; with several
-    stages, the config writer then adds the index mapping names to shards."""
+    stages, the config writer then adds the index mapping names to shards. `reward_head`:
+    the one-output head is a reward model's, written as a `*ForSequenceClassification`
+    model's `score` with one label."""
     os.makedirs(out_dir, exist_ok=True)
     shard_name = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     family = moe_family(weights.parts[0].config)
@@ -82,6 +84,8 @@ def export_hf(weights: RankWeights, model_cfg: ModelConfig, out_dir: str, pp_ran
     if model_cfg.lora.rank:
         named = lora.merged(_keep_adapters(named, adapters), model_cfg.lora)
     for name, tensor in named:
+        if reward_head and name == "lm_head.weight":
+            name = "score.weight"
         if writes_stage:  # an MoE model's experts under their names on disk, one tensor each
             for disk_name, disk_tensor in family.to_disk(name, tensor) if family else [(name, tensor)]:
                 split = disk_tensor.numel() < tensor.numel()  # a view: safetensors stores no shared memory
@@ -93,7 +97,7 @@ def export_hf(weights: RankWeights, model_cfg: ModelConfig, out_dir: str, pp_ran
     del tensors, adapters
     dist.barrier()
     if writes_config:
-        _write_hf_metadata(model_cfg.path, out_dir, indexed=pp > 1)
+        _write_hf_metadata(model_cfg.path, out_dir, indexed=pp > 1, reward_head=reward_head)
     dist.barrier()
 
 
@@ -106,12 +110,22 @@ def _keep_adapters(named: Iterator[tuple[str, torch.Tensor]], adapters: dict[str
         yield name, tensor
 
 
-def _write_hf_metadata(src: str, out_dir: str, indexed: bool) -> None:
-    """Config, tokenizer and generation config from `src`; with `indexed` (several stages' shards)
-    the index mapping each tensor to its shard."""
-    AutoConfig.from_pretrained(src).save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
-    if os.path.isfile(os.path.join(src, "generation_config.json")):
+def _write_hf_metadata(src: str, out_dir: str, indexed: bool, reward_head: bool = False) -> None:
+    """Config, tokenizer and generation config from `src` (a reward model's config as a one-label
+    sequence classifier, which generates nothing); with `indexed` (several stages' shards) the index
+    mapping each tensor to its shard."""
+    config = AutoConfig.from_pretrained(src)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    if reward_head:
+        config.architectures = [a.replace("ForCausalLM", "ForSequenceClassification") for a in config.architectures]
+        config.num_labels = 1
+        config.tie_word_embeddings = False
+        if config.pad_token_id is None:  # transformers finds each row's last token by the pad id
+            pad = tokenizer.pad_token_id
+            config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    if not reward_head and os.path.isfile(os.path.join(src, "generation_config.json")):
         GenerationConfig.from_pretrained(src).save_pretrained(out_dir)
     if indexed:
         weight_map = {}

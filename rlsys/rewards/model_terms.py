@@ -12,6 +12,7 @@ from typing import Any
 
 from rlsys.config.loader import ConfigError
 from rlsys.config.rl import JudgeConfig, RewardTerm
+from rlsys.data.examples import conversation_text
 
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
 
@@ -34,13 +35,10 @@ def exchanges(trajectories: list, prompts: list) -> list[Exchange]:
 
 
 def reward_model_text(tokenizer, exchange: Exchange) -> str:
-    """The conversation as the reward model reads it: its own chat template over the prompt's
-    messages and the response as the assistant's turn when it has one, else the policy's prompt
-    text followed by the response."""
-    if exchange.messages is not None and getattr(tokenizer, "chat_template", None):
-        turns = [*exchange.messages, {"role": "assistant", "content": exchange.response}]
-        return tokenizer.apply_chat_template(turns, tokenize=False)
-    return exchange.prompt_text + exchange.response
+    """The conversation as the reward model reads it (`conversation_text`: its own chat template,
+    else the policy's prompt text followed by the response)."""
+    messages = list(exchange.messages) if exchange.messages is not None else None
+    return conversation_text(tokenizer, messages, exchange.prompt_text, exchange.response)
 
 
 def read_template(path: str, key: str) -> str:

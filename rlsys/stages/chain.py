@@ -24,7 +24,11 @@ from rlsys.stages.run_dir import CONFIG_FILE, HF_MODEL_DIR, SUMMARY_FILE
 
 log = logging.getLogger(__name__)
 
-STAGE_SCHEMAS = {"pretrain": TrainJobConfig, "sft": TrainJobConfig, "rlvr": RLJobConfig, "eval": EvalJobConfig}
+STAGE_SCHEMAS = {"pretrain": TrainJobConfig, "sft": TrainJobConfig, "rm": TrainJobConfig, "rlvr": RLJobConfig,
+                 "eval": EvalJobConfig}
+STAGE_MODEL = "stage:"
+"""A reward term's `model: stage:<name>` in a pipeline's rlvr stage is the reward model an earlier
+`rm` stage of that name exported."""
 
 
 @dataclass
@@ -60,20 +64,40 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
 
 def plan_jobs(cfg: PipelineConfig) -> list:
-    """Every stage's validated config, with output_dir/<name> and the chained model.path."""
+    """Every stage's validated config, with output_dir/<name> and the chained model.path. An `eval`
+    or `rm` stage passes its input model on (a reward model is not the next stage's policy); a
+    reward term's `model: stage:<name>` is that earlier rm stage's export."""
     _check_pipeline(cfg)
-    jobs, model = [], None
+    jobs, model, reward_models = [], None, {}
     for index, spec in enumerate(cfg.stages):
         try:
             job = load_config(STAGE_SCHEMAS[spec.stage], spec.config, spec.overrides)
+            if spec.stage == "rlvr":
+                job = _with_stage_reward_models(job, reward_models)
         except ConfigError as err:
             raise ConfigError(f"stages[{index}] ({spec.name}): {err}") from None
         job = dataclasses.replace(job, output_dir=os.path.join(cfg.output_dir, spec.name))
         if model is not None:
             job = dataclasses.replace(job, model=dataclasses.replace(job.model, path=model))
-        model = job.model.path if spec.stage == "eval" else os.path.join(job.output_dir, HF_MODEL_DIR)
+        exported = os.path.join(job.output_dir, HF_MODEL_DIR)
+        if spec.stage == "rm":
+            reward_models[spec.name] = exported
+        model = job.model.path if spec.stage in ("eval", "rm") else exported
         jobs.append(job)
     return jobs
+
+
+def _with_stage_reward_models(job: RLJobConfig, reward_models: dict[str, str]) -> RLJobConfig:
+    terms = []
+    for i, term in enumerate(job.reward.terms):
+        if term.model.startswith(STAGE_MODEL):
+            name = term.model[len(STAGE_MODEL):]
+            if name not in reward_models:
+                raise ConfigError(f"reward.terms[{i}].model: no earlier rm stage is named {name!r} "
+                                  f"(rm stages: {', '.join(reward_models) or 'none'})")
+            term = dataclasses.replace(term, model=reward_models[name])
+        terms.append(term)
+    return dataclasses.replace(job, reward=dataclasses.replace(job.reward, terms=terms))
 
 
 def summary_table(results: list[StageResult]) -> str:
@@ -161,11 +185,13 @@ def _result(spec: PipelineStage, job, summary: dict, status: str | None,
             previous: StageResult | None) -> StageResult:
     if spec.stage == "rlvr":
         before, after = summary.get("val_accuracy_before"), summary.get("val_accuracy_after")
+    elif spec.stage == "rm":  # a reward model answers nothing
+        before = after = None
     elif spec.stage == "eval":
         before, after = None, summary.get("accuracy")
     else:
         before, after = None, (summary.get("eval") or {}).get("accuracy")
-    if before is None and previous is not None:
+    if before is None and previous is not None and spec.stage != "rm":
         before = previous.accuracy_after  # the same model, measured at the previous stage's end
     resumed = summary.get("resumed_from_step")
     if status is None:

@@ -1,8 +1,11 @@
-"""The pretrain / SFT loop, run by the driver (the single controller).
+"""The pretrain / SFT / reward-model loop, run by the driver (the single controller).
 
 Each step: take the next global batch, split it across data-parallel ranks,
 have every rank run forward/backward over its micro-batches and step AdamW,
-then log. The loss is the mean NLL over the global batch's target tokens.
+then log. Pretrain and SFT: the loss is the mean NLL over the global batch's
+target tokens. `rm`: a batch is preference pairs, a chosen and a rejected row
+each, the model has a one-output head in place of the LM head, and the loss is
+Bradley-Terry's mean over the pairs (`algorithms.preference_loss`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from rlsys.actors.phases import set_phase
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.algorithms.lm_loss import nll_loss
+from rlsys.algorithms.preference_loss import bradley_terry_loss
 from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
-from rlsys.data.files import DataError
+from rlsys.data.files import DataError, RowStats
+from rlsys.data.preferences import load_preference_pairs
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.parallel.dims import ParallelDims
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
@@ -28,14 +33,17 @@ from rlsys.stages.stage_loop import run_stage
 
 log = logging.getLogger(__name__)
 
-Stage = Literal["pretrain", "sft"]
+Stage = Literal["pretrain", "sft", "rm"]
+
+Unit = tuple[Example, ...]
+"""What a batch samples: one example, or (rm) a preference pair's chosen and rejected rows."""
 
 
 def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
-    check_train_job(cfg)
+    check_train_job(cfg, stage)
     started = time.time()
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    examples, row_stats = (load_pretrain_examples if stage == "pretrain" else load_sft_examples)(cfg.data, tokenizer)
+    examples, row_stats = load_units(cfg, stage, tokenizer)
     try:
         sampler = EpochSampler(len(examples), cfg.train.global_batch_size, cfg.seed)
     except ValueError as err:
@@ -48,7 +56,8 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         agents.check_template(tokenizer)
         evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
                               tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
-    log.info("%s: %d training sequences (%d rows skipped)", stage, len(examples), row_stats.skipped)
+    log.info("%s: %d training %s (%d rows skipped)", stage, len(examples), "pairs" if stage == "rm" else "sequences",
+             row_stats.skipped)
     run = run_stage(cfg, stage, lambda checkpoints: LMSession(cfg, stage, examples, sampler,
                                                               tokenizer.pad_token_id, checkpoints))
     summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": run.start_step,
@@ -65,14 +74,24 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     return summary
 
 
-class LMSession:
-    """One attempt of a pretrain or SFT stage (`run_stage`): the training group over the examples."""
+def load_units(cfg: TrainJobConfig, stage: Stage, tokenizer) -> tuple[list[Unit], RowStats]:
+    if stage == "rm":
+        return load_preference_pairs(cfg.data, tokenizer)
+    examples, stats = (load_pretrain_examples if stage == "pretrain" else load_sft_examples)(cfg.data, tokenizer)
+    return [(example,) for example in examples], stats
 
-    def __init__(self, cfg: TrainJobConfig, stage: Stage, examples: list[Example], sampler: EpochSampler,
+
+class LMSession:
+    """One attempt of a pretrain, SFT or reward-model stage (`run_stage`): the training group over
+    the examples."""
+
+    def __init__(self, cfg: TrainJobConfig, stage: Stage, examples: list[Unit], sampler: EpochSampler,
                  pad_id: int, checkpoints: CheckpointDir):
         self.cfg, self.stage, self.examples, self.sampler, self.pad_id = cfg, stage, examples, sampler, pad_id
         self.checkpoints = checkpoints
-        self.group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+        rows = len(examples[0])  # a micro-batch of micro_batch_size units
+        self.group = TrainGroup(build_worker_spec(cfg, rows * cfg.train.micro_batch_size, cfg.train.steps,
+                                                  value_head=stage == "rm"), cfg.ray)
 
     def resume(self, force: bool) -> int:
         resume = self.cfg.train.resume or force
@@ -95,10 +114,12 @@ class LMSession:
         self.group.shutdown()
 
 
-def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler, pad_id: int) -> dict:
+def train_step(group: TrainGroup, examples: list[Unit], sampler: EpochSampler, pad_id: int) -> dict:
     started = time.perf_counter()
-    batch = collate([examples[i] for i in sampler.next_indices()], pad_id)
-    step, _ = group.run_data_parallel("train_step", batch, loss_fn=nll_loss(num_targets(batch)))[0]
+    units = [examples[i] for i in sampler.next_indices()]
+    batch = collate([example for unit in units for example in unit], pad_id)
+    loss_fn = bradley_terry_loss(len(units)) if len(units[0]) == 2 else nll_loss(num_targets(batch))
+    step, _ = group.run_data_parallel("train_step", batch, loss_fn=loss_fn)[0]
     elapsed = time.perf_counter() - started
     tokens = int(batch["attention_mask"].sum())
     return {
@@ -108,5 +129,5 @@ def train_step(group: TrainGroup, examples: list[Example], sampler: EpochSampler
         "throughput/tokens": tokens,
         "throughput/tokens_per_s": tokens / elapsed,
         "time/step_s": elapsed,
-        **{name: value for name, value in step.items() if name.startswith("router/")},  # an MoE model's
+        **{name: value for name, value in step.items() if name.startswith(("router/", "rm/"))},  # MoE, rm
     }

@@ -27,16 +27,35 @@ _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def check_train_job(cfg: TrainJobConfig) -> None:
+def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     _check_files(cfg.data.train_files, "data.train_files")
     check_train_batch(cfg.train, dims.dp_size)
+    if stage == "rm":
+        _check_reward_model_job(cfg)
     if cfg.eval is not None:
         _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, dims.world_size)
+
+
+def _check_reward_model_job(cfg: TrainJobConfig) -> None:
+    """The rm stage: whole preference pairs in every micro-batch, every weight trained, nothing generated."""
+    refusals = {
+        "model.lora.rank": (cfg.model.lora.rank, "the rm stage trains every weight of the reward model; no LoRA"),
+        "parallel.pp": (cfg.parallel.pp > 1, "the rm stage keeps each pair in one micro-batch; not with pipeline "
+                                             "parallel yet"),
+        "parallel.cp": (cfg.parallel.cp > 1, "a sequence's score is its last token's value, on one rank; not with "
+                                             "context parallel"),
+        "train.micro_batch_tokens": (cfg.train.micro_batch_tokens, "the rm stage's micro-batches are "
+                                                                   "train.micro_batch_size pairs"),
+        "eval": (cfg.eval, "the rm stage generates nothing to evaluate; its pair accuracy is logged as rm/accuracy"),
+    }
+    for key, (given, why) in refusals.items():
+        if given:
+            raise ConfigError(f"{key}: {why}")
 
 
 def check_rl_job(cfg: RLJobConfig) -> None:
@@ -193,8 +212,11 @@ def check_model_term(term: RewardTerm, key: str) -> None:
     causal LM; the judge's template and parser readable."""
     from rlsys.rewards.model_terms import read_template, verdict_parser
 
-    if term.name and term.path:
+    if term.path:
         raise ConfigError(f"{key}: give a model or a path, not both")
+    if term.model.startswith("stage:"):
+        raise ConfigError(f"{key}.model: {term.model!r} names a pipeline's rm stage; only a pipeline's rlvr stage "
+                          "can use it")
     config = check_model_dir(ModelConfig(path=term.model), f"{key}.model")
     kinds = getattr(config, "architectures", None) or ["?"]
     if term.judge is not None:

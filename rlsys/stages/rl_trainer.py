@@ -57,7 +57,7 @@ from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_metrics import agent_metrics, mismatch, sample_metrics
 from rlsys.stages.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
 from rlsys.stages.rollout_stream import RolloutStream
-from rlsys.stages.run_dir import finish_run
+from rlsys.stages.run_dir import finish_run, logged_metric
 from rlsys.stages.stage_loop import run_stage
 from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync
@@ -418,8 +418,9 @@ def run_rlvr(cfg: RLJobConfig) -> dict:
                "restarts": run.restarts, "final_reward": run.last.get("reward/mean"),
                "val_accuracy_after": run.last.get("val/accuracy"), "hf_model": run.hf_dir,
                "time_s": round(time.time() - started, 1)}
-    if "val/accuracy" in run.initial:
-        summary["val_accuracy_before"] = run.initial["val/accuracy"]
+    before = run.initial.get("val/accuracy", logged_metric(cfg.output_dir, 0, "val/accuracy"))
+    if before is not None:  # a resumed run's first attempt validated before its first step
+        summary["val_accuracy_before"] = before
     finish_run(cfg.output_dir, summary)
     return summary
 

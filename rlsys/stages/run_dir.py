@@ -32,6 +32,20 @@ def prepare_run_dir(cfg, stage: str) -> dict:
     return config
 
 
+def logged_metric(output_dir: str, step: int, name: str) -> float | None:
+    """`name` as the run's metrics.jsonl logged it at `step` (None when it did not): what a resumed
+    run reads of the attempt it resumes, such as the validation before the first step."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("step") == step and name in row:
+                return row[name]
+    return None
+
+
 def write_summary(output_dir: str, summary: dict) -> None:
     with open(os.path.join(output_dir, SUMMARY_FILE), "w") as f:
         json.dump(summary, f, indent=2)

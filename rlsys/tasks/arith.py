@@ -75,6 +75,12 @@ def sft_rows(problems: list[Problem]) -> list[dict]:
     return [{"prompt": _chat(p), "response": p.answer} for p in problems]
 
 
+def preference_rows(problems: list[Problem], rng: random.Random) -> list[dict]:
+    """Preference pairs for a reward model: the right answer chosen over a near miss (off by 1, 2 or 10)."""
+    return [{"prompt": _chat(p), "chosen": p.answer,
+             "rejected": str(int(p.answer) + rng.choice((-10, -2, -1, 1, 2, 10)))} for p in problems]
+
+
 def rl_rows(problems: list[Problem], split: str) -> list[dict]:
     """VeRL's RL schema, so VeRL-prepared data and ours read the same way."""
     return [
@@ -90,7 +96,7 @@ def rl_rows(problems: list[Problem], split: str) -> list[dict]:
 
 
 def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
-    """Write pretrain/SFT/RL train files and the RL-schema test split."""
+    """Write pretrain/SFT/RL train files, reward-model preference pairs and the RL-schema test split."""
     os.makedirs(out_dir, exist_ok=True)
     train, test = split_problems(spec)
     rng = random.Random(spec.seed + 1)
@@ -99,6 +105,7 @@ def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
         "pretrain": _write_jsonl(out_dir, "pretrain.jsonl", pretrain_rows(corpus, spec.equations_per_document)),
         "sft": _write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train)),
         "rl_train": _write_parquet(out_dir, "rl_train.parquet", rl_rows(train, "train")),
+        "preferences": _write_jsonl(out_dir, "preferences.jsonl", preference_rows(train, rng)),
         "test": _write_parquet(out_dir, "test.parquet", rl_rows(test, "test")),
     }
     return files

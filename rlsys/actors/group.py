@@ -12,6 +12,11 @@ from rlsys.actors.failures import wait_all
 from rlsys.actors.phases import call
 
 
+def contiguous_shares(items: list, parts: int) -> list[list]:
+    """`items` cut into `parts` contiguous shares, in order (sizes differ by at most one; some may be empty)."""
+    return [items[i * len(items) // parts:(i + 1) * len(items) // parts] for i in range(parts)]
+
+
 class ActorGroup:
     def __init__(self, names: list[str], straggler_timeout_s: float | None = None):
         self.names = names

@@ -7,7 +7,7 @@ import ray
 
 from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.engine_placement import place_engines
-from rlsys.actors.group import ActorGroup
+from rlsys.actors.group import ActorGroup, contiguous_shares
 from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.agents.loop import AgentLoop
 from rlsys.agents.trajectory import Sampling, Trajectory
@@ -56,7 +56,7 @@ class RolloutGroup(ActorGroup):
         slowest engine's rollout and engine-step seconds. With `version`, every engine must hold the
         weights (or adapter) of that version."""
         engines = len(self.actors)
-        shares = [prompts[i * len(prompts) // engines:(i + 1) * len(prompts) // engines] for i in range(engines)]
+        shares = contiguous_shares(prompts, engines)
         busy = [i for i in range(engines) if shares[i]]
         refs = [self.submit(i, "rollout", shares[i], loop, n, sampling, seed, version) for i in busy]
         prompt_ids = {index: ids for index, ids, _ in prompts}

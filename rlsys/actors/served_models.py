@@ -15,7 +15,7 @@ import torch
 
 from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.engine_placement import place_engines
-from rlsys.actors.group import ActorGroup
+from rlsys.actors.group import ActorGroup, contiguous_shares
 from rlsys.config.rollout import ServingConfig
 from rlsys.console import redirect_actor_output
 from rlsys.rewards.model_terms import Exchange, reward_model_text
@@ -109,8 +109,7 @@ class ServedModelGroup(ActorGroup):
 
     def submit_split(self, method: str, items: list, *args) -> list:
         """Start `method` on contiguous shares of `items`, one per engine; `gather` joins the results."""
-        engines = len(self.actors)
-        shares = [items[i * len(items) // engines:(i + 1) * len(items) // engines] for i in range(engines)]
+        shares = contiguous_shares(items, len(self.actors))
         return [(i, self.submit(i, method, share, *args)) for i, share in enumerate(shares) if share]
 
     def gather(self, pending: list) -> list:

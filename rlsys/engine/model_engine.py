@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from rlsys.algorithms.lm_loss import LossFn, is_token_level
@@ -33,10 +32,11 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.packing import block_causal_mask, pack_rows
+from rlsys.engine.grad_norm import clip_grad_norm
 from rlsys.engine.loading import load_parallel_model
 from rlsys.engine.schedule import lr_multiplier
 from rlsys.engine.state import RankState
-from rlsys.engine.weights import RankWeights, full_tensor
+from rlsys.engine.weights import RankWeights
 from rlsys.models import lora
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
@@ -381,28 +381,3 @@ class ModelEngine:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group) -> float:
-    """The global gradient norm over every mesh axis, clipping to `max_norm` (0: no clipping).
-
-    Parameters of one layout live on different meshes (tensor-parallel weights on
-    dp x tp, norms on dp only), which torch's clip_grad_norm_ cannot stack: the norm
-    is taken per group of equally placed gradients, made whole, then combined, and
-    summed over the pipeline stages, which hold disjoint parameters."""
-    groups: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else (None, None)
-            groups.setdefault(key, []).append(p)
-    norms = [torch.zeros(())]
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append(full_tensor(norm).cpu())
-    squared = torch.linalg.vector_norm(torch.stack(norms)) ** 2
-    if dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt()
-    if max_norm:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device), foreach=True)
-    return float(total)

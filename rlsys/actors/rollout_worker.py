@@ -10,7 +10,6 @@ asynchronous actor they run on the event loop, between engine steps, never durin
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import torch
@@ -26,7 +25,7 @@ from rlsys.rollout.adapters import AdapterSpec, ServedAdapter
 from rlsys.rollout.cpu_experts import cpu_packed_experts, repack_written
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.request_engine import RequestEngine
-from rlsys.rollout.vllm_engine import cpu_thread_binding, create_llm
+from rlsys.rollout.vllm_engine import create_llm, set_engine_threads
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 from rlsys.sync.engine_writer import EngineWeightWriter
 from rlsys.sync.shards import Assembler, Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
@@ -76,12 +75,9 @@ class RolloutWorker:
         generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once;
         `fp32_head`: logits in fp32 (`model.fp32_lm_head`)."""
         redirect_actor_output()
-        torch.set_num_threads(num_threads)
+        set_engine_threads(num_threads, cfg.tensor_parallel_size)
         on_gpu = torch.cuda.is_available()
-        if not on_gpu:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                  cpu_thread_binding(num_threads, cfg.tensor_parallel_size))
-            keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
+        keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
         self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu,
                               lora_rank=adapter.rank if adapter else 0, fp32_head=fp32_head)

@@ -8,10 +8,7 @@ Each call's items are split across the engines in contiguous shares."""
 
 from __future__ import annotations
 
-import os
-
 import ray
-import torch
 
 from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.engine_placement import place_engines
@@ -19,17 +16,14 @@ from rlsys.actors.group import ActorGroup, contiguous_shares
 from rlsys.config.rollout import ServingConfig
 from rlsys.console import redirect_actor_output
 from rlsys.rewards.model_terms import Exchange, reward_model_text
-from rlsys.rollout.vllm_engine import cpu_thread_binding, create_served_llm
+from rlsys.rollout.vllm_engine import create_served_llm, set_engine_threads
 
 
 class ServedModelWorker:
     def __init__(self, model_path: str, cfg: ServingConfig, seed: int, num_threads: int, pooling: bool):
         """`pooling`: a reward model (vLLM's pooling runner); else a causal LM."""
         redirect_actor_output()
-        torch.set_num_threads(num_threads)
-        if not torch.cuda.is_available():
-            binding = cpu_thread_binding(num_threads, cfg.tensor_parallel_size)
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
+        set_engine_threads(num_threads, cfg.tensor_parallel_size)
         self.llm = create_served_llm(model_path, cfg, seed, pooling)
         self.tokenizer = self.llm.get_tokenizer()
 

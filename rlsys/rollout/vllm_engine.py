@@ -94,6 +94,13 @@ def free_memory_fraction() -> float:
     return max(0.01, min(0.9, free / total - 0.01))
 
 
+def set_engine_threads(num_threads: int, tensor_parallel_size: int) -> None:
+    """Size this actor's torch threads and, on CPU, bind the engine's tensor-parallel ranks to cores."""
+    torch.set_num_threads(num_threads)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(num_threads, tensor_parallel_size))
+
+
 def cpu_thread_binding(num_threads: int, tensor_parallel_size: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for an engine on CPU. One rank keeps torch's own threads
     ("nobind"). Tensor-parallel ranks each need a core list: vLLM's automatic binding wants a

@@ -179,15 +179,11 @@ class RLVRTrainer:
             token_rewards, kl_metrics = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                                      batch["loss_mask"], cfg.algorithm.kl_penalty, self.kl_ctrl)
             reward_metrics.update(kl_metrics)
-        distill_kl = None
-        if cfg.algorithm.distill is not None:
-            with timer("teacher"):
-                teacher_logprobs = self._teacher_logprobs(samples, teacher_calls, batch)
-            distill_kl, distill_metrics = reverse_kl(on_response_tokens(engine_logprobs, batch), teacher_logprobs,
-                                                     batch["loss_mask"])
-            reward_metrics.update(distill_metrics)
-            if cfg.algorithm.distill.mode == "penalty":
-                token_rewards = token_rewards - cfg.algorithm.distill.coef * distill_kl
+        distill = cfg.algorithm.distill
+        distill_kl, distill_metrics = self._distillation(samples, teacher_calls, batch, engine_logprobs, timer)
+        reward_metrics.update(distill_metrics)
+        if distill is not None and distill.mode == "penalty":
+            token_rewards = token_rewards - distill.coef * distill_kl
         if self.with_critic:
             with timer("values"):
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
@@ -195,8 +191,8 @@ class RLVRTrainer:
         groups = torch.arange(len(samples)) // cfg.rollout.n
         inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups, batch.get("values"))
         batch["advantages"] = compute_advantages(inputs, cfg.algorithm)
-        if distill_kl is not None and cfg.algorithm.distill.mode == "advantage":
-            batch["advantages"] = batch["advantages"] - cfg.algorithm.distill.coef * distill_kl
+        if distill is not None and distill.mode == "advantage":
+            batch["advantages"] = batch["advantages"] - distill.coef * distill_kl
         if self.with_critic:
             _, batch["returns"] = gae_advantages_and_returns(inputs, cfg.algorithm.gamma, cfg.algorithm.lam)
         with timer("update"):
@@ -287,6 +283,16 @@ class RLVRTrainer:
             return None
         return self.teacher.submit_split("token_logprobs", [(s.prompt_ids + s.response_ids, len(s.prompt_ids))
                                                             for s in samples])
+
+    def _distillation(self, samples: list[Trajectory], calls: list | None, batch: Batch,
+                      engine_logprobs: torch.Tensor, timer: PhaseTimer) -> tuple[torch.Tensor | None, dict]:
+        """The reverse KL to the teacher of each sampled token, [B, T] (None when not distilling), and
+        its metrics: taken against the engine's sampling log-probs, the policy that drew the tokens."""
+        if self.cfg.algorithm.distill is None:
+            return None, {}
+        with timer("teacher"):
+            teacher_logprobs = self._teacher_logprobs(samples, calls, batch)
+        return reverse_kl(on_response_tokens(engine_logprobs, batch), teacher_logprobs, batch["loss_mask"])
 
     def _teacher_logprobs(self, samples: list[Trajectory], calls: list | None, batch: Batch) -> torch.Tensor:
         """The teacher's log-probs of the sampled tokens, [B, T] as the batch's response tokens: from

@@ -1,4 +1,5 @@
-"""Multi-turn agent loops with tools, token in and token out.
+"""Multi-turn agent loops with tools, token in and token out; agent harnesses written against the
+OpenAI client, through the rollout engine's OpenAI-compatible endpoint.
 
 A tiny model fine-tuned here to call the calculator and answer with its result runs the `tool`
 loop in a rollout engine, its calls served by the tool workers: each trajectory's tokens are the
@@ -11,12 +12,14 @@ tool written for VeRL runs from VeRL's tool YAML.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
 import torch
 
 from rlsys.agents.chat import ChatTurns
+from rlsys.agents.openai_loop import OpenAILoop
 from rlsys.agents.tool_loop import ToolLoop, _State
 from rlsys.agents.tool_parsers import HermesParser
 from rlsys.agents.trajectory import RolloutRequest, Sampling
@@ -78,20 +81,22 @@ def tool_pool(ray_cluster, calculator_tools):
 
 @pytest.fixture(scope="module")
 def engine(tool_caller, tool_pool, calculator_tools):
-    """A rollout engine in this process running the tool loop; its calls go to the tool workers."""
+    """A rollout engine in this process running the tool loop, its calls going to the tool workers,
+    and the openai loop with the harnesses below."""
     from rlsys.actors.rollout_worker import RolloutWorker
 
     tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=2.0)
+    harnesses = {"openai": OpenAILoop.bind(calculator_agent, 60.0), "edits": OpenAILoop.bind(editing_agent, 60.0),
+                 "completions": OpenAILoop.bind(completions_agent, 60.0),
+                 "failing": OpenAILoop.bind(failing_agent, 1.0)}
     return RolloutWorker(tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0, num_threads=2,
-                         loops={"tool": ToolLoop}, tools=tools, tool_client=tool_pool.client(),
+                         loops={"tool": ToolLoop, **harnesses}, tools=tools, tool_client=tool_pool.client(),
                          tool_schemas=[s.schema for s in calculator_tools])
 
 
 def test_a_trajectory_is_the_prompt_the_sampled_turns_and_the_tool_turns_exactly(engine, tool_caller,
                                                                                 calculator_tools):
     from transformers import AutoModelForCausalLM
-
-    from rlsys.algorithms.lm_loss import logprobs_of_labels
 
     tokenizer = engine.tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
@@ -119,13 +124,20 @@ def test_a_trajectory_is_the_prompt_the_sampled_turns_and_the_tool_turns_exactly
                                                      - len(expected_observation)))
         assert (trajectory.tool_calls, trajectory.tool_errors, trajectory.num_turns) == (1, 0, 2)
         assert trajectory.reward_info["final_turn"] == "408"
-        # the engine's log-prob of every sampled token, in every turn, is the model's
-        ids = torch.tensor([prompt_ids + trajectory.response_ids])
-        with torch.no_grad():
-            reference = logprobs_of_labels(model(input_ids=ids).logits, ids)[0, len(prompt_ids) - 1:]
-        sampled = torch.tensor(trajectory.response_mask).bool()
-        assert len(trajectory.logprobs) == int(sampled.sum())
-        assert (reference[sampled] - torch.tensor(trajectory.logprobs)).abs().max() < 1e-4
+        _assert_engine_logprobs(model, trajectory)
+
+
+def _assert_engine_logprobs(model, trajectory) -> None:
+    """The engine's log-prob of every sampled token, in every turn, is the model's."""
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+
+    prompt_ids = trajectory.prompt_ids
+    ids = torch.tensor([prompt_ids + trajectory.response_ids])
+    with torch.no_grad():
+        reference = logprobs_of_labels(model(input_ids=ids).logits, ids)[0, len(prompt_ids) - 1:]
+    sampled = torch.tensor(trajectory.response_mask).bool()
+    assert len(trajectory.logprobs) == int(sampled.sum())
+    assert (reference[sampled] - torch.tensor(trajectory.logprobs)).abs().max() < 1e-4
 
 
 def test_bad_calls_become_error_observations_and_counts(engine, tool_caller):
@@ -155,8 +167,9 @@ def test_bad_calls_become_error_observations_and_counts(engine, tool_caller):
 
 
 def test_a_verl_tool_runs_from_verls_tool_yaml(tool_pool, ray_cluster):
-    """VeRL's Gsm8kTool (imports changed) and its tool YAML: the schema reaches the prompt, the
-    instance is created with the row's create_kwargs, and calc_reward scores its state."""
+    """VeRL's Gsm8kTool and its tool YAML as VeRL ships them (tests/assets/verl_tools, VeRL not
+    installed): the schema reaches the prompt, the instance is created with the row's
+    create_kwargs, and calc_reward scores its state with VeRL's flexible GSM8K check."""
     from rlsys.actors.tool_pool import ToolPool
 
     [spec] = load_tools([], f"{ASSETS}/verl_tools/tool_config.yaml")
@@ -178,6 +191,199 @@ def test_a_verl_tool_runs_from_verls_tool_yaml(tool_pool, ray_cluster):
     assert rewards == [1.0]
 
 
+def test_verl_imports_resolve_to_rlsys_where_verl_is_not_installed():
+    """A VeRL tool file's imports: BaseTool and schemas are rlsys's, the tracing decorator returns the
+    function itself, VeRL's GSM8K check scores as VeRL's (strict and flexible); other VeRL modules
+    are not pretended."""
+    import importlib
+
+    from rlsys.tools.base import BaseTool
+
+    assert importlib.import_module("verl.tools.base_tool").BaseTool is BaseTool
+    trace = importlib.import_module("verl.utils.rollout_trace").rollout_trace_op
+    assert trace(calculator) is calculator
+    gsm8k = importlib.import_module("verl.utils.reward_score.gsm8k")
+    assert gsm8k.compute_score("so #### 1,234", "1234") == 1.0
+    assert gsm8k.compute_score("so 1,234", "1234") == 0.0
+    assert gsm8k.compute_score("it is 42.", "42", method="flexible") == 0.0  # VeRL keeps the dot: "42."
+    assert gsm8k.compute_score("it is 42 .", "42", method="flexible") == 1.0
+    assert gsm8k.compute_score("41", "42", method="flexible", format_score=0.1) == 0.1
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("verl.trainer.ppo")
+
+
 def _first_run(mask: list[int], value: int) -> int:
     """Length of the mask's leading run of `value`."""
     return next((i for i, m in enumerate(mask) if m != value), len(mask))
+
+
+# -- the openai loop: harnesses written against the OpenAI client ------------------------------
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+async def calculator_agent(client, row: dict) -> str:
+    """Up to two model turns: a calculator call answered by the harness itself, then the answer."""
+    messages = row["prompt"]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            result = calculator(**json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return message.content or ""
+
+
+async def editing_agent(client, row: dict) -> str:
+    """Asks once, then asks again with its question rewritten: the second call breaks the prefix."""
+    await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=4)
+    edited = [{"role": "user", "content": QUESTION + " "}]
+    reply = await client.chat.completions.create(model="policy", messages=edited, max_tokens=4)
+    return reply.choices[0].message.content or ""
+
+
+async def completions_agent(client, row: dict) -> dict:
+    reply = await client.completions.create(model="policy", prompt=row["extra_info"]["text"], max_tokens=6)
+    return {"response": reply.choices[0].text, "extra_info": {"finish": reply.choices[0].finish_reason}}
+
+
+async def failing_agent(client, row: dict):
+    mode = row["extra_info"]["mode"]
+    if mode != "silent":
+        await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=2)
+    if mode == "raise":
+        raise RuntimeError("the harness broke")
+    if mode == "hang":
+        await asyncio.sleep(3600)
+    return 5 if mode == "bad_return" else "the answer"
+
+
+def _question(tokenizer, tools=None) -> tuple[list[dict], list[int]]:
+    messages = [{"role": "user", "content": QUESTION}]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return messages, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_openai_harness_with_tools_gives_token_exact_trajectories_in_64_concurrent_sessions(engine, tool_caller):
+    """64 sessions at once on one engine, each a harness calling the calculator through the
+    OpenAI client: each trajectory is its own calls' tokens, with the template's tool turn between
+    them masked out, never re-tokenized; the reply's call came back as OpenAI tool_calls."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = engine.tokenizer
+    messages, prompt_ids = _question(tokenizer, TOOLS)
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=100, max_response_tokens=200)
+    columns = asyncio.run(engine.rollout([(0, prompt_ids, {"prompt": messages})], "openai", 64, sampling, seed=3))
+    trajectories = columns.unpack({0: prompt_ids})
+
+    assert not columns.own_prompts and not any(t.dropped or t.prefix_breaks for t in trajectories)
+    turns = ChatTurns(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tool_caller, dtype=torch.float32)
+    multi_turn = [t for t in trajectories if t.num_turns == 2]
+    assert len(multi_turn) >= 32, [t.text for t in trajectories]
+    for trajectory in trajectories:
+        _assert_engine_logprobs(model, trajectory)
+    for trajectory in multi_turn:
+        first_turn = _first_run(trajectory.response_mask, 1)
+        call_ids = trajectory.response_ids[:first_turn]
+        [call] = HermesParser().parse(tokenizer.decode(call_ids))
+        tool_turn = [{"role": "tool", "content": calculator(**call.arguments)}]
+        between = turns.after_turn(call_ids) + turns.next_turn(tool_turn)
+        assert trajectory.response_ids[first_turn:first_turn + len(between)] == between
+        assert trajectory.response_mask == [1] * first_turn + [0] * len(between) + [1] * (
+            len(trajectory.response_ids) - first_turn - len(between))
+        assert trajectory.tool_calls == 1 and trajectory.reward_info["num_turns"] == 2
+    assert sum(t.text == "408" for t in multi_turn) >= len(multi_turn) // 2, [t.text for t in multi_turn]
+
+
+def test_openai_harness_that_rewrites_its_history_trains_on_the_last_segment(engine):
+    """A call that does not continue the session's tokens starts a new segment, counted as a prefix
+    break; the trajectory is that last segment, with the prompt the harness rendered."""
+    tokenizer = engine.tokenizer
+    messages, prompt_ids = _question(tokenizer)
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, max_response_tokens=16)
+    columns = asyncio.run(engine.rollout([(0, prompt_ids, {"prompt": messages})], "edits", 2, sampling, seed=1))
+    trajectories = columns.unpack({0: prompt_ids})
+    _, edited_ids = _question_text(tokenizer, QUESTION + " ")
+    for trajectory in trajectories:
+        assert trajectory.prefix_breaks == 1 and trajectory.num_turns == 1
+        assert trajectory.prompt_ids == edited_ids != prompt_ids
+        assert trajectory.response_mask == [1] * len(trajectory.response_ids) and len(trajectory.response_ids) <= 4
+
+
+def _question_text(tokenizer, question: str) -> tuple[str, list[int]]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_openai_completions_endpoint_records_the_prompt_tokens(engine):
+    tokenizer = engine.tokenizer
+    text, prompt_ids = _question_text(tokenizer, "7*8=")
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=32, max_response_tokens=32)
+    rows = [(0, [1, 2], {"extra_info": {"text": text}})]  # the harness writes its own prompt
+    [trajectory] = asyncio.run(engine.rollout(rows, "completions", 1, sampling, seed=0)).unpack({0: [1, 2]})
+    assert trajectory.prompt_ids == prompt_ids and 1 <= len(trajectory.response_ids) <= 6
+    assert trajectory.text == tokenizer.decode(trajectory.response_ids, skip_special_tokens=True)
+    assert trajectory.reward_info["finish"] in ("stop", "length")
+
+
+def test_failing_harnesses_drop_their_samples_and_say_why(engine):
+    """A harness that raises, hangs past its time (1 s here), returns neither a string nor a dict,
+    or never calls the endpoint makes no trajectory; the others of the batch are unaffected."""
+    messages, prompt_ids = _question(engine.tokenizer)
+    modes = ["raise", "hang", "bad_return", "silent", "fine"]
+    rows = [(i, prompt_ids, {"prompt": messages, "extra_info": {"mode": mode}}) for i, mode in enumerate(modes)]
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=4, max_response_tokens=8)
+    trajectories = asyncio.run(engine.rollout(rows, "failing", 1, sampling, seed=0)).unpack(
+        {i: prompt_ids for i in range(len(modes))})
+    assert [t.dropped for t in trajectories] == ["error", "timeout", "error", "no_call", ""]
+    assert trajectories[-1].text == "the answer" and len(trajectories[-1].response_ids) <= 2
+
+
+def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engine):
+    """Requests without the token, or with another, are refused (401); a session that is not open is
+    not found (404); streaming is refused (400); the server binds the node's address, not 0.0.0.0."""
+    import aiohttp
+    import openai
+    import ray
+
+    endpoint = engine.loops["openai"].endpoint
+    messages, prompt_ids = _question(engine.tokenizer)
+    request = RolloutRequest(0, prompt_ids, 0, 0, {"prompt": messages})
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=4, max_response_tokens=8)
+
+    async def probe():
+        url = await endpoint.start()
+        session_id, _ = endpoint.open(request, sampling)
+        body = {"model": "policy", "messages": messages}
+        statuses = {}
+        async with aiohttp.ClientSession() as http:
+            for name, headers in [("none", {}), ("wrong", {"Authorization": "Bearer not-the-token"}),
+                                  ("right", {"Authorization": f"Bearer {endpoint.token}"})]:
+                async with http.get(f"{url}/v1/models", headers=headers) as reply:
+                    statuses[f"models/{name}"] = reply.status
+                async with http.post(f"{url}/s/{session_id}/v1/chat/completions", json=body, headers=headers) as reply:
+                    statuses[f"chat/{name}"] = reply.status
+            right = {"Authorization": f"Bearer {endpoint.token}"}
+            async with http.post(f"{url}/s/closed/v1/chat/completions", json=body, headers=right) as reply:
+                statuses["unknown session"] = reply.status
+            async with http.post(f"{url}/s/{session_id}/v1/chat/completions", json={**body, "stream": True},
+                                 headers=right) as reply:
+                statuses["stream"] = reply.status
+        wrong_key = openai.AsyncOpenAI(base_url=f"{url}/s/{session_id}/v1", api_key="not-the-token", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong_key.chat.completions.create(model="policy", messages=messages)
+        await wrong_key.close()
+        endpoint.close(session_id)
+        return url, statuses
+
+    url, statuses = asyncio.run(probe())
+    assert statuses == {"models/none": 401, "chat/none": 401, "models/wrong": 401, "chat/wrong": 401,
+                        "models/right": 200, "chat/right": 200, "unknown session": 404, "stream": 400}
+    assert url.removeprefix("http://").rsplit(":", 1)[0] == ray.util.get_node_ip_address()

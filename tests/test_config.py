@@ -105,6 +105,10 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         ("rollout.block_size=48", "rollout.block_size: 48 tokens; on CPU a multiple of 32"),
         ("rollout.agent_loop=tool", "rollout.agent_loop: the tool loop calls tools; give tools.names"),
         ("rollout.agent_loop=nope.py:Loop", "rollout.agent_loop: file not found"),
+        ("rollout.agent_loop=openai", "rollout.agent_loop: the openai loop runs an agent harness; give "
+                                      "rollout.agent_entry"),
+        (("rollout.agent_loop=openai", "rollout.agent_entry=tests/assets/openai_harness.py:not_async"),
+         "rollout.agent_entry: " + os.path.abspath("tests/assets/openai_harness.py") + " has no async function"),
     ],
 )
 def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, override, expected):
@@ -112,6 +116,29 @@ def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, over
                         f"data.train_files=[{arith_files['rl_train']}]", f"eval.files=[{arith_files['test']}]",
                         *(override if isinstance(override, tuple) else (override,)))
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        ("tools: 5", "needs a `tools:` list"),
+        ("- class_name: a.B", "needs a `tools:` list"),
+        ("tools: [5]", "tools[0]: a mapping with class_name"),
+        ("tools: [{class_name: 3}]", "tools[0].class_name: a string"),
+        ("tools: [{class_name: a.B, config: 5}]", "tools[0].config: a mapping is needed, got int"),
+        ("tools: [{class_name: a.B, tool_schema: {function: [1]}}]", "tools[0].tool_schema.function: a mapping"),
+        ("tools: [{class_name: nowhere.Tool}]", "tools[0].class_name: cannot find module 'nowhere'"),
+        ("tools: [", "is not valid YAML"),
+    ],
+)
+def test_a_tool_yaml_of_the_wrong_shape_names_the_file_and_key(capsys, tmp_path, tiny_model_dir, arith_files,
+                                                               document, expected):
+    path = tmp_path / "tools.yaml"
+    path.write_text(document)
+    code, err = run_cli(capsys, "rlvr", "--config", RL_CONFIG, f"model.path={tiny_model_dir}",
+                        f"data.train_files=[{arith_files['rl_train']}]", f"eval.files=[{arith_files['test']}]",
+                        "rollout.agent_loop=tool", f"tools.config_file={path}")
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err and "tools.config_file" in err, err
 
 
 def test_valid_config_types_and_defaults(sft_config):

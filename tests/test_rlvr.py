@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -361,3 +362,22 @@ def test_restart_after_a_dead_rank_reproduces_the_metrics(straight_rl, tmp_path)
     for step in (3, 4):
         for name in ("reward/mean", "actor/pg_loss", "actor/kl", "actor/entropy", "val/accuracy"):
             assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-5), (step, name)
+
+
+def test_an_openai_client_harness_trains_and_its_failures_are_dropped(ray_cluster, rl_config):
+    """`rollout.agent_loop: openai`: the harness (tests/assets/openai_harness.py) answers through the
+    engine's endpoint; what it recorded is what the trainer computes log-probs of (the engine's equal
+    the trainer's), and the prompts it fails on are left out of the step and counted."""
+    harness = os.path.join(os.path.dirname(__file__), "assets", "openai_harness.py")
+    cfg = rl_config("rollout.agent_loop=openai", f"rollout.agent_entry={harness}:run", "rollout.agent_timeout_s=30",
+                    "eval=null", "algorithm.kl_coef=0", "reward.terms=[{name: arith}]")
+    trainer = RLVRTrainer(cfg)
+    try:
+        failing = sum(sum(map(ord, trainer.prompts[i].messages[-1]["content"])) % 4 == 0
+                      for i in copy.deepcopy(trainer.sampler).next_indices())
+        step = trainer.step(1)
+    finally:
+        trainer.shutdown()
+    assert 0 < failing < cfg.train.prompts_per_step
+    assert step["agent/dropped_error"] == failing * cfg.rollout.n and step["agent/prefix_breaks"] == 0
+    assert step["rollout/logprob_abs_diff"] < 1e-4 and step["actor/grad_norm"] > 0

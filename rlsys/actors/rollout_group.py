@@ -51,7 +51,7 @@ class RolloutGroup(ActorGroup):
 
     def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                 seed: int, version: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-        """`n` trajectories of each (prompt_index, prompt_ids, tools_kwargs) by the agent loop `loop`,
+        """`n` trajectories of each (prompt_index, prompt_ids, row) by the agent loop `loop`,
         the prompts split across engines in contiguous shares; returns them in prompt order, with the
         slowest engine's rollout and engine-step seconds. With `version`, every engine must hold the
         weights (or adapter) of that version."""

@@ -90,7 +90,7 @@ class RolloutWorker:
 
     async def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                       seed: int, version: int | None = None) -> Trajectories:
-        """`n` trajectories of each (prompt_index, prompt_ids, tools_kwargs) by the agent loop `loop`.
+        """`n` trajectories of each (prompt_index, prompt_ids, row) by the agent loop `loop`.
         The seed of each request comes from `seed`, the prompt index and the sample, so the same step of
         a resumed run samples the same responses (and a single-turn loop what `LLM.generate` with n
         samples per prompt samples)."""
@@ -101,21 +101,22 @@ class RolloutWorker:
             raise RuntimeError(f"rollout engine: it holds the policy of version {self.engine.version}, the trainer "
                                f"synced version {version}: a sync did not reach it")
         agent = self.loops[loop]
-        requests = [RolloutRequest(index, ids, j, seed * 1_000_003 + index + j, tools_kwargs)
-                    for index, ids, tools_kwargs in prompts for j in range(n)]
+        requests = [RolloutRequest(index, ids, j, seed * 1_000_003 + index + j, row)
+                    for index, ids, row in prompts for j in range(n)]
         started, engine_before = time.perf_counter(), self.engine.step_s
         trajectories = await asyncio.gather(*(agent.run(request, sampling) for request in requests))
         self._decode(trajectories)
         release_freed_memory(TRIM_ABOVE_BYTES)
-        return Trajectories.of(trajectories, {"rollout_s": time.perf_counter() - started,
-                                              "engine_s": self.engine.step_s - engine_before})
+        return Trajectories.of(trajectories, requests, {"rollout_s": time.perf_counter() - started,
+                                                        "engine_s": self.engine.step_s - engine_before})
 
     def _decode(self, trajectories: list[Trajectory]) -> None:
-        """Each response's text (special tokens skipped), decoding each distinct response once: a
-        converging policy repeats its answers."""
-        distinct = list(dict.fromkeys(tuple(t.response_ids) for t in trajectories))
+        """Each response's text (special tokens skipped) where its loop left none, decoding each
+        distinct response once: a converging policy repeats its answers."""
+        undecoded = [t for t in trajectories if t.text is None]
+        distinct = list(dict.fromkeys(tuple(t.response_ids) for t in undecoded))
         texts = dict(zip(distinct, self.tokenizer.batch_decode(list(map(list, distinct)), skip_special_tokens=True)))
-        for trajectory in trajectories:
+        for trajectory in undecoded:
             trajectory.text = texts[tuple(trajectory.response_ids)]
 
     @releases_freed_memory

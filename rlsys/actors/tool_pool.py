@@ -11,6 +11,7 @@ worker that dies is restarted by Ray; a call in flight when it dies answers with
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import zlib
 from typing import Any
@@ -19,7 +20,7 @@ import ray
 
 from rlsys.actors.cluster import actor_name, kill_named, spawn
 from rlsys.console import redirect_actor_output
-from rlsys.tools.base import ToolResult, response_text
+from rlsys.tools.base import AgentData, ToolResult, response_text
 from rlsys.tools.registry import ToolSpec
 
 _MARGIN_S = 5.0
@@ -30,6 +31,8 @@ class ToolWorker:
     def __init__(self, specs: list[ToolSpec]):
         redirect_actor_output()
         self.tools = {spec.name: spec.build() for spec in specs}
+        self.takes_agent_data = {name: _takes(tool.execute, "agent_data") for name, tool in self.tools.items()}
+        """Tools written for VeRL's current agent loop read `agent_data=` in `execute`."""
         self.instances: dict[str, dict[str, str]] = {}
         """Per trajectory key: each tool's instance id."""
 
@@ -38,7 +41,10 @@ class ToolWorker:
         started = time.perf_counter()
         try:
             instance = await self._instance(key, name, create_kwargs)
-            response, reward, _ = await asyncio.wait_for(self.tools[name].execute(instance, arguments), timeout_s)
+            extra = {"agent_data": AgentData(key, {name: {"create_kwargs": create_kwargs}})} \
+                if self.takes_agent_data[name] else {}
+            response, reward, _ = await asyncio.wait_for(self.tools[name].execute(instance, arguments, **extra),
+                                                         timeout_s)
             return ToolResult(response_text(response), False, time.perf_counter() - started, float(reward or 0.0))
         except asyncio.TimeoutError:
             text = f"Error: the {name} call did not finish within {timeout_s:g} s"
@@ -63,6 +69,12 @@ class ToolWorker:
             created = await self.tools[name].create(create_kwargs=create_kwargs)
             instances[name] = created[0] if isinstance(created, tuple) else created
         return instances[name]
+
+
+def _takes(method, name: str) -> bool:
+    """Whether `method` accepts the keyword `name` (by name or through **kwargs)."""
+    parameters = inspect.signature(method).parameters.values()
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 class ToolClient:

@@ -20,6 +20,8 @@ from rlsys.registry import Registry
 from rlsys.user_code import import_user_code
 
 AGENT_LOOPS: Registry[type] = Registry("agent loop")
+TURN_SEED_STRIDE = 1_000_000_007
+"""Model turn t of a trajectory samples with its request's seed + t x this (turn 0 with the single-turn seed)."""
 
 
 def register_agent_loop(name: str):
@@ -77,7 +79,7 @@ class SingleTurnLoop(AgentLoop):
                                          min(sampling.max_new_tokens, sampling.max_response_tokens))
         ids = completion.token_ids
         return Trajectory(request.prompt_index, request.prompt_ids, ids, [1] * len(ids), completion.logprobs,
-                          completion.versions, text="", finish_reason=completion.finish_reason)
+                          completion.versions, text=None, finish_reason=completion.finish_reason)
 
 
 def resolve_agent_loop(spec: str, key: str) -> type:

@@ -16,13 +16,10 @@ from __future__ import annotations
 import uuid
 
 from rlsys.agents.chat import ChatTurns
-from rlsys.agents.loop import AgentContext, AgentLoop, register_agent_loop
+from rlsys.agents.loop import TURN_SEED_STRIDE, AgentContext, AgentLoop, register_agent_loop
 from rlsys.agents.tool_parsers import TOOL_PARSERS, ToolCall
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory
 from rlsys.tools.base import ToolResult
-
-TURN_SEED_STRIDE = 1_000_000_007
-"""Turn t samples with the trajectory's seed + t x this (turn 0 with the single-turn seed)."""
 
 
 @register_agent_loop("tool")
@@ -117,7 +114,7 @@ class _State:
     def trajectory(self, final_turn: str) -> Trajectory:
         prompt = len(self.request.prompt_ids)
         return Trajectory(self.request.prompt_index, self.request.prompt_ids, self.ids[prompt:], self.mask,
-                          self.logprobs, self.versions, text="", finish_reason=self.finish, num_turns=self.turns,
+                          self.logprobs, self.versions, text=None, finish_reason=self.finish, num_turns=self.turns,
                           tool_calls=self.tool_calls, tool_errors=self.tool_errors, tool_seconds=self.tool_seconds,
                           reward_info={"num_turns": self.turns, "tool_calls": self.tool_calls,
                                        "tool_rewards": self.tool_rewards, "final_turn": final_turn})

@@ -3,7 +3,8 @@
 `hermes` (Hermes, Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
 any number in a turn. A call that cannot be read (not JSON, no name, arguments not an object)
 is kept as a call with an error, so the loop answers it with an error observation instead of
-dropping it. A parser is a class with `parse(text) -> list[ToolCall]`, registered by name.
+dropping it. A parser is a class with `parse(text) -> list[ToolCall]` and `strip_calls(text) -> str`
+(the text without its calls, for the OpenAI endpoint's replies), registered by name.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class HermesParser:
 
     def parse(self, text: str) -> list[ToolCall]:
         return [_read_call(body) for body in self._CALL.findall(text)]
+
+    def strip_calls(self, text: str) -> str:
+        """The text around the calls (an OpenAI reply's `content` beside its `tool_calls`)."""
+        return self._CALL.sub("", text).strip()
 
 
 def _read_call(body: str) -> ToolCall:

@@ -25,8 +25,15 @@ class RolloutRequest:
     sample: int
     seed: int
     """The first model turn's sampling seed (later turns derive theirs from it)."""
-    tools_kwargs: dict = field(default_factory=dict)
-    """The data row's `extra_info.tools_kwargs`: per tool name, `create_kwargs` for its instance."""
+    row: dict = field(default_factory=dict)
+    """The data row as a loop sees it (`Prompt.row`): prompt, data_source, extra_info."""
+
+    @property
+    def tools_kwargs(self) -> dict:
+        """The row's `extra_info.tools_kwargs`: per tool name, `create_kwargs` for its instance."""
+        extra_info = self.row.get("extra_info")
+        kwargs = extra_info.get("tools_kwargs") if isinstance(extra_info, dict) else None
+        return kwargs if isinstance(kwargs, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,9 @@ class Trajectory:
     """The engine's log-prob of each sampled token, in order (one per 1 in the mask)."""
     versions: list[int]
     """The weight version that sampled each sampled token (asynchronous RL: it may change mid-response)."""
-    text: str
-    """The response decoded (special tokens skipped): what the reward scores is what is trained on."""
+    text: str | None
+    """What the reward scores: the response decoded (special tokens skipped), filled in by the engine
+    when a loop leaves it None; an agent harness gives its own answer (the `openai` loop)."""
     finish_reason: str
     """The last model turn's: "stop", "length", or the loop's own reason to end."""
     num_turns: int = 1
@@ -66,6 +74,10 @@ class Trajectory:
     tool_seconds: float = 0.0
     reward_info: dict[str, Any] = field(default_factory=dict)
     """What the loop hands the reward beside the data row's extra_info (turns, tool rewards)."""
+    prefix_breaks: int = 0
+    """Calls that did not continue the conversation recorded so far (the `openai` loop)."""
+    dropped: str = ""
+    """Why the loop made no trajectory to train on ("" when it did): the step leaves the sample out."""
 
     @property
     def sampled_tokens(self) -> int:
@@ -93,19 +105,29 @@ class Trajectories:
     tool_errors: np.ndarray
     tool_seconds: np.ndarray
     reward_info: list[dict]
+    prefix_breaks: np.ndarray
+    dropped: list[str]
+    own_prompts: dict[int, list[int]] = field(default_factory=dict)
+    """The prompt ids of each trajectory (by position) whose prompt is not its request's: an agent
+    harness writes its own (the `openai` loop)."""
     stats: dict[str, float] = field(default_factory=dict)
     """The engine's own figures of the rollout: its wall time (rollout_s) and the time in engine steps (engine_s)."""
 
     @classmethod
-    def of(cls, trajectories: list[Trajectory], stats: dict[str, float] | None = None) -> Trajectories:
+    def of(cls, trajectories: list[Trajectory], requests: list[RolloutRequest],
+           stats: dict[str, float] | None = None) -> Trajectories:
+        """The columns of `trajectories`, made for `requests` (in the same order)."""
         column = lambda name, dtype: np.array([getattr(t, name) for t in trajectories], dtype=dtype)  # noqa: E731
         chain = lambda name, dtype: np.fromiter(  # noqa: E731
             itertools.chain.from_iterable(getattr(t, name) for t in trajectories), dtype=dtype)
+        own_prompts = {i: t.prompt_ids for i, (t, request) in enumerate(zip(trajectories, requests))
+                       if t.prompt_ids != request.prompt_ids}
         return cls(column("prompt_index", np.int64), np.array([len(t.response_ids) for t in trajectories], np.int64),
                    chain("response_ids", np.int64), chain("response_mask", np.int8), chain("logprobs", np.float32),
                    chain("versions", np.int32), [t.text for t in trajectories], [t.finish_reason for t in trajectories],
                    column("num_turns", np.int32), column("tool_calls", np.int32), column("tool_errors", np.int32),
-                   column("tool_seconds", np.float64), [t.reward_info for t in trajectories], stats or {})
+                   column("tool_seconds", np.float64), [t.reward_info for t in trajectories],
+                   column("prefix_breaks", np.int32), [t.dropped for t in trajectories], own_prompts, stats or {})
 
     def unpack(self, prompt_ids: dict[int, list[int]]) -> list[Trajectory]:
         """One `Trajectory` per request; `prompt_ids`: the ids of each prompt index."""
@@ -115,9 +137,10 @@ class Trajectories:
         sampled_ends = np.cumsum([sum(masks[s:e]) for s, e in zip(starts, ends)]).tolist()
         sampled_starts = [0, *sampled_ends[:-1]]
         ids, logprobs, versions = self.response_ids.tolist(), self.logprobs.tolist(), self.versions.tolist()
-        return [Trajectory(index, prompt_ids[index], ids[start:end], masks[start:end], logprobs[ls:le],
-                           versions[ls:le], text, finish, int(turns), int(calls), int(errors), float(seconds), info)
-                for index, start, end, ls, le, text, finish, turns, calls, errors, seconds, info in zip(
-                    self.prompt_index.tolist(), starts, ends, sampled_starts, sampled_ends, self.texts,
-                    self.finish_reasons, self.num_turns, self.tool_calls, self.tool_errors, self.tool_seconds,
-                    self.reward_info)]
+        return [Trajectory(index, self.own_prompts.get(i, prompt_ids[index]), ids[start:end], masks[start:end],
+                           logprobs[ls:le], versions[ls:le], text, finish, int(turns), int(calls), int(errors),
+                           float(seconds), info, int(breaks), dropped)
+                for i, (index, start, end, ls, le, text, finish, turns, calls, errors, seconds, info, breaks, dropped)
+                in enumerate(zip(self.prompt_index.tolist(), starts, ends, sampled_starts, sampled_ends, self.texts,
+                                 self.finish_reasons, self.num_turns, self.tool_calls, self.tool_errors,
+                                 self.tool_seconds, self.reward_info, self.prefix_breaks, self.dropped))]

@@ -57,8 +57,13 @@ class EvalConfig:
     limit: int = Field(default=0, ge=0)
     """Evaluate only the first N rows (0: all)."""
     agent_loop: str | None = None
-    """The agent loop that answers each prompt (single_turn, tool, or path/to/file.py:ClassName); empty:
+    """The agent loop that answers each prompt (single_turn, tool, openai, or path/to/file.py:ClassName); empty:
     rollout.agent_loop in RL validation, single_turn elsewhere."""
+    agent_entry: str = ""
+    """The openai loop's harness in the eval stage (path/to/file.py:function); RL validation runs
+    rollout.agent_entry."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    """Time for one run of the eval stage's harness."""
     engine_memory_gib: float = Field(default=0.5, gt=0)
     """KV-cache memory for the vLLM engine, in GiB."""
 
@@ -120,7 +125,13 @@ class RolloutConfig:
     Also the horizon of the seq-mean-token-sum-norm aggregation."""
     agent_loop: str = "single_turn"
     """How a prompt becomes a trajectory: single_turn (one response), tool (calls `tools`, reads their
-    results, goes on), or path/to/file.py:ClassName (an AgentLoop subclass)."""
+    results, goes on), openai (the agent harness `agent_entry`, through an OpenAI-compatible endpoint), or
+    path/to/file.py:ClassName (an AgentLoop subclass)."""
+    agent_entry: str = ""
+    """The openai loop's harness: path/to/file.py:function, an `async def run(client: openai.AsyncOpenAI,
+    row: dict) -> str or dict` (row: the data row's prompt, data_source, extra_info)."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    """Time for one run of the openai loop's harness; past it the sample is dropped and counted."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (the tokenizer's EOS always stops). As in VeRL, the reward sees the response's tokens
     decoded, so the text ends with the stop string: the tokens trained on."""

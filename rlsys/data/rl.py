@@ -29,10 +29,11 @@ class Prompt:
     renders them in its own chat template."""
 
     @property
-    def tools_kwargs(self) -> dict:
-        """VeRL's `extra_info.tools_kwargs`: per tool name, the `create_kwargs` of its instance."""
-        kwargs = self.extra_info.get("tools_kwargs") if isinstance(self.extra_info, dict) else None
-        return kwargs if isinstance(kwargs, dict) else {}
+    def row(self) -> dict:
+        """What an agent loop sees of the row: the prompt (its messages, else its text), data_source and
+        extra_info (where `tools_kwargs` sits); the ground truth is the reward's alone."""
+        return {"prompt": self.messages if self.messages is not None else self.text,
+                "data_source": self.data_source, "extra_info": self.extra_info}
 
 
 def load_prompts(paths: list[str], tokenizer, max_tokens: int | None = None, limit: int = 0,

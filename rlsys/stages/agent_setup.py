@@ -3,16 +3,20 @@ checked before Ray starts, then the tool workers they call."""
 
 from __future__ import annotations
 
+import inspect
+import os
 from dataclasses import dataclass, field
 
 from rlsys.actors.tool_pool import ToolPool
 from rlsys.agents.chat import ChatTurns, TemplateError
 from rlsys.agents.loop import resolve_agent_loop
+from rlsys.agents.openai_loop import OpenAILoop
 from rlsys.agents.tool_loop import ToolLoop
 from rlsys.agents.tool_parsers import TOOL_PARSERS
 from rlsys.config.loader import ConfigError
 from rlsys.config.rollout import ToolsConfig
 from rlsys.tools.registry import ToolSpec, load_tools
+from rlsys.user_code import import_user_code
 
 
 @dataclass
@@ -42,9 +46,9 @@ class AgentSetup:
         return ToolPool(self.specs, self.tools.num_workers, self.tools.timeout_s) if self.specs else None
 
 
-def agent_setup(loops: dict[str, str], tools: ToolsConfig) -> AgentSetup:
-    """`loops`: config key -> loop name (`rollout.agent_loop`, `eval.agent_loop`); a ConfigError
-    names the key of what does not resolve."""
+def agent_setup(loops: dict[str, str], tools: ToolsConfig, harness: Harness | None = None) -> AgentSetup:
+    """`loops`: config key -> loop name (`rollout.agent_loop`, `eval.agent_loop`); `harness`: what the
+    openai loop runs. A ConfigError names the key of what does not resolve."""
     import rlsys.tools  # noqa: F401  (registers the built-in tools)
 
     specs = load_tools(tools.names, tools.config_file, configs={"python": tools.sandbox})
@@ -56,4 +60,31 @@ def agent_setup(loops: dict[str, str], tools: ToolsConfig) -> AgentSetup:
         classes[name] = resolve_agent_loop(name, key)
         if issubclass(classes[name], ToolLoop) and not specs:
             raise ConfigError(f"{key}: the {name} loop calls tools; give tools.names or tools.config_file")
+        if issubclass(classes[name], OpenAILoop):
+            classes[name] = classes[name].bind(*_harness(harness, key, name))
     return AgentSetup(classes, tools, specs)
+
+
+@dataclass(frozen=True)
+class Harness:
+    """The openai loop's agent harness: `entry` (path/to/file.py:function) and its time per run."""
+
+    entry: str
+    timeout_s: float
+    key: str
+    """The config key of `entry`."""
+
+
+def _harness(harness: Harness | None, key: str, name: str) -> tuple:
+    """The harness function and its time limit; a ConfigError unless it is an async function."""
+    if harness is None or not harness.entry:
+        where = harness.key if harness else "rollout.agent_entry"
+        raise ConfigError(f"{key}: the {name} loop runs an agent harness; give {where}: path/to/file.py:function")
+    path, _, function = harness.entry.rpartition(":")
+    if not path or not function:
+        raise ConfigError(f"{harness.key}: {harness.entry!r} is not path/to/file.py:function")
+    run = getattr(import_user_code(path, harness.key), function, None)
+    if not inspect.iscoroutinefunction(run):
+        raise ConfigError(f"{harness.key}: {os.path.abspath(path)} has no async function {function!r} "
+                          "(async def run(client, row) -> str | dict)")
+    return run, harness.timeout_s

@@ -25,7 +25,7 @@ from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.loading import eval_term
 from rlsys.rewards.scoring import reward_inputs
-from rlsys.stages.agent_setup import AgentSetup, agent_setup
+from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
 from rlsys.stages.preflight import check_eval_job
 from rlsys.stages.run_dir import prepare_run_dir, write_summary
 
@@ -47,7 +47,7 @@ class Evaluator:
 
     def run(self, rollout: RolloutGroup) -> tuple[dict, list[dict]]:
         """Accuracy and reward errors on the split, and one result row per prompt."""
-        prompts = [(index, prompt.ids, prompt.tools_kwargs) for index, prompt in enumerate(self.prompts)]
+        prompts = [(index, prompt.ids, prompt.row) for index, prompt in enumerate(self.prompts)]
         sampling = replace(rollout.sampling(self.cfg.temperature, self.cfg.max_new_tokens),
                            max_response_tokens=self.response_tokens)
         samples, _ = rollout.rollout(prompts, self.loop, 1, sampling, self.seed)
@@ -91,7 +91,8 @@ def evaluator_loop(cfg: EvalConfig) -> str:
 
 
 def eval_agents(cfg: EvalConfig, tools: ToolsConfig) -> AgentSetup:
-    return agent_setup({"eval.agent_loop": evaluator_loop(cfg)}, tools)
+    return agent_setup({"eval.agent_loop": evaluator_loop(cfg)}, tools,
+                       Harness(cfg.agent_entry, cfg.agent_timeout_s, "eval.agent_entry"))
 
 
 def evaluate_model(model_path: str, evaluator: Evaluator, agents: AgentSetup, output_dir: str, cpus: float,

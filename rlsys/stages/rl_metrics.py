@@ -7,6 +7,7 @@ import torch
 
 from rlsys.agents.trajectory import Trajectory
 from rlsys.algorithms.rollout_correction import mismatch_metrics
+from rlsys.config.loader import ConfigError
 from rlsys.data.batching import Batch
 
 
@@ -32,6 +33,18 @@ def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "agent/tool_s_mean": sum(t.tool_seconds for t in trajectories) / count,
         "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in trajectories) / max(1, response),
     }
+
+
+def dropped_metrics(samples: list[Trajectory], step: int) -> dict[str, float]:
+    """Samples an agent loop made no trajectory of (the `openai` loop's harness failed), by reason, and
+    calls that broke a session's recorded prefix; a ConfigError when the step has nothing left to train."""
+    reasons = [s.dropped for s in samples if s.dropped]
+    if len(reasons) == len(samples):
+        counts = ", ".join(f"{reasons.count(r)} {r}" for r in sorted(set(reasons)))
+        raise ConfigError(f"rollout.agent_entry: at step {step} the harness made no trajectory of any sample "
+                          f"({counts}); its errors are in the rollout engines' log")
+    metrics = {f"agent/dropped_{reason}": float(reasons.count(reason)) for reason in ("error", "timeout", "no_call")}
+    return {**metrics, "agent/prefix_breaks": float(sum(s.prefix_breaks for s in samples))}
 
 
 def mismatch(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -> dict[str, float]:

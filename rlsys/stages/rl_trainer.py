@@ -50,11 +50,11 @@ from rlsys.parallel.router_replay import ROUTING_FIELD
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
-from rlsys.stages.agent_setup import AgentSetup, agent_setup
+from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.eval import Evaluator
 from rlsys.stages.preflight import check_rl_job
-from rlsys.stages.rl_metrics import agent_metrics, mismatch, sample_metrics
+from rlsys.stages.rl_metrics import agent_metrics, dropped_metrics, mismatch, sample_metrics
 from rlsys.stages.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
 from rlsys.stages.rollout_stream import RolloutStream
 from rlsys.stages.run_dir import finish_run, logged_metric
@@ -78,7 +78,8 @@ class RLData:
 
 def load_rl_data(cfg: RLJobConfig) -> RLData:
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    agents = agent_setup(_loops(cfg), cfg.tools)
+    agents = agent_setup(_loops(cfg), cfg.tools,
+                         Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"))
     agents.check_template(tokenizer)
     prompts, _ = load_prompts(cfg.data.train_files, tokenizer,
                               prompt_budget(cfg.model.path, cfg.rollout.response_budget), tools=agents.schemas)
@@ -168,7 +169,7 @@ class RLVRTrainer:
     def step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, PhaseTimer("rlvr", step)
         started = time.perf_counter()
-        samples, scored, rewards, reward_metrics = self._rollout(step, timer)
+        samples, groups, scored, rewards, reward_metrics = self._rollout(step, timer)
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  self.tokenizer.pad_token_id, [s.response_mask for s in samples])
         engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
@@ -187,8 +188,6 @@ class RLVRTrainer:
         if self.with_critic:
             with timer("values"):
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
-        # samples come back in prompt order, n per prompt draw: a draw is a group (VeRL's uid)
-        groups = torch.arange(len(samples)) // cfg.rollout.n
         inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups, batch.get("values"))
         batch["advantages"] = compute_advantages(inputs, cfg.algorithm)
         if distill is not None and distill.mode == "advantage":
@@ -217,10 +216,11 @@ class RLVRTrainer:
         }
 
     def _rollout(self, step: int, timer: PhaseTimer
-                 ) -> tuple[list[Trajectory], list[ScoredSample], torch.Tensor, dict[str, float]]:
-        """generate -> reward, with DAPO's dynamic sampling around both: the trajectories (n per
-        prompt draw, in order), their scores, rewards (shaped) and reward metrics. The engines
-        then free their memory for the trainer."""
+                 ) -> tuple[list[Trajectory], torch.Tensor, list[ScoredSample], torch.Tensor, dict[str, float]]:
+        """generate -> reward, with DAPO's dynamic sampling around both: the trajectories (by prompt
+        draw, in order), each one's group (its prompt draw: VeRL's uid), their scores, rewards
+        (shaped) and reward metrics. Samples an agent loop dropped are left out. The engines then
+        free their memory for the trainer."""
         cfg, algo, n = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
         wanted = cfg.train.prompts_per_step
         mixed, uniform, errors = [], [], 0.0
@@ -247,14 +247,17 @@ class RLVRTrainer:
         samples = [s for group in groups for s in group[0]]
         scored = [s for group in groups for s in group[1]]
         rewards = torch.cat([group[2] for group in groups])
-        metrics = {**self.reward_pool.metrics(scored), "reward/errors": errors}
+        kept = [i for i, sample in enumerate(samples) if not sample.dropped]
+        dropped = dropped_metrics(samples, step) if cfg.rollout.agent_loop != "single_turn" else {}
+        samples, scored, rewards = [samples[i] for i in kept], [scored[i] for i in kept], rewards[kept]
+        metrics = {**self.reward_pool.metrics(scored), "reward/errors": errors, **dropped}
         if freed is not None:
             metrics["rollout/freed_gib"] = freed / 2**30
         if algo.filter_groups:
             metrics.update({"dapo/draws": draw + 1, "dapo/mixed_groups": min(len(mixed), wanted) / wanted})
         if cfg.reward.overlong_buffer_len:
             metrics["reward/overlong_penalty"] = (rewards - torch.tensor([s.score for s in scored])).mean().item()
-        return samples, scored, rewards, metrics
+        return samples, torch.tensor(kept) // n, scored, rewards, metrics
 
     def _generate(self, step: int, draw: int, timer: PhaseTimer) -> list[Trajectory]:
         """One prompt batch's trajectories, n per prompt in order: generated now, or (asynchronous
@@ -264,7 +267,7 @@ class RLVRTrainer:
             return [t for group in self.stream.take(cfg.train.prompts_per_step, version=step - 1) for t in group]
         indices = self.sampler.next_indices()
         samples, engine_times = self.rollout_group.rollout(
-            [(i, self.prompts[i].ids, self.prompts[i].tools_kwargs) for i in indices], cfg.rollout.agent_loop,
+            [(i, self.prompts[i].ids, self.prompts[i].row) for i in indices], cfg.rollout.agent_loop,
             cfg.rollout.n, self.rollout_group.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007,
             version=step - 1)  # the policy the last step synced
         timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]

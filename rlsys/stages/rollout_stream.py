@@ -94,7 +94,7 @@ class RolloutStream:
     def _submit(self, index: int) -> None:
         engine = self.serial % len(self.rollout.actors)
         prompt = self.prompts[index]
-        ref = self.rollout.submit(engine, "rollout", [(index, prompt.ids, prompt.tools_kwargs)], self.loop, self.n,
+        ref = self.rollout.submit(engine, "rollout", [(index, prompt.ids, prompt.row)], self.loop, self.n,
                                   self.sampling, self.seed * 100_003 + self.serial)
         self.in_flight.append(_Group(index, self.serial, engine, ref))
         self.serial += 1

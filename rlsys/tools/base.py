@@ -1,17 +1,19 @@
 """The tool interface: VeRL's `BaseTool` and its OpenAI function schemas, so a tool written for
-VeRL runs with only its imports changed (`verl.tools.base_tool` -> `rlsys.tools`).
+VeRL runs as it is (`verl_compat` serves its VeRL imports where VeRL is not installed).
 
 A tool has a name and an OpenAI function schema (rendered into the prompt through the chat
 template's `tools=`), and four async methods: `create` an instance for a trajectory (with the
 data row's `tools_kwargs[name]["create_kwargs"]`), `execute` a call on it, `calc_reward` of its
 state, `release` it. The agent loop creates a tool's instance on the trajectory's first call to
-it and releases it when the trajectory ends.
+it and releases it when the trajectory ends; VeRL's current loop instead creates and releases one
+for each call, which a tool written for it also runs under. `execute` gets `agent_data=` where its
+signature takes it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from uuid import uuid4
 
@@ -43,6 +45,13 @@ class OpenAIFunctionToolSchema(BaseModel):
     function: OpenAIFunctionSchema
 
 
+class OpenAIFunctionParsedSchema(BaseModel):
+    """A call as parsed from the model's text: its arguments still a JSON string."""
+
+    name: str
+    arguments: str
+
+
 class OpenAIFunctionCallSchema(BaseModel):
     name: str
     arguments: dict[str, Any]
@@ -60,6 +69,17 @@ class ToolResponse(BaseModel):
     text: str | None = None
     image: list[Any] | None = None
     video: list[Any] | None = None
+
+
+@dataclass
+class AgentData:
+    """What VeRL's agent loop passes a tool's `execute` as `agent_data=`: the trajectory it serves."""
+
+    request_id: str
+    """The trajectory's key: every call of one trajectory carries the same."""
+    tools_kwargs: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    extra_fields: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

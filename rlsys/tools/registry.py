@@ -10,7 +10,8 @@ line. A `BaseTool` subclass registers the same way, with its own schema. `tools.
 registered names or `path/to/file.py:Name`; `tools.config_file` is VeRL's tool YAML:
 
     tools:
-      - class_name: my_tools.Gsm8kTool       # a module beside the YAML or on sys.path, or file.py:Class
+      - class_name: my_tools.Gsm8kTool       # a module beside the YAML or on sys.path, or file.py:Class;
+                                             # verl.tools.<name>: <name>.py beside the YAML, VeRL's own tools
         config: {type: native}
         tool_schema: {type: function, function: {name: ..., description: ..., parameters: ...}}
 """
@@ -18,17 +19,20 @@ registered names or `path/to/file.py:Name`; `tools.config_file` is VeRL's tool Y
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import importlib
 import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import yaml
+from ray import cloudpickle
 
 from rlsys.config.loader import ConfigError, first_line
 from rlsys.registry import Registry
+from rlsys.tools import verl_compat
 from rlsys.tools.base import BaseTool, OpenAIFunctionToolSchema, ToolResponse, schema_dict
 from rlsys.user_code import import_user_code
 
@@ -112,23 +116,43 @@ def _named_spec(name: str, key: str, configs: dict[str, dict]) -> ToolSpec:
 
 
 def _yaml_specs(path: str, key: str) -> list[ToolSpec]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{key}: file not found: {path}")
-    try:
-        entries = (yaml.safe_load(open(path)) or {}).get("tools", [])
-    except (yaml.YAMLError, AttributeError):
-        raise ConfigError(f"{key}: {path} is not a YAML mapping with a `tools:` list") from None
     specs = []
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(_yaml_entries(path, key)):
         where = f"{key}: {path} tools[{i}]"
         config = dict(entry.get("config") or {})
         if config.get("type", "native") != "native":
             raise ConfigError(f"{where}.config.type: only native tools run in rlsys (got {config['type']!r})")
-        cls = _import_class(entry.get("class_name", ""), os.path.dirname(os.path.abspath(path)), where)
+        cls = _import_class(entry["class_name"], os.path.dirname(os.path.abspath(path)), where)
         schema = entry.get("tool_schema") or {}
         name = (schema.get("function") or {}).get("name", "") or getattr(cls, "__name__", "")
         specs.append(_checked(ToolSpec(name, cls, config, schema), where))
     return specs
+
+
+def _yaml_entries(path: str, key: str) -> list[dict]:
+    """The `tools:` entries of a tool YAML, each checked for VeRL's shape: a mapping with a
+    `class_name` string, and `config` and `tool_schema` mappings where given."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}: file not found: {path}")
+    try:
+        document = yaml.safe_load(open(path))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key}: {path} is not valid YAML: {first_line(err)}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("tools"), list):
+        raise ConfigError(f"{key}: {path} needs a `tools:` list (VeRL's tool YAML)")
+    for i, entry in enumerate(document["tools"]):
+        where = f"{key}: {path} tools[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: a mapping with class_name, config and tool_schema is needed")
+        if not isinstance(entry.get("class_name"), str) or not entry["class_name"]:
+            raise ConfigError(f"{where}.class_name: a string (module.Class or file.py:Class) is needed")
+        for field_name in ("config", "tool_schema"):
+            if entry.get(field_name) is not None and not isinstance(entry[field_name], dict):
+                raise ConfigError(f"{where}.{field_name}: a mapping is needed, got {type(entry[field_name]).__name__}")
+        function = (entry.get("tool_schema") or {}).get("function")
+        if function is not None and not isinstance(function, dict):
+            raise ConfigError(f"{where}.tool_schema.function: a mapping is needed")
+    return document["tools"]
 
 
 def _import_class(class_name: str, beside: str, key: str) -> type:
@@ -138,30 +162,40 @@ def _import_class(class_name: str, beside: str, key: str) -> type:
         module = import_user_code(path if os.path.isabs(path) else os.path.join(beside, path), f"{key}.class_name")
     else:
         module_name, _, attribute = class_name.rpartition(".")
-        found = _module_file(module_name, beside)
-        if found is None:
-            raise ConfigError(f"{key}.class_name: cannot find module {module_name!r} (beside the YAML or on sys.path)")
-        module = import_user_code(found, f"{key}.class_name")
+        if module_name.startswith("verl.tools."):
+            verl_compat.add_tool_dir(beside)  # VeRL's own tool modules, beside their YAML
+        found = _beside(module_name, beside)
+        module = import_user_code(found, f"{key}.class_name") if found else _import_module(module_name, beside, key)
     cls = getattr(module, attribute, None)
     if not inspect.isclass(cls):
         raise ConfigError(f"{key}.class_name: no class {attribute!r} in {module.__file__}")
     return cls
 
 
-def _module_file(module_name: str, beside: str) -> str | None:
-    """The file (or package directory) of a module beside the YAML file, else on sys.path."""
+def _beside(module_name: str, beside: str) -> str | None:
+    """The file (or package directory) of a module at its dotted path under the YAML's directory."""
     relative = os.path.join(beside, *module_name.split("."))
     if os.path.isfile(relative + ".py"):
         return relative + ".py"
-    if os.path.isfile(os.path.join(relative, "__init__.py")):
-        return relative
+    return relative if os.path.isfile(os.path.join(relative, "__init__.py")) else None
+
+
+def _import_module(module_name: str, beside: str, key: str) -> ModuleType:
+    """A module by its name (a package's module keeps its relative imports); one found beside the
+    YAML travels to the tool workers by value. An error inside the module is reported as it is."""
     try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin:
-        return None
-    return os.path.dirname(spec.origin) if spec.origin.endswith("__init__.py") else spec.origin
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and module_name.startswith(err.name):
+            raise ConfigError(f"{key}.class_name: cannot find module {module_name!r} (beside the YAML or on "
+                              "sys.path)") from None
+        raise ConfigError(f"{key}.class_name: importing {module_name} failed: {type(err).__name__}: {err}") from None
+    except Exception as err:  # the module's own code
+        raise ConfigError(f"{key}.class_name: importing {module_name} failed: {type(err).__name__}: "
+                          f"{first_line(err)}") from None
+    if os.path.abspath(getattr(module, "__file__", "") or "").startswith(beside + os.sep):
+        cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 def _checked(spec: ToolSpec, key: str) -> ToolSpec:

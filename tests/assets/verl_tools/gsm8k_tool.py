@@ -1,19 +1,63 @@
-"""VeRL's Gsm8kTool (verl/tools/gsm8k_tool.py) with only its imports changed: the rlsys tool
-interface for VeRL's, and a local answer check for verl.utils.reward_score.gsm8k."""
+# Copyright 2023-2024 SGLang Team
+# Copyright 2025 ModelBest Inc. and/or its affiliates
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
 
 import logging
+import os
 from typing import Any, Optional
 from uuid import uuid4
 
-from gsm8k_score import compute_score  # was: from verl.utils.reward_score import gsm8k
+from verl.utils.reward_score import gsm8k
+from verl.utils.rollout_trace import rollout_trace_op
 
-from rlsys.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse  # was: from .base_tool / .schemas
+from .base_tool import BaseTool
+from .schemas import OpenAIFunctionToolSchema, ToolResponse
 
 logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
 
 class Gsm8kTool(BaseTool):
+    """A demo tool for calculating the reward of gsm8k.
+
+    - `get_openai_tool_schema`: return the tool schema in OpenAI format.
+    - `create`: create a tool instance for a trajectory.
+    - `execute`: execute the tool.
+    - `calc_reward`: calculate the reward respect to tool state.
+    - `release`: release the tool instance.
+    """
+
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema):
+        """
+        _tool_schema = OpenAIFunctionToolSchema.model_validate({
+            "type": "function",
+            "function": {
+                "name": "calc_gsm8k_reward",
+                "description": "A tool for calculating the reward of gsm8k",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "answer": {
+                            "type": "string",
+                            "description": "The answer to the question",
+                        },
+                    },
+                    "required": ["answer"],
+                },
+            }
+        })
+        """
         super().__init__(config, tool_schema)
         self._instance_dict = {}
 
@@ -34,6 +78,7 @@ class Gsm8kTool(BaseTool):
         }
         return instance_id, ToolResponse()
 
+    @rollout_trace_op
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
         answer = parameters.get("answer", "")
         if not isinstance(answer, str):
@@ -53,9 +98,12 @@ class Gsm8kTool(BaseTool):
         return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:
-        return compute_score(
+        return gsm8k.compute_score(
             self._instance_dict[instance_id]["response"],
             self._instance_dict[instance_id]["ground_truth"],
+            method="flexible",
+            format_score=0.0,
+            score=1.0,
         )
 
     async def release(self, instance_id: str, **kwargs) -> None:

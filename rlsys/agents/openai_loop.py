@@ -1,0 +1,97 @@
+"""The `openai` agent loop: an agent harness written against the OpenAI client, as a rollout.
+
+The harness is the user's `async def run(client: openai.AsyncOpenAI, row: dict) -> str | dict`
+(`rollout.agent_entry: FILE:function`). For each trajectory the loop opens a session on its
+engine's OpenAI endpoint (`OpenAIEndpoint`), gives the harness a client whose base URL is that
+session's route, and runs it under `rollout.agent_timeout_s`. Every call the harness makes is
+recorded token-exact (`ChatSession`); the trajectory is the session's last segment, and what
+the harness returns is the response the reward scores: a string, or
+`{"response": str, "extra_info": dict}` whose extra_info joins the reward's.
+
+A harness that raises, runs past its time, returns something else or never calls the endpoint
+makes no trajectory: the sample is dropped from the step and counted (`agent/dropped_*`), and
+the step goes on. Harnesses run on the engine actor's event loop, many at once: they must
+await, never block (a blocking call holds up every session of the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+from rlsys.agents.chat import ChatTurns
+from rlsys.agents.loop import AgentContext, AgentLoop, register_agent_loop
+from rlsys.agents.openai_endpoint import OpenAIEndpoint
+from rlsys.agents.tool_parsers import TOOL_PARSERS
+from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@register_agent_loop("openai")
+class OpenAILoop(AgentLoop):
+    harness = None
+    """The user's `async def run(client, row)`: set by `bind`."""
+    timeout_s = 600.0
+
+    @classmethod
+    def bind(cls, harness, timeout_s: float) -> type:
+        """This loop running `harness`, each run within `timeout_s`."""
+        return type(cls.__name__, (cls,), {"harness": staticmethod(harness), "timeout_s": timeout_s})
+
+    def __init__(self, context: AgentContext):
+        super().__init__(context)
+        self.endpoint = OpenAIEndpoint(context.engine, ChatTurns(context.tokenizer),
+                                       TOOL_PARSERS[context.limits.parser](), _node_address())
+
+    async def run(self, request: RolloutRequest, sampling: Sampling) -> Trajectory:
+        import openai
+
+        url = await self.endpoint.start()
+        session_id, session = self.endpoint.open(request, sampling)
+        client = openai.AsyncOpenAI(base_url=f"{url}/s/{session_id}/v1", api_key=self.endpoint.token,
+                                    max_retries=0, timeout=self.timeout_s)
+        try:
+            answer = await asyncio.wait_for(self.harness(client, copy.deepcopy(request.row)), self.timeout_s)
+            return _trajectory(request, session.chat, answer)
+        except asyncio.TimeoutError:
+            return _dropped(request, session.chat, "timeout")
+        except Exception as err:  # the user's harness: count it, keep the step going
+            log.warning("agent harness failed on prompt %d: %s: %s", request.prompt_index, type(err).__name__, err)
+            return _dropped(request, session.chat, "error")
+        finally:
+            self.endpoint.close(session_id)
+            await client.close()
+
+
+def _trajectory(request: RolloutRequest, chat, answer) -> Trajectory:
+    """The session's last segment, scored on `answer`."""
+    if isinstance(answer, dict) and isinstance(answer.get("response"), str):
+        text, extra_info = answer["response"], answer.get("extra_info") or {}
+    elif isinstance(answer, str):
+        text, extra_info = answer, {}
+    else:
+        log.warning("agent harness returned %s on prompt %d; expected str or {'response': str, 'extra_info': dict}",
+                    type(answer).__name__, request.prompt_index)
+        return _dropped(request, chat, "error")
+    if not chat.segments:
+        return _dropped(request, chat, "no_call")
+    segment = chat.segments[-1]
+    return Trajectory(request.prompt_index, segment.prompt_ids, segment.ids, segment.mask, segment.logprobs,
+                      segment.versions, text=text, finish_reason=segment.finish_reason, num_turns=segment.calls,
+                      tool_calls=segment.tool_calls, prefix_breaks=chat.prefix_breaks,
+                      reward_info={"num_turns": segment.calls, "tool_calls": segment.tool_calls,
+                                   **(extra_info if isinstance(extra_info, dict) else {})})
+
+
+def _dropped(request: RolloutRequest, chat, reason: str) -> Trajectory:
+    return Trajectory(request.prompt_index, request.prompt_ids, [], [], [], [], text="", finish_reason=reason,
+                      num_turns=0, prefix_breaks=chat.prefix_breaks, dropped=reason)
+
+
+def _node_address() -> str:
+    """This node's address in the Ray cluster (the loopback address outside one)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -6,16 +6,15 @@ all called at once."""
 from __future__ import annotations
 
 import logging
-import sys
 
 import ray
 
 from rlsys.actors.cluster import actor_name, kill_named, spawn
 from rlsys.actors.failures import wait_all
 from rlsys.actors.phases import call
+from rlsys.actors.reward_worker import RewardWorker
 from rlsys.actors.served_models import ServedModelGroup
 from rlsys.config.rl import RewardConfig, RewardTerm
-from rlsys.console import redirect_actor_output
 from rlsys.rewards.loading import resolve_term, term_label
 from rlsys.rewards.model_terms import (
     Exchange,
@@ -35,7 +34,6 @@ from rlsys.rewards.scoring import (
     add_term,
     all_failed,
     reward_metrics,
-    score_items,
 )
 
 log = logging.getLogger(__name__)
@@ -140,7 +138,7 @@ class RewardPool:
         return self._workers
 
     def _start_worker(self, index: int):
-        return spawn(_RewardWorker, self.role, index, self.function_terms)
+        return spawn(RewardWorker, self.role, index, self.function_terms)
 
     def _replace_worker(self, index: int) -> None:
         kill_named([self._workers[index]], [self.names[index]])
@@ -160,16 +158,3 @@ class RewardPool:
             log.warning("a reward call failed; it scores 0 and counts in reward/errors (logged once):\n%s", errors[0])
             self._logged_failure = True
         return reward_metrics(self.terms, scored)
-
-
-@ray.remote(num_cpus=0)
-class _RewardWorker:
-    def __init__(self, terms: list[Term]):
-        redirect_actor_output()
-        for term in terms:  # for imports a reward makes when called (its modules came by value)
-            if term.fn.search_path and term.fn.search_path not in sys.path:
-                sys.path.append(term.fn.search_path)
-        self.terms = terms
-
-    def score(self, items: list[RewardInput], timeout_s: float) -> list[ScoredSample]:
-        return score_items(self.terms, items, timeout_s)

@@ -15,8 +15,6 @@ import random
 import re
 from dataclasses import dataclass
 
-import datasets
-
 from rlsys.rewards.registry import register_reward
 
 DATA_SOURCE = "arith"
@@ -124,6 +122,8 @@ def _write_jsonl(out_dir: str, name: str, rows: list[dict]) -> str:
 
 def _write_parquet(out_dir: str, name: str, rows: list[dict]) -> str:
     path = os.path.join(out_dir, name)
+    import datasets
+
     datasets.Dataset.from_list(rows).to_parquet(path)
     return path
 

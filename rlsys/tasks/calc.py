@@ -24,8 +24,6 @@ import random
 import re
 from dataclasses import dataclass
 
-import datasets
-
 import rlsys.tools  # noqa: F401  (registers the calculator)
 from rlsys.rewards.registry import register_reward
 
@@ -92,6 +90,8 @@ def write_splits(out_dir: str, spec: CalcSpec = CalcSpec()) -> dict[str, str]:
     tools = [spec_.schema for spec_ in load_tools(["calculator"], "")]
     with open(paths["sft"], "w") as f:
         f.writelines(json.dumps({"messages": messages(a, b), "tools": tools}) + "\n" for a, b in sft)
+    import datasets
+
     datasets.Dataset.from_list(rl_rows(rl, "train")).to_parquet(paths["rl_train"])
     datasets.Dataset.from_list(rl_rows(test, "test")).to_parquet(paths["test"])
     return paths

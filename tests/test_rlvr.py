@@ -332,10 +332,11 @@ def test_dynamic_sampling_trains_only_on_groups_of_mixed_rewards(ray_cluster, rl
                     "reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=0.5")
     trainer = RLVRTrainer(cfg)
     try:
-        samples, scored, rewards, metrics = trainer._rollout(1, PhaseTimer("rlvr", 1))
+        samples, groups, scored, rewards, metrics = trainer._rollout(1, PhaseTimer("rlvr", 1))
     finally:
         trainer.shutdown()
     assert len(samples) == len(scored) == 16 and metrics["dapo/mixed_groups"] == 1.0
+    assert groups.tolist() == [g for g in range(8) for _ in range(2)]
     scores = torch.tensor([s.score for s in scored])
     assert (scores.view(8, 2)[:, 0] != scores.view(8, 2)[:, 1]).all()
     assert [s.prompt_index for s in samples[::2]] == [s.prompt_index for s in samples[1::2]]

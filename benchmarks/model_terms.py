@@ -13,9 +13,9 @@ reward_head), the teacher the policy itself: what is timed is serving them, not 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
+
+from rl_runs import mean_after_first, quick_job, run_job
 
 FIGURES = ("time/generate_s", "time/reward_s", "time/teacher_s", "time/update_s", "time/step_s")
 
@@ -33,21 +33,8 @@ def write_reward_model(policy: str, out: str) -> str:
 
 
 def run(args, name: str, extra: list[str]) -> dict[str, float]:
-    import rlsys.tasks  # noqa: F401  (registers the arith verifier, as `python -m rlsys.run` does)
-    from rlsys.config.loader import load_config
-    from rlsys.config.schema import RLJobConfig
-    from rlsys.stages.rl_trainer import run_rlvr
-
-    out = os.path.join(args.out, name)
-    cfg = load_config(RLJobConfig, None, [
-        f"output_dir={out}", f"model.path={args.model}", f"data.train_files=[{args.data}]", "rollout.n=8",
-        "rollout.max_new_tokens=8", "rollout.engine_memory_gib=0.25", f"train.steps={args.steps}",
-        f"train.prompts_per_step={args.prompts}", "train.micro_batch_tokens=16384", "train.save_every=0",
-        "train.val_every=0", "train.resume=false", "eval=null", "optim.lr=5e-5", "parallel.dp_shard=1",
-        "ray.include_dashboard=false", "tracking.backends=[jsonl]", "seed=0", *extra])
-    run_rlvr(cfg)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
-    return {f: statistics.mean(row.get(f, 0.0) for row in rows) for f in FIGURES}
+    rows = run_job(os.path.join(args.out, name), quick_job(args.model, args.data, args.steps, args.prompts) + extra)
+    return mean_after_first(rows, FIGURES)
 
 
 def main() -> None:

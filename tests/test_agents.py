@@ -12,7 +12,6 @@ tool written for VeRL runs from VeRL's tool YAML.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 
 import pytest
@@ -26,6 +25,7 @@ from rlsys.agents.trajectory import RolloutRequest, Sampling
 from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.tools.builtin import calculator
 from rlsys.tools.registry import load_tools
+from rlsys.user_code import import_user_code
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 QUESTION, EXPRESSION = "12*34=", "12*34"
@@ -219,24 +219,12 @@ def _first_run(mask: list[int], value: int) -> int:
 
 # -- the openai loop: harnesses written against the OpenAI client ------------------------------
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-
-
-async def calculator_agent(client, row: dict) -> str:
-    """Up to two model turns: a calculator call answered by the harness itself, then the answer."""
-    messages = row["prompt"]
-    for _ in range(2):
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-        message = reply.choices[0].message
-        if not message.tool_calls:
-            break
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls:
-            result = calculator(**json.loads(call.function.arguments))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return message.content or ""
+CALC_AGENT = import_user_code(os.path.join(os.path.dirname(__file__), "..", "examples", "calc", "openai_agent.py"),
+                              "examples/calc/openai_agent.py")
+TOOLS = CALC_AGENT.TOOLS
+calculator_agent = CALC_AGENT.run
+"""The calculator example's harness: up to two model turns, a calculator call answered by the
+harness itself, then the answer."""
 
 
 async def editing_agent(client, row: dict) -> str:

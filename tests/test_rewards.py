@@ -122,3 +122,18 @@ def test_bad_reward_config_names_the_key(tmp_path):
     broken.write_text("import nonexistent_module_xyz\n")
     with pytest.raises(ConfigError, match=r"reward.terms\[0\].path: importing .* failed: ModuleNotFoundError"):
         RewardPool(RewardConfig(terms=[RewardTerm(path=str(broken))]))
+
+
+def test_a_name_takes_one_definition_however_often_it_is_imported():
+    """The task modules run as scripts (`python -m rlsys.tasks.arith`) while their package imports
+    them too: the same definition registers once; another function under the name is refused."""
+    from rlsys.registry import Registry
+    from rlsys.tasks import arith
+
+    registry = Registry("reward")
+    registry.register("arith", arith.reward)
+    namespace = {}
+    exec(compile(open(arith.__file__).read(), arith.__file__, "exec"), namespace)  # the module run again
+    registry.register("arith", namespace["reward"])
+    with pytest.raises(ValueError, match="reward 'arith' is already registered"):
+        registry.register("arith", lambda *args: 0.0)

@@ -44,6 +44,7 @@ class OpenAILoop(AgentLoop):
         super().__init__(context)
         self.endpoint = OpenAIEndpoint(context.engine, ChatTurns(context.tokenizer),
                                        TOOL_PARSERS[context.limits.parser](), _node_address())
+        self._http, self._http_loop = None, None
 
     async def run(self, request: RolloutRequest, sampling: Sampling) -> Trajectory:
         import openai
@@ -51,7 +52,7 @@ class OpenAILoop(AgentLoop):
         url = await self.endpoint.start()
         session_id, session = self.endpoint.open(request, sampling)
         client = openai.AsyncOpenAI(base_url=f"{url}/s/{session_id}/v1", api_key=self.endpoint.token,
-                                    max_retries=0, timeout=self.timeout_s)
+                                    max_retries=0, timeout=self.timeout_s, http_client=self._http_client())
         try:
             answer = await asyncio.wait_for(self.harness(client, copy.deepcopy(request.row)), self.timeout_s)
             return _trajectory(request, session.chat, answer)
@@ -62,7 +63,21 @@ class OpenAILoop(AgentLoop):
             return _dropped(request, session.chat, "error")
         finally:
             self.endpoint.close(session_id)
-            await client.close()
+
+    def _http_client(self):
+        """One HTTP client for every session's OpenAI client on this event loop: a client of its own
+        would cost each trajectory an SSL context and a connection, and httpx's pool slows with
+        hundreds of connections at once, which aiohttp's does not."""
+        import openai
+
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            try:
+                self._http = openai.DefaultAioHttpClient()
+            except RuntimeError:  # an openai without its aiohttp transport
+                self._http = openai.DefaultAsyncHttpxClient()
+            self._http_loop = loop
+        return self._http
 
 
 def _trajectory(request: RolloutRequest, chat, answer) -> Trajectory:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from rlsys.agents.chat import ChatTurns
+from rlsys.agents.chat import ChatTurns, TemplateError
 
 
 @dataclass
@@ -74,8 +74,12 @@ class ChatSession:
         conversation = [_normal(m) for m in messages]
         past = self._conversation
         if segment is not None and past is not None and conversation[:len(past)] == past:
-            new = messages[len(past):]
-            return Call(segment, self.turns.after_turn(segment.last_turn) + self.turns.next_turn(new))
+            try:
+                between = self.turns.next_turn(messages[len(past):])
+            except TemplateError:  # a template that does not append turns: rendered whole below
+                pass
+            else:
+                return Call(segment, self.turns.after_turn(segment.last_turn) + between)
         return self.prompt_call(self._render(messages, tools))
 
     def prompt_call(self, prompt_ids: list[int]) -> Call:

@@ -12,10 +12,9 @@ reward_head), the teacher the policy itself: what is timed is serving them, not 
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from rl_runs import mean_after_first, quick_job, run_job
+from rl_runs import quick_job_args, side_by_side
 
 FIGURES = ("time/generate_s", "time/reward_s", "time/teacher_s", "time/update_s", "time/step_s")
 
@@ -32,36 +31,18 @@ def write_reward_model(policy: str, out: str) -> str:
     return out
 
 
-def run(args, name: str, extra: list[str]) -> dict[str, float]:
-    rows = run_job(os.path.join(args.out, name), quick_job(args.model, args.data, args.steps, args.prompts) + extra)
-    return mean_after_first(rows, FIGURES)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", default="runs/bench/model_terms")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=64)
-    args = parser.parse_args()
+    args = quick_job_args(__doc__, "runs/bench/model_terms")
     rm = write_reward_model(args.model, os.path.join(args.out, "reward-model"))
     rm_term = f"{{name: rm, model: {rm}, weight: 0.1, serving: {{engine_memory_gib: 0.25}}}}"
     runs = {
-        "verifier": ["reward.terms=[{name: arith}]"],
+        "verifier": [],
         "verifier + reward model": [f"reward.terms=[{{name: arith}}, {rm_term}]"],
-        "verifier + teacher (engine)": ["reward.terms=[{name: arith}]", f"algorithm.distill.teacher={args.model}",
+        "verifier + teacher (engine)": [f"algorithm.distill.teacher={args.model}",
                                         "algorithm.distill.serving.engine_memory_gib=0.25"],
-        "verifier + teacher (trainer)": ["reward.terms=[{name: arith}]", f"algorithm.distill.teacher={args.model}",
-                                         "algorithm.distill.source=trainer"],
+        "verifier + teacher (trainer)": [f"algorithm.distill.teacher={args.model}", "algorithm.distill.source=trainer"],
     }
-    results = {name: run(args, "".join(c if c.isalnum() else "_" for c in name), extra)
-               for name, extra in runs.items()}
-    print(f"\n{args.prompts} prompts x 8 responses a step, mean of steps 2..{args.steps}")
-    print("| run | " + " | ".join(FIGURES) + " |")
-    print("|---|" + "---|" * len(FIGURES))
-    for name, figures in results.items():
-        print(f"| {name} | " + " | ".join(f"{figures[f]:.3f}" for f in FIGURES) + " |")
+    side_by_side(args, runs, FIGURES)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,9 @@ template, the session's recording. Each run's mean over its steps after the firs
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from rl_runs import mean_after_first, quick_job, run_job
+from rl_runs import quick_job_args, side_by_side
 
 FIGURES = ("time/generate_s", "time/engine_s", "time/step_s", "reward/mean")
 
@@ -24,27 +23,11 @@ async def one_call(client, row: dict) -> str:
     return reply.choices[0].message.content or ""
 
 
-def run(args, name: str, extra: list[str]) -> dict[str, float]:
-    rows = run_job(os.path.join(args.out, name), quick_job(args.model, args.data, args.steps, args.prompts) + extra)
-    return mean_after_first(rows, FIGURES)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", default="runs/bench/openai_endpoint")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=64)
-    args = parser.parse_args()
+    args = quick_job_args(__doc__, "runs/bench/openai_endpoint")
     harness = f"{os.path.abspath(__file__)}:one_call"
     runs = {"single_turn": [], "openai endpoint": ["rollout.agent_loop=openai", f"rollout.agent_entry={harness}"]}
-    results = {name: run(args, name.replace(" ", "_"), extra) for name, extra in runs.items()}
-    print(f"\n{args.prompts} prompts x 8 responses a step, mean of steps 2..{args.steps}")
-    print("| loop | " + " | ".join(FIGURES) + " |")
-    print("|---|" + "---|" * len(FIGURES))
-    for name, figures in results.items():
-        print(f"| {name} | " + " | ".join(f"{figures[f]:.3f}" for f in FIGURES) + " |")
+    results = side_by_side(args, runs, FIGURES)
     base, endpoint = results["single_turn"]["time/generate_s"], results["openai endpoint"]["time/generate_s"]
     print(f"\ngenerate phase through the endpoint / single_turn: {endpoint / base:.2f}")
 

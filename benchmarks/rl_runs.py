@@ -3,6 +3,7 @@ as logged (metrics.jsonl), one dict a step."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -33,3 +34,31 @@ def mean_after_first(rows: list[dict], figures: tuple[str, ...]) -> dict[str, fl
     """Each figure's mean over the steps after the first (step 0, validation, is not a step)."""
     steps = [row for row in rows if "time/step_s" in row][1:]
     return {f: statistics.mean(row.get(f, 0.0) for row in steps) for f in figures}
+
+
+def quick_job_args(description: str, out: str) -> argparse.Namespace:
+    """The side-by-side benchmarks' command line: the policy, the prompts, where runs go, their size."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=64)
+    return parser.parse_args()
+
+
+def side_by_side(args: argparse.Namespace, runs: dict[str, list[str]], figures: tuple[str, ...]
+                 ) -> dict[str, dict[str, float]]:
+    """Run each quick job (its name -> its own overrides) one after the other and print their
+    figures as one table; each run's mean over the steps after the first."""
+    results = {}
+    for name, extra in runs.items():
+        out = os.path.join(args.out, "".join(c if c.isalnum() else "_" for c in name))
+        rows = run_job(out, quick_job(args.model, args.data, args.steps, args.prompts) + extra)
+        results[name] = mean_after_first(rows, figures)
+    print(f"\n{args.prompts} prompts x 8 responses a step, mean of steps 2..{args.steps}")
+    print("| run | " + " | ".join(figures) + " |")
+    print("|---|" + "---|" * len(figures))
+    for name, values in results.items():
+        print(f"| {name} | " + " | ".join(f"{values[f]:.3f}" for f in figures) + " |")
+    return results

@@ -122,11 +122,11 @@ class OpenAIEndpoint:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError(400, "messages: a non-empty list of message objects is required")
-        tools = body.get("tools") or None
+        tools, asked = body.get("tools") or None, _asked_tokens(body)
         async with session.lock:
             call = session.chat.chat_call(messages, tools)
             prompt_tokens = len(call.prompt_ids)
-            completion = await self._sample(session, call, body)
+            completion = await self._sample(session, call, asked)
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if completion else ""
             calls = [c for c in self.parser.parse(text) if not c.error] if tools and completion else []
             reply = {"role": "assistant", "content": _content(self.parser, text) if calls else text}
@@ -155,10 +155,11 @@ class OpenAIEndpoint:
             prompt_ids = prompt
         else:
             raise RequestError(400, "prompt: a string or a list of token ids is required (one prompt a call)")
+        asked = _asked_tokens(body)
         async with session.lock:
             call = session.chat.prompt_call(prompt_ids)
             prompt_tokens = len(call.prompt_ids)
-            completion = await self._sample(session, call, body)
+            completion = await self._sample(session, call, asked)
             if completion:
                 session.chat.record(call, completion)
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if completion else ""
@@ -174,15 +175,9 @@ class OpenAIEndpoint:
             raise RequestError(404, "no such session: it ended, or it was never opened")
         return session
 
-    async def _sample(self, session: Session, call, body: dict):
-        """The call's sampled turn under the run's sampling, or None when no token is left to it."""
-        if body.get("stream"):
-            raise RequestError(400, "stream: streaming is not supported; send stream=false")
-        if body.get("n", 1) != 1:
-            raise RequestError(400, "n: one choice a call")
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        if asked is not None and (not isinstance(asked, int) or asked <= 0):
-            raise RequestError(400, "max_tokens: a positive integer")
+    async def _sample(self, session: Session, call, asked: int | None):
+        """The call's sampled turn under the run's sampling, at most `asked` tokens, or None when no
+        token is left to it."""
         sampling = session.sampling
         tokens = min(sampling.max_new_tokens, session.chat.budget(call), asked or sampling.max_new_tokens)
         if tokens <= 0:
@@ -190,6 +185,19 @@ class OpenAIEndpoint:
         seed = session.request.seed + session.calls * TURN_SEED_STRIDE
         session.calls += 1
         return await self.engine.generate(call.prompt_ids, sampling_params(sampling, seed, tokens))
+
+
+def _asked_tokens(body: dict) -> int | None:
+    """The request's own token limit (checked with what the endpoint refuses, before the session
+    is touched)."""
+    if body.get("stream"):
+        raise RequestError(400, "stream: streaming is not supported; send stream=false")
+    if body.get("n", 1) != 1:
+        raise RequestError(400, "n: one choice a call")
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    if asked is not None and (not isinstance(asked, int) or asked <= 0):
+        raise RequestError(400, "max_tokens: a positive integer")
+    return asked
 
 
 def _content(parser, text: str) -> str | None:

@@ -18,6 +18,8 @@ fixed conversation is refused when the loop starts.
 
 from __future__ import annotations
 
+from rlsys.data.examples import chat_ids
+
 _CONVERSATION = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
 
 
@@ -28,8 +30,8 @@ class TemplateError(ValueError):
 class ChatTurns:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.conversation_ids = self._render(_CONVERSATION, add_generation_prompt=False)
-        before = self._render(_CONVERSATION[:1], add_generation_prompt=True)
+        self.conversation_ids = chat_ids(_CONVERSATION, tokenizer, add_generation_prompt=False)
+        before = chat_ids(_CONVERSATION[:1], tokenizer, add_generation_prompt=True)
         content = tokenizer(_CONVERSATION[1]["content"], add_special_tokens=False)["input_ids"]
         if self.conversation_ids[:len(before) + len(content)] != before + content:
             raise TemplateError("the chat template does not render an assistant turn after its generation prompt")
@@ -44,12 +46,8 @@ class ChatTurns:
 
     def next_turn(self, messages: list[dict]) -> list[int]:
         """Tokens of `messages` (tool or user turns) and the next assistant generation prompt."""
-        ids = self._render(_CONVERSATION + messages, add_generation_prompt=True)
+        ids = chat_ids(_CONVERSATION + messages, self.tokenizer, add_generation_prompt=True)
         if ids[:len(self.conversation_ids)] != self.conversation_ids:
             raise TemplateError("the chat template renders a conversation with a tool turn appended differently "
                                 "from the conversation before it (not append-only)")
         return ids[len(self.conversation_ids):]
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]

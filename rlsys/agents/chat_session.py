@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 
 from rlsys.agents.chat import ChatTurns, TemplateError
+from rlsys.data.examples import chat_ids
 
 
 @dataclass
@@ -80,7 +81,7 @@ class ChatSession:
                 pass
             else:
                 return Call(segment, self.turns.after_turn(segment.last_turn) + between)
-        return self.prompt_call(self._render(messages, tools))
+        return self.prompt_call(chat_ids(messages, self.tokenizer, True, tools or None))
 
     def prompt_call(self, prompt_ids: list[int]) -> Call:
         """The prompt of a call given as tokens: a continuation when it extends the recording."""
@@ -113,11 +114,6 @@ class ChatSession:
     def replied(self, messages: list[dict], reply: dict) -> None:
         """The chat call answered with `reply`: the conversation the next call should extend."""
         self._conversation = [_normal(m) for m in [*messages, reply]]
-
-    def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _normal(message: dict) -> tuple:

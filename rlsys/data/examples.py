@@ -71,10 +71,10 @@ def _chat_example(messages: list[dict], tokenizer, tools: list[dict] | None = No
     mask: list[int] = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            before = _render(messages[:i], tokenizer, True, tools)
+            before = chat_ids(messages[:i], tokenizer, True, tools)
             mask.extend([0] * (len(before) - len(ids)))
             ids = before
-        upto = _render(messages[: i + 1], tokenizer, False, tools)
+        upto = chat_ids(messages[: i + 1], tokenizer, False, tools)
         if upto[: len(ids)] != ids:
             raise ValueError("chat template does not render conversation prefixes as prefixes")
         mask.extend([int(message["role"] == "assistant")] * (len(upto) - len(ids)))
@@ -82,7 +82,10 @@ def _chat_example(messages: list[dict], tokenizer, tools: list[dict] | None = No
     return Example(ids, mask)
 
 
-def _render(messages: list[dict], tokenizer, add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+def chat_ids(messages: list[dict], tokenizer, add_generation_prompt: bool, tools: list[dict] | None = None
+             ) -> list[int]:
+    """`messages` as the chat template renders them (with `tools`), tokenized once: the template
+    writes the special tokens, so none are added."""
     if not messages:
         return []
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,

@@ -375,3 +375,20 @@ def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engin
     assert statuses == {"models/none": 401, "chat/none": 401, "models/wrong": 401, "chat/wrong": 401,
                         "models/right": 200, "chat/right": 200, "unknown session": 404, "stream": 400}
     assert url.removeprefix("http://").rsplit(":", 1)[0] == ray.util.get_node_ip_address()
+
+
+def test_a_tool_module_that_fails_inside_reports_its_own_error(tmp_path):
+    """VeRL's `class_name: verl.tools.<name>.Class` finds `<name>.py` beside the YAML; when that
+    module's own import fails (an installed VeRL missing `tensordict`, say), the error says so
+    rather than that the module cannot be found."""
+    from rlsys.config.loader import ConfigError
+
+    (tmp_path / "broken_tool.py").write_text("import no_such_dependency_xyz\n")
+    config = tmp_path / "tools.yaml"
+    config.write_text("tools: [{class_name: verl.tools.broken_tool.Tool}]")
+    with pytest.raises(ConfigError, match="importing verl.tools.broken_tool failed: ModuleNotFoundError: No module "
+                                          "named 'no_such_dependency_xyz'"):
+        load_tools([], str(config))
+    config.write_text("tools: [{class_name: verl.tools.absent_tool.Tool}]")
+    with pytest.raises(ConfigError, match="cannot find module 'verl.tools.absent_tool'"):
+        load_tools([], str(config))

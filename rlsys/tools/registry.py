@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import inspect
 import os
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -165,7 +166,7 @@ def _import_class(class_name: str, beside: str, key: str) -> type:
         if module_name.startswith("verl.tools."):
             verl_compat.add_tool_dir(beside)  # VeRL's own tool modules, beside their YAML
         found = _beside(module_name, beside)
-        module = import_user_code(found, f"{key}.class_name") if found else _import_module(module_name, beside, key)
+        module = import_user_code(found, f"{key}.class_name") if found else _import_module(module_name, key)
     cls = getattr(module, attribute, None)
     if not inspect.isclass(cls):
         raise ConfigError(f"{key}.class_name: no class {attribute!r} in {module.__file__}")
@@ -180,22 +181,31 @@ def _beside(module_name: str, beside: str) -> str | None:
     return relative if os.path.isfile(os.path.join(relative, "__init__.py")) else None
 
 
-def _import_module(module_name: str, beside: str, key: str) -> ModuleType:
-    """A module by its name (a package's module keeps its relative imports); one found beside the
-    YAML travels to the tool workers by value. An error inside the module is reported as it is."""
+def _import_module(module_name: str, key: str) -> ModuleType:
+    """A module by its name (a package's module keeps its relative imports). One that is not an
+    installed package's travels to the tool workers by value, as a user's file does. An error
+    inside the module is reported as it is."""
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name is not None and module_name.startswith(err.name):
+    except Exception as err:  # no such module, or the module's own code failed
+        missing = getattr(err, "name", None) if isinstance(err, ModuleNotFoundError) else None
+        if missing is not None and (module_name == missing or module_name.startswith(missing + ".")):
             raise ConfigError(f"{key}.class_name: cannot find module {module_name!r} (beside the YAML or on "
                               "sys.path)") from None
-        raise ConfigError(f"{key}.class_name: importing {module_name} failed: {type(err).__name__}: {err}") from None
-    except Exception as err:  # the module's own code
         raise ConfigError(f"{key}.class_name: importing {module_name} failed: {type(err).__name__}: "
                           f"{first_line(err)}") from None
-    if os.path.abspath(getattr(module, "__file__", "") or "").startswith(beside + os.sep):
+    if not _importable_everywhere(module):
         cloudpickle.register_pickle_by_value(module)
     return module
+
+
+def _importable_everywhere(module: ModuleType) -> bool:
+    """Whether the tool workers import `module` by name: rlsys's own, or an installed package's."""
+    path = getattr(module, "__file__", None)
+    if not path or module.__name__.split(".")[0] == "rlsys":
+        return True
+    installed = {sysconfig.get_paths()[kind] for kind in ("purelib", "platlib")}
+    return any(os.path.abspath(path).startswith(os.path.abspath(root) + os.sep) for root in installed)
 
 
 def _checked(spec: ToolSpec, key: str) -> ToolSpec:

@@ -3,15 +3,17 @@
     python benchmarks/logprob_gap.py --model runs/arith/sft/hf_model --data runs/arith/data/rl_train.parquet
 
 The rollout's vLLM engine (`create_llm`, bf16 on a GPU) samples responses and returns each sampled
-token's log-prob, twice: with the logits rounded to the model dtype (vLLM's default) and computed in
-fp32 (vLLM's `head_dtype`, what `model.fp32_lm_head` asks for). The training engine (`ModelEngine`,
-one rank, as the RL trainer computes old log-probs) scores the same tokens three ways: bf16 mixed
-precision (the default on a GPU), the same with fp32 logits (`compute_logits_in_fp32`), and full
-fp32, the exact function up to summation order and the reference each side's own error is measured
-against. For each pair it prints the mean and max |log-prob difference| and the k3 estimate of
-KL(sampler || scorer) over the response tokens; `--out FILE` appends them as JSON lines. On CPU the
-engine computes in fp32, so its gaps to the fp32 trainer are summation order (~1e-6): a check of
-the script.
+token's log-prob, twice: with the logits rounded to the model dtype (vLLM's default) and computed
+in fp32 (vLLM's `head_dtype`, what `model.fp32_lm_head` asks for). The training engine
+(`ModelEngine`, one rank, as the RL trainer computes old log-probs) scores the same tokens three
+ways: bf16 mixed precision (the default on a GPU), the same with fp32 logits
+(`compute_logits_in_fp32`), and full fp32, the exact function up to summation order and the
+reference each side's own error is measured against. `--engine-attention TRITON_ATTN` adds an
+engine with another attention kernel (vLLM's `attention_backend`, through `rollout.engine_kwargs`;
+FlashAttention is a GPU engine's default), sampling its own responses. For each pair it prints the
+mean and max |log-prob difference| and the k3 estimate of KL(sampler || scorer) over the response
+tokens; `--out FILE` appends them as JSON lines. On CPU the engine computes in fp32, so its gaps to
+the fp32 trainer are summation order (~1e-6): a check of the script.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def _set_head_dtype(worker, dtype) -> None:
     worker.model_runner.get_model().logits_processor.head_dtype = dtype
 
 
-def sample(model: str, data: str, prompts: int, n: int, max_new_tokens: int, seed: int, out_path: str) -> None:
-    """The engine's process: for each head, the sampled sequences and their log-probs, saved to `out_path`."""
+def sample(model: str, data: str, prompts: int, n: int, max_new_tokens: int, seed: int, attention: str,
+           out_path: str) -> None:
+    """The engine's process: for each head (the default attention kernel) or the rounded head alone
+    (another `attention` backend), the sampled sequences and their log-probs, saved to `out_path`."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams, TokensPrompt
 
@@ -50,13 +54,15 @@ def sample(model: str, data: str, prompts: int, n: int, max_new_tokens: int, see
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows, _ = load_prompts([data], tokenizer, limit=prompts)
-    llm = create_llm(model, RolloutConfig(engine_memory_gib=1.0), seed)
+    kernel = {} if attention == "default" else {"attention_backend": attention}
+    llm = create_llm(model, RolloutConfig(engine_memory_gib=1.0, engine_kwargs=kernel), seed)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new_tokens, logprobs=0, seed=seed, detokenize=False)
     samples = {}
-    for head, dtype in HEADS.items():
+    for head, dtype in HEADS.items() if attention == "default" else [("rounded", None)]:
         llm.collective_rpc(_set_head_dtype, args=(dtype,))
         outputs = llm.generate([TokensPrompt(prompt_token_ids=row.ids) for row in rows], params, use_tqdm=False)
-        samples[head] = [(list(output.prompt_token_ids), list(c.token_ids),
+        samples[head if attention == "default" else f"{head}, {attention}"] = [
+            (list(output.prompt_token_ids), list(c.token_ids),
                           [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)])
                          for output in outputs for c in output.outputs]
     torch.save(samples, out_path)
@@ -127,16 +133,20 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="append each pair's figures to this file as JSON lines")
+    parser.add_argument("--engine-attention", nargs="*", default=[],
+                        help="more engines, each with this vLLM attention backend (e.g. TRITON_ATTN)")
     args = parser.parse_args()
+    samples = {}
     with tempfile.TemporaryDirectory() as workdir:
-        path = os.path.join(workdir, "samples.pt")
-        engine = multiprocessing.get_context("spawn").Process(target=sample, args=(
-            args.model, args.data, args.prompts, args.n, args.max_new_tokens, args.seed, path))
-        engine.start()
-        engine.join()
-        if engine.exitcode != 0:
-            raise SystemExit(f"the vLLM engine's process exited with {engine.exitcode}; its error is above")
-        samples = torch.load(path)
+        for attention in ["default", *args.engine_attention]:  # one engine process at a time
+            path = os.path.join(workdir, f"{attention}.pt")
+            engine = multiprocessing.get_context("spawn").Process(target=sample, args=(
+                args.model, args.data, args.prompts, args.n, args.max_new_tokens, args.seed, attention, path))
+            engine.start()
+            engine.join()
+            if engine.exitcode != 0:
+                raise SystemExit(f"the vLLM engine's process exited with {engine.exitcode}; its error is above")
+            samples.update(torch.load(path))
     device = start_process_group()
     try:
         results = []
@@ -153,11 +163,11 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (the engine in fp32)"
-    print(f"\n[logprob_gap] the log-prob gap on the same response tokens, {name} ({results[0]['tokens']} tokens):")
-    print(f"  {'sampled by':<24}{'scored by':<26}{'mean |d|':>10}{'max |d|':>10}{'k3 KL':>10}")
+    print(f"\n[logprob_gap] the log-prob gap on the same response tokens, {name}:")
+    print(f"  {'sampled by':<38}{'scored by':<28}{'tokens':>8}{'mean |d|':>10}{'max |d|':>10}{'k3 KL':>10}")
     for row in results:
-        print(f"  {row['sampler']:<24}{row['scorer']:<26}{row['mean_abs']:>10.2e}{row['max_abs']:>10.2e}"
-              f"{row['k3_kl']:>10.2e}")
+        print(f"  {row['sampler']:<38}{row['scorer']:<28}{row['tokens']:>8}{row['mean_abs']:>10.2e}"
+              f"{row['max_abs']:>10.2e}{row['k3_kl']:>10.2e}")
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps({"check": "logprob_gap", "device": name, **row}) + "\n" for row in results)

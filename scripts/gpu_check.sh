@@ -11,9 +11,11 @@
 # piece per device call (64 MiB a call). With the arithmetic example's SFT model in runs/arith (run
 # examples/arith/run.sh first) it goes along, so that RL starts from a model that solves problems.
 #
-# On the GPU machine, in order: the rollout engine on CUDA (held-out accuracy of the SFT model; 20
-# GRPO steps colocated, sleep mode between rollouts, the log-prob gap after each sync in bf16 and
-# in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; the weight sync's throughput),
+# On the GPU machine, in order: the rollout engine on CUDA (MoE routing replay without and with R3;
+# the bf16 log-prob gap taken apart, FlashAttention and Triton attention in the engine; GRPO
+# colocated with sleep mode between rollouts, the log-prob gap after each sync in bf16, with fp32
+# logits and in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; held-out accuracy of
+# the SFT model; the weight sync's throughput),
 # then the training engine (fp32 and bf16 parity with one HF process, offload, CUDA IPC reads, throughput;
 # scripts/gpu_check.py), the memory of a 0.5B-shaped rank with and without offload, rank 0 of 7B layouts
 # at full size beside the planner's estimate, and the pretrain stage through Ray,
@@ -112,24 +114,29 @@ times = sorted(row["time/step_s"] for row in rows if "time/step_s" in row)
 rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
 syncs = [row["sync/mb"] / row["sync/time_s"] / 1e3 for row in rows if row.get("sync/time_s")]
 freed = [row["rollout/freed_gib"] for row in rows if "rollout/freed_gib" in row]
+k3 = [row["mismatch/kl_k3"] for row in rows if "mismatch/kl_k3" in row]
+p99 = [row["mismatch/abs_log_ratio_p99"] for row in rows if "mismatch/abs_log_ratio_p99" in row]
 print(f"[rl] {len(times)} steps, median {times[len(times) // 2]:.2f} s; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; "
       f"held-out accuracy {' -> '.join(f'{a:.3f}' for a in accuracy)}; engine/trainer log-prob gap after each "
       f"sync: max {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}; sync median {sorted(syncs)[len(syncs) // 2]:.2f} GB/s; "
-      f"the engine freed {max(freed, default=0):.2f} GiB for each update")
+      f"the engine freed {max(freed, default=0):.2f} GiB for each update; mismatch (engine vs trainer, the update's "
+      f"first pass) k3 KL mean {sum(k3) / max(len(k3), 1):.2e}, |log-ratio| p99 mean {sum(p99) / max(len(p99), 1):.2e}")
 PY
 }
 if "$py" -c "import ray, vllm" 2>/dev/null; then  # in order of value: a cut run keeps the first checks
   "$py" -c "from benchmarks.sync import QWEN25_05B; from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
+  # MoE routing replay: a random Qwen3-MoE, 4 mini-batches x 2 epochs a step, without replay and with R3
+  SHOW_LINES=16 check router_replay "$py" benchmarks/router_replay.py "ray.gpus_per_worker=$gpus" --model "$out/qwen3moe" \
+    --data "$arith/data/rl_train.parquet" --out "$out/router_replay" --steps "${REPLAY_STEPS:-4}" --replays none r3
+  SHOW_LINES=20 check logprob_gap "$py" benchmarks/logprob_gap.py --model "$arith/sft" \
+    --data "$arith/data/rl_train.parquet" --out "$logs/results.jsonl" --engine-attention TRITON_ATTN
+  check rl_bf16 rl rl_bf16 train.steps="${RL_STEPS:-5}"
   SHOW_LINES=30 check grpo_05b "$py" benchmarks/rlvr_bench.py --model "$out/qwen05b" --data "$arith/data/rl_train.parquet" \
     --out "$out/bench" --steps "${GRPO_STEPS:-3}" --prompts 64 --n 8 --max-new-tokens 256 "ray.gpus_per_worker=$gpus" \
     rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=16384
-  SHOW_LINES=12 check logprob_gap "$py" benchmarks/logprob_gap.py --model "$arith/sft" \
-    --data "$arith/data/rl_train.parquet" --out "$logs/results.jsonl"
   check rl_fp32_head rl rl_fp32_head train.steps=5 model.fp32_lm_head=true
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --model "$out/qwen05b" "${common[@]}"
-  check rl_bf16 rl rl_bf16 train.steps="${RL_STEPS:-20}"
-  grep -a -h "Sleep mode freed\|sleep mode\|woke up" "$logs/rl_bf16.log" 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c | head -4
   check eval_sft "$py" -m rlsys.run eval --config examples/arith/eval.yaml "output_dir=$out/eval" "model.path=$arith/sft" \
     "eval.files=[$arith/data/test.parquet]"
   check rl_fp32 rl rl_fp32 train.steps=5 parallel.mixed_precision=none rollout.dtype=float32

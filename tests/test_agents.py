@@ -21,7 +21,7 @@ from rlsys.agents.chat import ChatTurns
 from rlsys.agents.openai_loop import OpenAILoop
 from rlsys.agents.tool_loop import ToolLoop, _State
 from rlsys.agents.tool_parsers import HermesParser
-from rlsys.agents.trajectory import RolloutRequest, Sampling
+from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Trajectory
 from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.tools.builtin import calculator
 from rlsys.tools.registry import load_tools
@@ -92,6 +92,24 @@ def engine(tool_caller, tool_pool, calculator_tools):
     return RolloutWorker(tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0, num_threads=2,
                          loops={"tool": ToolLoop, **harnesses}, tools=tools, tool_client=tool_pool.client(),
                          tool_schemas=[s.schema for s in calculator_tools])
+
+
+def test_trajectories_travel_with_their_routing():
+    """An engine's trajectories as columns and back: each keeps its own routing (R3), a trajectory
+    without one gets None, and columns of trajectories without routing carry none."""
+    import numpy as np
+
+    requests = [RolloutRequest(0, [1, 2], j, seed=j) for j in range(3)]
+    routings = [np.full((4, 2, 1), 7, np.uint8), None, np.full((3, 2, 1), 9, np.uint8)]
+    trajectories = [Trajectory(0, [1, 2], [3, 4, 5][:j + 1], [1] * (j + 1), [0.0] * (j + 1), [0] * (j + 1), None,
+                               "stop", routing=routing) for j, routing in enumerate(routings)]
+    back = Trajectories.of(trajectories, requests).unpack({0: [1, 2]})
+    assert back[1].routing is None
+    assert back[0].routing.tolist() == routings[0].tolist() and back[2].routing.tolist() == routings[2].tolist()
+    for t in trajectories:
+        t.routing = None
+    columns = Trajectories.of(trajectories, requests)
+    assert columns.routing is None and all(t.routing is None for t in columns.unpack({0: [1, 2]}))
 
 
 def test_a_trajectory_is_the_prompt_the_sampled_turns_and_the_tool_turns_exactly(engine, tool_caller,

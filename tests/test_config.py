@@ -99,7 +99,6 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
          "rollout.top_p: below 1 the engine's log-probs"),
         (("algorithm.filter_groups=true", "rollout.n=1"), "algorithm.filter_groups: needs groups of rollout.n >= 2"),
         ("algorithm.router_replay=r2", "algorithm.router_replay: the model has no MoE layers to replay"),
-        ("algorithm.router_replay=r3", "algorithm.router_replay: r3 (the rollout engine's routing) is not supported"),
         ("critic.warmup_steps=3", "critic.warmup_steps: there is no critic unless"),
         ("train.async_mode=one_step", "train.async_mode: one_step generates while the trainer updates"),
         ("rollout.block_size=48", "rollout.block_size: 48 tokens; on CPU a multiple of 32"),
@@ -115,6 +114,24 @@ def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, over
     code, err = run_cli(capsys, "rlvr", "--config", RL_CONFIG, f"model.path={tiny_model_dir}",
                         f"data.train_files=[{arith_files['rl_train']}]", f"eval.files=[{arith_files['test']}]",
                         *(override if isinstance(override, tuple) else (override,)))
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("algorithm.router_replay=r3",), "algorithm.router_replay: r3 needs the rollout engines' routing, which vLLM "
+                                          "returns only on a GPU"),
+        (("algorithm.router_replay=r3", "ray.gpus_per_worker=1", "rollout.agent_loop=openai",
+          "rollout.agent_entry=tests/assets/openai_harness.py:run"), "algorithm.router_replay: r3 not with "
+                                                                         "rollout.agent_loop: openai"),
+        (("algorithm.router_replay=r2", "algorithm.old_logprobs=rollout"), "algorithm.router_replay: r2 records"),
+    ],
+)
+def test_routing_replay_a_job_cannot_run_exits_2(capsys, moe_model_dir, arith_files, overrides, expected):
+    code, err = run_cli(capsys, "rlvr", "--config", RL_CONFIG, f"model.path={moe_model_dir}",
+                        f"data.train_files=[{arith_files['rl_train']}]", f"eval.files=[{arith_files['test']}]",
+                        *overrides)
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
 
 

@@ -136,3 +136,13 @@ def test_shared_shards_are_read_in_place_by_another_process(device):
         conn.recv()
     finally:
         trainer.join(timeout=30)
+
+
+def test_a_fused_moe_layers_reported_names_count_its_experts_as_written():
+    """vLLM 0.26's fused-MoE layer reports its experts' weights without their `routed_experts.` module:
+    the engine's check that a sync rewrote every freed weight reads them as the parameters they are."""
+    from rlsys.rollout.vllm_compat import loaded_parameters
+
+    reported = {"model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.gate.weight",
+                "model.layers.1.mlp.experts.routed_experts.w2_weight"}
+    assert loaded_parameters(reported) == reported | {"model.layers.0.mlp.experts.routed_experts.w13_weight"}

@@ -8,20 +8,22 @@ trainer's log-probs, packing each layer's experts again exactly once per sync.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ray
 import torch
 import worker_probes as probes
 from parity import ALGO, MICRO_BATCH, assert_gradients_match, layout_run, parity_batches, reference_logprobs
 from test_rlvr import logprob_gap, rl_raw
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import num_targets, split_rows
-from rlsys.parallel.router_replay import ROUTING_FIELD
+from rlsys.models.moe import moe_layer_indices
+from rlsys.parallel.router_replay import OWN_CHOICE, ROUTING_FIELD, engine_routing
 from rlsys.stages.rl_trainer import RLVRTrainer
 
 COEF = 0.05
@@ -98,6 +100,32 @@ def check_routing_replay(group, batch) -> None:
     perturbed = cat_rows([rows for _, rows in passes])
     assert torch.equal(perturbed[ROUTING_FIELD][real], first[ROUTING_FIELD][real])
     assert 0 < passes[0][0]["router/replay_agreement"] < 1
+    # R3's tokens without a recorded routing (-1) go where the router sends them: here the first half of
+    # each row, which attends to nothing replayed, so they route as a pass without replay does
+    own = cat_rows([rows for _, rows in probes.routed_pass(group, batch)])[ROUTING_FIELD]
+    half = batch["input_ids"].shape[1] // 2
+    partial = first[ROUTING_FIELD].clone()
+    partial[:, :half] = OWN_CHOICE
+    mixed = cat_rows([rows for _, rows in probes.routed_pass(group, {**batch, ROUTING_FIELD: partial})])[ROUTING_FIELD]
+    assert torch.equal(mixed[:, :half][real[:, :half]], own[:, :half][real[:, :half]])
+    assert torch.equal(mixed[:, half:][real[:, half:]], first[ROUTING_FIELD][:, half:][real[:, half:]])
+
+
+def test_engine_routing_takes_the_moe_layers_and_leaves_the_rest_to_the_router(moe_model_dirs):
+    """R3's batch field from vLLM's routed experts [tokens, hidden layers, k]: the MoE layers' columns
+    (a Qwen-MoE model's dense layers dropped), each row's first tokens, -1 after them and for a row
+    the engine returned nothing for."""
+    config = AutoConfig.from_pretrained(moe_model_dirs["qwen3_moe"])
+    config.mlp_only_layers, config.num_hidden_layers = [1], 4
+    assert moe_layer_indices(config) == [0, 2, 3]
+    config.mlp_only_layers, config.decoder_sparse_step = [], 2
+    assert moe_layer_indices(config) == [1, 3]
+    routing = np.arange(5 * 4 * 2).reshape(5, 4, 2)
+    field = engine_routing([routing, None, routing[:2]], 4, [1, 3], 2)
+    assert field.shape == (3, 4, 2, 2) and field.dtype == torch.int16
+    assert field[0].tolist() == routing[:4, [1, 3]].tolist()
+    assert (field[1] == OWN_CHOICE).all()
+    assert field[2, :2].tolist() == routing[:2, [1, 3]].tolist() and (field[2, 2:] == OWN_CHOICE).all()
 
 
 def cat_rows(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -24,12 +24,12 @@ class RolloutGroup(ActorGroup):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
-                 adapter: AdapterSpec | None = None, fp32_head: bool = False):
+                 adapter: AdapterSpec | None = None, fp32_head: bool = False, return_routing: bool = False):
         """Placed by `place_engines` (colocated: in the training ranks' bundles; separate: their own).
         `loops`: the agent loops the engines run, by name; `tool_client` (`ToolPool.client()`) the
         tool workers their loops call; `adapter`: the engines serve the policy's LoRA adapter over the
         base model, which they load once and keep (no memory release); `fp32_head`: the engines compute logits
-        in fp32 (`model.fp32_lm_head`)."""
+        in fp32 (`model.fp32_lm_head`); `return_routing`: trajectories carry their MoE routing (R3)."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
         self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines",
@@ -39,7 +39,7 @@ class RolloutGroup(ActorGroup):
         try:
             self.actors = [
                 spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, self.placement.threads,
-                      self.releases_memory, loops, tools, tool_client, tool_schemas, adapter, fp32_head,
+                      self.releases_memory, loops, tools, tool_client, tool_schemas, adapter, fp32_head, return_routing,
                       env=ENGINE_ENV, num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
                       scheduling_strategy=self.placement.strategy(i))
                 for i in range(cfg.num_engines)

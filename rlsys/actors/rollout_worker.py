@@ -70,17 +70,19 @@ class RolloutWorker:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int,
                  releases_memory: bool = False, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
-                 adapter: AdapterSpec | None = None, fp32_head: bool = False):
+                 adapter: AdapterSpec | None = None, fp32_head: bool = False, return_routing: bool = False):
         """`loops`: the agent loop classes this engine runs, by the name `rollout` asks for; `adapter`:
         generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once;
-        `fp32_head`: logits in fp32 (`model.fp32_lm_head`)."""
+        `fp32_head`: logits in fp32 (`model.fp32_lm_head`); `return_routing`: trajectories carry the
+        experts an MoE model routed their tokens to (`algorithm.router_replay: r3`)."""
         redirect_actor_output()
         set_engine_threads(num_threads, cfg.tensor_parallel_size)
         on_gpu = torch.cuda.is_available()
         keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
         self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu,
-                              lora_rank=adapter.rank if adapter else 0, fp32_head=fp32_head)
+                              lora_rank=adapter.rank if adapter else 0, fp32_head=fp32_head,
+                              return_routing=return_routing)
         self.memory = EngineMemory(self.llm, on_gpu)
         self.engine = RequestEngine(self.llm)
         self.adapter = ServedAdapter(self.llm, adapter) if adapter else None

@@ -165,6 +165,15 @@ class TrainWorker:
         return rows.get("logprobs")
 
     @releases_freed_memory
+    def compute_replayed_logprobs(self, shard: Batch, temperature: float = 1.0
+                                  ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """compute_logprobs of the policy with the shard's tokens routed to its recorded experts (R3:
+        the rollout engine's), and how often the policy's own routers chose them
+        (`router/replay_agreement`, over the data-parallel ranks)."""
+        metrics, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True)
+        return rows.get("logprobs"), metrics
+
+    @releases_freed_memory
     def compute_teacher_logprobs(self, shard: Batch) -> torch.Tensor | None:
         """The teacher's log-probs [B, T] of the batch's tokens (its own distribution, temperature 1),
         aligned as `compute_logprobs`'."""

@@ -79,7 +79,8 @@ class SingleTurnLoop(AgentLoop):
                                          min(sampling.max_new_tokens, sampling.max_response_tokens))
         ids = completion.token_ids
         return Trajectory(request.prompt_index, request.prompt_ids, ids, [1] * len(ids), completion.logprobs,
-                          completion.versions, text=None, finish_reason=completion.finish_reason)
+                          completion.versions, text=None, finish_reason=completion.finish_reason,
+                          routing=completion.routing)
 
 
 def resolve_agent_loop(spec: str, key: str) -> type:

@@ -97,6 +97,8 @@ class _State:
         self.finish = "stop"
         self.tool_rewards: list[float] = []
         self.last_turn: list[int] = []
+        self.routing = None
+        """The last model turn's routing: it covers every token before that turn's last (R3)."""
 
     def add_turn(self, completion) -> None:
         self.turns += 1
@@ -106,6 +108,7 @@ class _State:
         self.versions += completion.versions
         self.finish = completion.finish_reason
         self.last_turn = completion.token_ids
+        self.routing = completion.routing
 
     def add_observation(self, ids: list[int]) -> None:
         self.ids += ids
@@ -117,4 +120,5 @@ class _State:
                           self.logprobs, self.versions, text=None, finish_reason=self.finish, num_turns=self.turns,
                           tool_calls=self.tool_calls, tool_errors=self.tool_errors, tool_seconds=self.tool_seconds,
                           reward_info={"num_turns": self.turns, "tool_calls": self.tool_calls,
-                                       "tool_rewards": self.tool_rewards, "final_turn": final_turn})
+                                       "tool_rewards": self.tool_rewards, "final_turn": final_turn},
+                          routing=self.routing)

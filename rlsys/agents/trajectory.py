@@ -78,6 +78,9 @@ class Trajectory:
     """Calls that did not continue the conversation recorded so far (the `openai` loop)."""
     dropped: str = ""
     """Why the loop made no trajectory to train on ("" when it did): the step leaves the sample out."""
+    routing: np.ndarray | None = None
+    """[tokens, hidden layers, k]: the experts the engine routed the trajectory's first tokens (prompt, then
+    response) to in its last model turn, which computed every token before it (R3); None when not returned."""
 
     @property
     def sampled_tokens(self) -> int:
@@ -107,6 +110,9 @@ class Trajectories:
     reward_info: list[dict]
     prefix_breaks: np.ndarray
     dropped: list[str]
+    routing: np.ndarray | None = None
+    """Every trajectory's `routing`, back to back (None when none has one)."""
+    routing_lengths: np.ndarray | None = None
     own_prompts: dict[int, list[int]] = field(default_factory=dict)
     """The prompt ids of each trajectory (by position) whose prompt is not its request's: an agent
     harness writes its own (the `openai` loop)."""
@@ -127,7 +133,8 @@ class Trajectories:
                    chain("versions", np.int32), [t.text for t in trajectories], [t.finish_reason for t in trajectories],
                    column("num_turns", np.int32), column("tool_calls", np.int32), column("tool_errors", np.int32),
                    column("tool_seconds", np.float64), [t.reward_info for t in trajectories],
-                   column("prefix_breaks", np.int32), [t.dropped for t in trajectories], own_prompts, stats or {})
+                   column("prefix_breaks", np.int32), [t.dropped for t in trajectories], *_routing(trajectories),
+                   own_prompts, stats or {})
 
     def unpack(self, prompt_ids: dict[int, list[int]]) -> list[Trajectory]:
         """One `Trajectory` per request; `prompt_ids`: the ids of each prompt index."""
@@ -137,10 +144,26 @@ class Trajectories:
         sampled_ends = np.cumsum([sum(masks[s:e]) for s, e in zip(starts, ends)]).tolist()
         sampled_starts = [0, *sampled_ends[:-1]]
         ids, logprobs, versions = self.response_ids.tolist(), self.logprobs.tolist(), self.versions.tolist()
+        routings = self._routings()
         return [Trajectory(index, self.own_prompts.get(i, prompt_ids[index]), ids[start:end], masks[start:end],
                            logprobs[ls:le], versions[ls:le], text, finish, int(turns), int(calls), int(errors),
-                           float(seconds), info, int(breaks), dropped)
+                           float(seconds), info, int(breaks), dropped, routings[i])
                 for i, (index, start, end, ls, le, text, finish, turns, calls, errors, seconds, info, breaks, dropped)
                 in enumerate(zip(self.prompt_index.tolist(), starts, ends, sampled_starts, sampled_ends, self.texts,
                                  self.finish_reasons, self.num_turns, self.tool_calls, self.tool_errors,
                                  self.tool_seconds, self.reward_info, self.prefix_breaks, self.dropped))]
+
+    def _routings(self) -> list[np.ndarray | None]:
+        if self.routing is None:
+            return [None] * len(self.lengths)
+        ends = np.cumsum(self.routing_lengths).tolist()
+        return [self.routing[start:end] if end > start else None for start, end in zip([0, *ends[:-1]], ends)]
+
+
+def _routing(trajectories: list[Trajectory]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The trajectories' routings back to back and their lengths (0: none), or (None, None)."""
+    routings = [t.routing for t in trajectories if t.routing is not None]
+    if not routings:
+        return None, None
+    lengths = np.array([0 if t.routing is None else len(t.routing) for t in trajectories], np.int64)
+    return np.concatenate(routings), lengths

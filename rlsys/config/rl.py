@@ -201,7 +201,8 @@ class AlgorithmConfig:
     """MoE routing replay. r2: the experts each token went to in the trainer's pass that computes
     the old log-probs (taken even when the update is on-policy) are the experts every update
     forward of the step routes it to, weighted by the current router (VeRL's, slime's R2). r3:
-    the rollout engine's routing (not supported yet)."""
+    the experts the rollout engine routed each token to (vLLM's routed experts, returned on GPU) are
+    the ones every trainer forward of the step routes it to (VeRL's R3)."""
     extensions: list[str] = Field(default_factory=list)
     """Python files or packages whose `@register_advantage` / `@register_policy_loss`
     decorators add estimators and losses to choose by name."""

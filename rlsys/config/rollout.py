@@ -147,6 +147,9 @@ class RolloutConfig:
     """Tokens an engine computes in one forward pass; empty: vLLM's default. On CPU prompts are never split
     across passes (vLLM cannot rewind a seeded CPU sampler after a partial prefill), so there it must be at
     least the model's context length, which is also what empty gives."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """More of vLLM's engine arguments (`vllm.LLM(**engine_kwargs)`, VeRL's `rollout.engine_kwargs.vllm`), e.g.
+    `{attention_backend: TRITON_ATTN}`; they override what rlsys sets. An unknown name fails the engine's start."""
     sync_bucket_mb: float = Field(default=64.0, gt=0)
     """Weight-sync bucket size: decoder blocks are gathered and sent this many MB at a time."""
     sync_shared_memory: bool = True

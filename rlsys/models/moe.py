@@ -82,6 +82,18 @@ def num_experts(config: PretrainedConfig) -> int:
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
+def moe_layer_indices(config: PretrainedConfig) -> list[int]:
+    """The decoder layers whose MLP is a sparse MoE block, in order, as HF builds them: every layer of
+    a Mixtral; a Qwen-MoE layer unless `mlp_only_layers` names it or `decoder_sparse_step` skips it."""
+    if not num_experts(config):
+        return []
+    layers = range(config.num_hidden_layers)
+    if config.model_type == "mixtral":
+        return list(layers)
+    step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", []) or [])
+    return [i for i in layers if i not in dense and (i + 1) % step == 0]
+
+
 def moe_family(config: PretrainedConfig) -> MoEFamily | None:
     """The family of an MoE model's config; None for a dense model. Raises ValueError for an MoE
     model of another family."""

@@ -182,7 +182,7 @@ class MoEBlock(nn.Module):
         self.moe_index = 0
         """This block's place among the model's MoE blocks (its slice of a replayed routing)."""
         self.replay: torch.Tensor | None = None
-        """[B, T, k] experts to route this pass's tokens to (routing replay), else None."""
+        """[B, T, k] experts to route this pass's tokens to (routing replay; -1: the router's own), else None."""
         self.recorded: list[torch.Tensor] | None = None
         """When a list, each forward appends the experts it chose, [B, T', k] (T' this tp rank's
         share of T)."""
@@ -197,8 +197,10 @@ class MoEBlock(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.replay is not None:  # the recorded experts, weighted by this pass's router (its gradient)
             replayed = self._this_rank(self.replay).reshape(-1, self.top_k).to(chosen.device, torch.long)
+            own = replayed[:, :1] < 0  # tokens the recording has no experts for: the router's own choice
+            replayed = torch.where(own, chosen, replayed)
             if not _in_backward():
-                self._count_agreement(chosen, replayed, shape)
+                self._count_agreement(chosen, replayed, shape, ~own[:, 0])
             chosen, weights = replayed, probs.gather(-1, replayed)
         if self.recorded is not None:
             self.recorded.append(chosen.detach().view(shape[0], shape[1], -1).to(torch.int16))
@@ -225,9 +227,11 @@ class MoEBlock(nn.Module):
         rank, size = self.tp_split
         return per_token.chunk(size, dim=1)[rank]
 
-    def _count_agreement(self, own: torch.Tensor, replayed: torch.Tensor, shape: torch.Size) -> None:
+    def _count_agreement(self, own: torch.Tensor, replayed: torch.Tensor, shape: torch.Size,
+                         recorded: torch.Tensor) -> None:
+        """Among the real tokens the recording routes (`recorded`), those whose own top-k set is the replayed."""
         same = (own.sort(-1).values == replayed.sort(-1).values).all(-1).float()
-        valid = self._valid(shape).to(same.device)
+        valid = self._valid(shape).to(same.device) * recorded.to(same.device)
         self.agreement += torch.stack([(same * valid).sum(), valid.sum()]).detach().cpu()
 
 

@@ -1,23 +1,44 @@
-"""Routing replay for MoE RL (R2): the experts each token went to in the pass that computed the
-old log-probs are recorded, per token and MoE layer, and the update's forwards route every token to
-those experts again, weighted by the current router's probabilities of them (so the router still
+"""Routing replay for MoE RL: the experts each token went to in the pass the update is compared
+with are recorded, per token and MoE layer, and the update's forwards route every token to those
+experts again, weighted by the current router's probabilities of them (so the router still
 learns). Without it the update's router may pick other experts for the same token than the pass
 it is compared with, and the PPO ratio measures the change of routing rather than of the policy.
+R2 records the trainer's own old-log-prob pass; R3 takes the rollout engine's routing, which the
+engine returns with each completion (`engine_routing`), so that the trainer computes what the
+engine sampled from.
 
 The recorded routing travels with the batch as one more per-token field, `routed_experts`
 [B, T, MoE layers, k] (int16), cut, packed and split over context-parallel ranks as every field
 is; the engine hands it to the model, each MoE block takes its layer's slice and, under tensor
-parallel, its rank's share of the tokens (`MoEBlock.replay`).
+parallel, its rank's share of the tokens (`MoEBlock.replay`). A token whose experts are -1 (one the
+engine did not compute: a response's last, a tool turn after the last model turn, padding) goes
+where the trainer's router sends it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from rlsys.parallel.moe_block import MoEBlock
 
 ROUTING_FIELD = "routed_experts"
+OWN_CHOICE = -1
+"""A replayed routing's experts for a token the router routes itself."""
+
+
+def engine_routing(routings: list[np.ndarray | None], width: int, moe_layers: list[int], top_k: int
+                   ) -> torch.Tensor:
+    """The batch field R3 replays, [rows, width, MoE layers, top_k] (int16), from each row's engine
+    routing [tokens, hidden layers, top_k] (or None) of its first tokens; `moe_layers`: the hidden
+    layers whose MLP is an MoE block, in the model's order. Tokens without a routing get `OWN_CHOICE`."""
+    field = torch.full((len(routings), width, len(moe_layers), top_k), OWN_CHOICE, dtype=torch.int16)
+    for row, routing in enumerate(routings):
+        if routing is not None:
+            tokens = min(len(routing), width)
+            field[row, :tokens] = torch.from_numpy(routing[:tokens, moe_layers].astype(np.int16))
+    return field
 
 
 def without_routing(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

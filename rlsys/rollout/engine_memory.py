@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory
+from rlsys.rollout.vllm_compat import loaded_parameters
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
@@ -92,7 +93,7 @@ def record_loaded(worker, names: set[str] | None) -> None:
     report them, which cannot be checked)."""
     pending = getattr(worker, "rlsys_unwritten", None)
     if pending:
-        pending.difference_update(names if names is not None else pending.copy())
+        pending.difference_update(loaded_parameters(names) if names is not None else pending.copy())
 
 
 def _storages(worker, tag: str) -> dict[int, torch.UntypedStorage]:

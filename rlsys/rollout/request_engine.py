@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
 from rlsys.rollout.vllm_compat import TokenVersions
 
@@ -42,6 +43,9 @@ class Completion:
     """"stop" (EOS or a stop string), "length" (the request's max_tokens), or "abort"."""
     versions: list[int]
     """The weight version that sampled each token."""
+    routing: np.ndarray | None = None
+    """[prompt + sampled tokens - 1, hidden layers, k]: the experts an MoE model routed each token it
+    computed to (the last sampled token is never computed), when the engine returns them (R3)."""
 
 
 class RequestEngine:
@@ -143,4 +147,5 @@ def _continues(run: tuple[list[int], object, list], prompt_ids: list[int], param
 
 def _completion(sampled, versions: list[int]) -> Completion:
     logprobs = list(sampled.logprobs.logprobs) if sampled.logprobs is not None else []
-    return Completion(list(sampled.token_ids), logprobs, sampled.finish_reason or "", versions)
+    return Completion(list(sampled.token_ids), logprobs, sampled.finish_reason or "", versions,
+                      getattr(sampled, "routed_experts", None))

@@ -10,9 +10,24 @@ vLLM build is 0.26; the rollout code runs on both. What 0.26 lacks:
 - vLLM-CPU's unquantized MoE kernel (`cpu_moe_kernel`), whose packed expert layout rlsys
   rewrites after a sync: 0.26 packs experts another way (`CPUFusedMOE`), which rlsys does not
   rewrite, so MoE models roll out on CPU with 0.32 only (on GPU with both).
+- the names `load_weights` reports for a fused-MoE layer's experts: 0.26 leaves out their
+  `routed_experts.` module (`model.layers.0.mlp.experts.w13_weight` for
+  `...experts.routed_experts.w13_weight`); 0.32 reports the parameter's name (`loaded_parameters`).
+- returning an MoE model's routing (`enable_return_routed_experts`, R3): 0.26's GPU model runner
+  records it; 0.32 records it in its V2 model runner only (`routing_runner_env`), which needs
+  Triton, so neither records it on CPU.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def routing_runner_env() -> None:
+    """Before an engine that returns routing is built: the model runner that records it."""
+    if importlib.util.find_spec("vllm.config.aux_output") is not None:  # 0.32: the V2 runner's aux outputs
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
 
 
 class TokenVersions:
@@ -65,3 +80,10 @@ def cpu_moe_kernel() -> type | None:
     except ImportError:
         return None
     return CPUUnquantizedExperts
+
+
+def loaded_parameters(names: set[str]) -> set[str]:
+    """The parameter names behind the names a model's `load_weights` reported writing: on vLLM 0.26 a
+    fused-MoE layer reports its experts' weights under the layer, not under its `routed_experts`."""
+    return names | {name.replace(".experts.", ".experts.routed_experts.", 1) for name in names
+                    if ".experts." in name and ".experts.routed_experts." not in name}

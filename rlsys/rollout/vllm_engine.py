@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlsys.rollout.vllm_compat import routing_runner_env
+
 if TYPE_CHECKING:
     from rlsys.config.rollout import RolloutConfig, ServingConfig
 
@@ -17,13 +19,17 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool = False, lora_rank: int = 0,
-               fp32_head: bool = False):
+               fp32_head: bool = False, return_routing: bool = False):
     """`lora_rank`: serve LoRA adapters up to this rank (0: none); `fp32_head`: logits computed in fp32
-    from the bf16 hidden states and weights, as the trainer's with `model.fp32_lm_head`."""
+    from the bf16 hidden states and weights, as the trainer's with `model.fp32_lm_head`; `return_routing`:
+    each completion carries the experts an MoE model routed its tokens to (`routed_experts`, for R3).
+    `rollout.engine_kwargs` go to vLLM last and override the rest."""
     dtype = prepare_engine(cfg.dtype)
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
+    if return_routing:
+        routing_runner_env()
     return LLM(
         model=model_path,
         dtype=dtype,
@@ -46,6 +52,8 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         seed=seed,
         **({"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= lora_rank)}
            if lora_rank else {}),
+        **({"enable_return_routed_experts": True} if return_routing else {}),
+        **cfg.engine_kwargs,
     )
 
 

@@ -77,7 +77,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
     check_algorithm(cfg.algorithm, cfg.parallel)
     _check_algorithm_against_job(cfg)
-    check_router_replay(cfg.algorithm, cfg.parallel, model_config)
+    check_router_replay(cfg, model_config)
     check_rl_batch(cfg, dims.dp_size)
     if cfg.reward.overlong_buffer_len >= cfg.rollout.response_budget:
         raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below the response "
@@ -166,21 +166,25 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
                           "use old_logprobs: auto or trainer")
 
 
-def check_router_replay(algo: AlgorithmConfig, parallel: ParallelConfig, model_config: PretrainedConfig) -> None:
-    """R2 replays an MoE model's routing from the trainer's old-log-prob pass."""
+def check_router_replay(cfg: RLJobConfig, model_config: PretrainedConfig) -> None:
+    """R2 replays an MoE model's routing from the trainer's old-log-prob pass, R3 the rollout engine's."""
+    algo = cfg.algorithm
     if algo.router_replay == "none":
         return
-    if algo.router_replay == "r3":
-        raise ConfigError("algorithm.router_replay: r3 (the rollout engine's routing) is not supported yet; "
-                          "r2 replays the routing of the trainer's old-log-prob pass")
     if not num_experts(model_config):
         raise ConfigError("algorithm.router_replay: the model has no MoE layers to replay")
-    if parallel.pp > 1:
+    if cfg.parallel.pp > 1:
         raise ConfigError("algorithm.router_replay: not with parallel.pp > 1 yet (the routing of the earlier "
                           "stages' layers does not reach the last stage)")
-    if algo.old_logprobs == "rollout":
+    if algo.router_replay == "r2" and algo.old_logprobs == "rollout":
         raise ConfigError("algorithm.router_replay: r2 records the routing in the trainer's old-log-prob pass; "
                           "not with old_logprobs: rollout")
+    if algo.router_replay == "r3" and not (cfg.ray.gpus_per_worker or cfg.rollout.gpus_per_engine):
+        raise ConfigError("algorithm.router_replay: r3 needs the rollout engines' routing, which vLLM returns only "
+                          "on a GPU (its CPU model runner does not record it); on CPU use r2")
+    if algo.router_replay == "r3" and cfg.rollout.agent_loop == "openai":
+        raise ConfigError("algorithm.router_replay: r3 not with rollout.agent_loop: openai (a harness's calls "
+                          "need not continue one sequence, so no engine call routes a whole trajectory); use r2")
 
 
 def _check_algorithm_against_job(cfg: RLJobConfig) -> None:

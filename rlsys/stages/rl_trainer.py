@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig
 
 from rlsys.actors.cluster import gpu_shares
 from rlsys.actors.phases import PhaseTimer, set_phase
@@ -46,7 +47,8 @@ from rlsys.data.batching import (
 from rlsys.data.files import DataError
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
-from rlsys.parallel.router_replay import ROUTING_FIELD
+from rlsys.models.moe import moe_layer_indices
+from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
@@ -113,6 +115,8 @@ class RLVRTrainer:
         self.old_logprobs = old_logprobs_source(cfg)
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
+        self.engine_routing = _engine_routing_shape(cfg)
+        """R3: the layers of the engines' routing that the trainer's MoE blocks replay, and top-k."""
         self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train_group = self.rollout_group = self.tools = self.stream = self.teacher = None
         self.reward_pool = RewardPool(cfg.reward)
@@ -131,7 +135,8 @@ class RLVRTrainer:
                                               tool_client=self.tools.client() if self.tools else None,
                                               tool_schemas=self.agents.schemas,
                                               adapter=AdapterSpec.of(cfg.model.lora),
-                                              fp32_head=cfg.model.fp32_lm_head)
+                                              fp32_head=cfg.model.fp32_lm_head,
+                                              return_routing=cfg.algorithm.router_replay == "r3")
             self.sync = self._weight_sync()
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout_group, self.prompts, self.sampler, cfg.train.async_mode,
@@ -173,8 +178,11 @@ class RLVRTrainer:
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  self.tokenizer.pad_token_id, [s.response_mask for s in samples])
         engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
+        if cfg.algorithm.router_replay == "r3":
+            batch[ROUTING_FIELD] = engine_routing([s.routing for s in samples], batch["input_ids"].shape[1],
+                                                  *self.engine_routing)
         teacher_calls = self._submit_teacher(samples)
-        self._add_logprobs(batch, engine_logprobs, timer)
+        logprob_metrics = self._add_logprobs(batch, engine_logprobs, timer)
         token_rewards = on_last_response_token(rewards, batch)
         if cfg.algorithm.use_kl_in_reward:
             token_rewards, kl_metrics = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
@@ -210,6 +218,7 @@ class RLVRTrainer:
             **(agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
             **(self._async_metrics(samples, step) if self.stream is not None else {}),
             **mismatch(sampler_logprobs, engine_logprobs, batch),
+            **logprob_metrics,
             **update_metrics,
             **sync_metrics,
             **timer.times,
@@ -326,13 +335,22 @@ class RLVRTrainer:
                                                  self.cfg.reward.overlong_penalty_factor)
         return rewards
 
-    def _add_logprobs(self, batch: Batch, engine_logprobs: torch.Tensor, timer: PhaseTimer) -> None:
+    def _add_logprobs(self, batch: Batch, engine_logprobs: torch.Tensor, timer: PhaseTimer) -> dict[str, float]:
         """The log-prob fields the update reads: old (a trainer pass, or the engine's), the
-        engine's for rollout importance sampling, the reference's for a KL term."""
-        algo = self.cfg.algorithm
+        engine's for rollout importance sampling, the reference's for a KL term. With R3 and a
+        trainer pass, returns how often its routers chose the engine's experts
+        (`router/engine_agreement`: the trainer on the weights that sampled)."""
+        algo, metrics = self.cfg.algorithm, {}
         if self.old_logprobs == "trainer" and algo.router_replay == "r2":
             with timer("old_logprob"):
                 batch["old_logprobs"], batch[ROUTING_FIELD] = self._logprobs_and_routing(batch)
+        elif self.old_logprobs == "trainer" and algo.router_replay == "r3":
+            with timer("old_logprob"):
+                shards = self.train_group.run_data_parallel("compute_replayed_logprobs", batch,
+                                                            temperature=self.cfg.rollout.temperature)
+            batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in shards])
+            if "router/replay_agreement" in shards[0][1]:
+                metrics["router/engine_agreement"] = shards[0][1]["router/replay_agreement"]
         elif self.old_logprobs == "trainer":
             with timer("old_logprob"):
                 batch["old_logprobs"] = self._logprobs(batch)
@@ -343,6 +361,7 @@ class RLVRTrainer:
         if needs_reference(algo):
             with timer("reference"):
                 batch["ref_logprobs"] = self._logprobs(batch, reference=True)
+        return metrics
 
     def _logprobs_and_routing(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The old log-probs and the experts each token went to in the same pass (R2)."""
@@ -462,6 +481,14 @@ class RLSession:
 
     def shutdown(self) -> None:
         self.trainer.shutdown()
+
+
+def _engine_routing_shape(cfg: RLJobConfig) -> tuple[list[int], int]:
+    """R3: the MoE layers among the model's hidden layers and experts per token (none without R3)."""
+    if cfg.algorithm.router_replay != "r3":
+        return [], 0
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    return moe_layer_indices(config), config.num_experts_per_tok
 
 
 def _teacher_in_trainer(cfg: RLJobConfig) -> str | None:

@@ -103,14 +103,31 @@ def test_asynchronous_steps_train_every_prompt_once_within_the_staleness_bound(r
             assert rows[-1]["async/dropped_groups"] > 0
 
 
-def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart(ray_cluster, async_config):
+def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(ray_cluster, async_config, tmp_path):
     """train.max_restarts=1: a training rank killed after the step-2 checkpoint; the groups are
-    built again, the prompts in flight at the checkpoint generated again, and the run finishes."""
+    built again and the run finishes. The checkpoint held the groups generated ahead, so with
+    syncs that wait for them (partial_rollout: false) steps 3 and 4 log what an uninterrupted
+    run logs, to the last digit."""
     from test_failures import kill_after_checkpoint
 
-    cfg = async_config("train.steps=4", "train.save_every=2", "train.max_restarts=1", "train.async_mode=one_step")
+    overrides = ("train.steps=4", "train.save_every=2", "train.async_mode=one_step", "train.partial_rollout=false")
+    cfg = async_config(*overrides, "train.max_restarts=1")
     killer = kill_after_checkpoint(cfg.output_dir, 2, "train-0")
     summary = run_rlvr(cfg)
     killer.join(timeout=60)
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == 2
     assert ray.is_initialized()
+    uninterrupted = async_config(*overrides, f"output_dir={tmp_path / 'uninterrupted'}")
+    run_rlvr(uninterrupted)
+    figures = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "async/staleness_mean")
+    restarted, reference = (_steps(c.output_dir, figures) for c in (cfg, uninterrupted))
+    assert restarted[3] == reference[3] and restarted[4] == reference[4], (restarted, reference)
+
+
+def _steps(output_dir: str, figures: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    """The figures each step logged last (a resumed run logs its steps again)."""
+    import json
+    import os
+
+    rows = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    return {row["step"]: {name: row[name] for name in figures} for row in rows if "actor/pg_loss" in row}

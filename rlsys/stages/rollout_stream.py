@@ -9,15 +9,19 @@ than `max_staleness` policy versions older than the policy being updated is drop
 and its prompt generated again: no prompt is lost or trained twice.
 
 Seeds follow the order groups are drawn in, so the samples do not depend on timing; which
-weights sampled each token does (the engines' speed against the trainer's), so an
-asynchronous run is not reproduced token for token by a resumed one. A resumed run generates
-again the prompts that were in flight when its checkpoint was written.
+weights sampled each token does (the engines' speed against the trainer's) unless every sync
+waits for the groups in flight (`train.partial_rollout: false`). A checkpoint waits for the
+groups in flight to finish and holds their trajectories, so a resumed run trains the samples
+the uninterrupted run trained, sampled by the weights that sampled them there, instead of
+generating those prompts again under the restored weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import ray
 
 from rlsys.actors.failures import WorkerFailure
@@ -34,7 +38,9 @@ class _Group:
     serial: int
     """Groups drawn before it: its seed and its place in the draw order."""
     engine: int
-    ref: ray.ObjectRef
+    ref: ray.ObjectRef | None
+    done: list[Trajectory] | None = None
+    """Its trajectories once they are known (the ref's result; a checkpoint's)."""
 
 
 class RolloutStream:
@@ -79,17 +85,27 @@ class RolloutStream:
     def _finished(self, count: int) -> list[tuple[_Group, list[Trajectory]]]:
         """The next `count` finished groups: the first drawn (one_step), or the first to finish (full)."""
         candidates = self.in_flight[:count] if self.mode == "one_step" else self.in_flight
-        done, _ = ray.wait([g.ref for g in candidates], num_returns=count, timeout=self.timeout_s)
-        if len(done) < count:
-            late = next(g for g in candidates if g.ref not in set(done))
+        known = [g for g in candidates if g.done is not None][:count]
+        pending = [g for g in candidates if g.done is None]
+        wanted = count - len(known)
+        done, _ = ray.wait([g.ref for g in pending], num_returns=wanted, timeout=self.timeout_s) if wanted else ([], [])
+        if len(done) < wanted:
+            late = next(g for g in pending if g.ref not in set(done))
             raise WorkerFailure(self.rollout.names[late.engine], f"returned no rollout within {self.timeout_s:g} s",
                                 current_phase())
         done_refs = set(done)
-        chosen = [g for g in candidates if g.ref in done_refs]
+        self._collect([g for g in pending if g.ref in done_refs])
+        chosen = [g for g in candidates if g in known or g.ref in done_refs]
         self.in_flight = [g for g in self.in_flight if g not in chosen]
-        results = self.rollout.wait([g.ref for g in chosen], [g.engine for g in chosen])
-        prompt_ids = {g.index: self.prompts[g.index].ids for g in chosen}
-        return [(g, result.unpack(prompt_ids)) for g, result in zip(chosen, results)]
+        return [(g, g.done) for g in chosen]
+
+    def _collect(self, groups: list[_Group]) -> None:
+        """Fetch the trajectories of finished `groups`."""
+        if not groups:
+            return
+        results = self.rollout.wait([g.ref for g in groups], [g.engine for g in groups])
+        for group, result in zip(groups, results):
+            group.done = result.unpack({group.index: self.prompts[group.index].ids})
 
     def _submit(self, index: int) -> None:
         engine = self.serial % len(self.rollout.actors)
@@ -101,15 +117,36 @@ class RolloutStream:
 
     def drain(self) -> None:
         """Wait for every group in flight to finish (a sync without partial rollouts)."""
-        if self.in_flight:
-            self.rollout.wait([g.ref for g in self.in_flight], [g.engine for g in self.in_flight])
+        pending = [g for g in self.in_flight if g.done is None]
+        if pending:
+            self.rollout.wait([g.ref for g in pending], [g.engine for g in pending])
 
-    # -- checkpoints: the sampler's state, and the prompts to generate (again) first --
+    # -- checkpoints: the sampler's state, the groups in flight (finished), the prompts to generate again --
 
     def state_dict(self) -> dict:
-        return {**self.sampler.state_dict(), "again": self.again + [g.index for g in self.in_flight],
-                "serial": self.serial}
+        """Waits for the groups in flight to finish: they are part of the state."""
+        self._collect([g for g in self.in_flight if g.done is None])
+        return {**self.sampler.state_dict(), "again": list(self.again), "serial": self.serial,
+                "in_flight": [{"index": g.index, "serial": g.serial, "engine": g.engine,
+                               "trajectories": [_saved(t) for t in g.done]} for g in self.in_flight]}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict({"epoch": state["epoch"], "offset": state["offset"]})
-        self.again, self.serial, self.in_flight = list(state.get("again", [])), state.get("serial", 0), []
+        self.again, self.serial = list(state.get("again", [])), state.get("serial", 0)
+        self.in_flight = [_Group(g["index"], g["serial"], g["engine"], None, [_restored(t) for t in g["trajectories"]])
+                          for g in state.get("in_flight", [])]
+
+
+def _saved(trajectory: Trajectory) -> dict:
+    """A trajectory as JSON holds it."""
+    fields = dataclasses.asdict(trajectory)
+    if trajectory.routing is not None:
+        fields["routing"] = {"dtype": str(trajectory.routing.dtype), "values": trajectory.routing.tolist()}
+    return fields
+
+
+def _restored(fields: dict) -> Trajectory:
+    routing = fields.get("routing")
+    if routing is not None:
+        routing = np.asarray(routing["values"], dtype=routing["dtype"])
+    return Trajectory(**{**fields, "routing": routing})

@@ -131,3 +131,20 @@ def _steps(output_dir: str, figures: tuple[str, ...]) -> dict[int, dict[str, flo
 
     rows = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     return {row["step"]: {name: row[name] for name in figures} for row in rows if "actor/pg_loss" in row}
+
+
+def test_a_checkpoint_holds_a_trajectory_whole():
+    """What a checkpoint keeps of a group in flight comes back equal through JSON, an MoE routing too."""
+    import json
+
+    import numpy as np
+
+    from rlsys.agents.trajectory import Trajectory
+    from rlsys.stages.rollout_stream import _restored, _saved
+
+    routing = np.arange(24, dtype=np.uint8).reshape(3, 4, 2)
+    trajectory = Trajectory(0, [1, 2], [3, 4], [1, 0], [-0.5], [2], "34", "stop", num_turns=2,
+                            reward_info={"final_turn": "4"}, routing=routing)
+    back = _restored(json.loads(json.dumps(_saved(trajectory))))
+    assert np.array_equal(back.routing, routing) and back.routing.dtype == routing.dtype
+    assert {**vars(back), "routing": None} == {**vars(trajectory), "routing": None}

@@ -18,6 +18,7 @@ generating those prompts again under the restored weights.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass
 
@@ -138,15 +139,17 @@ class RolloutStream:
 
 
 def _saved(trajectory: Trajectory) -> dict:
-    """A trajectory as JSON holds it."""
+    """A trajectory as JSON holds it (an MoE routing as its bytes, base64)."""
     fields = dataclasses.asdict(trajectory)
-    if trajectory.routing is not None:
-        fields["routing"] = {"dtype": str(trajectory.routing.dtype), "values": trajectory.routing.tolist()}
+    routing = trajectory.routing
+    if routing is not None:
+        fields["routing"] = {"dtype": str(routing.dtype), "shape": list(routing.shape),
+                             "bytes": base64.b64encode(np.ascontiguousarray(routing).tobytes()).decode()}
     return fields
 
 
 def _restored(fields: dict) -> Trajectory:
     routing = fields.get("routing")
     if routing is not None:
-        routing = np.asarray(routing["values"], dtype=routing["dtype"])
+        routing = np.frombuffer(base64.b64decode(routing["bytes"]), routing["dtype"]).reshape(routing["shape"])
     return Trajectory(**{**fields, "routing": routing})

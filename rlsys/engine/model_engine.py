@@ -49,7 +49,13 @@ from rlsys.parallel.rank_sequence import (
     whole_positions,
     whole_rows,
 )
-from rlsys.parallel.router_replay import ROUTING_FIELD, replay_agreement, start_recording, take_recorded
+from rlsys.parallel.router_replay import (
+    ROUTING_FIELD,
+    replay_agreement,
+    start_recording,
+    take_recorded,
+    whole_model_routing,
+)
 
 
 @dataclass(frozen=True)
@@ -160,14 +166,14 @@ class ModelEngine:
         for part in self.parts:
             part.train(not forward_only and self.trainable)
         if self.spec.dims.pp > 1:
-            sums, rows = self._pipelined(shard, loss_fn, forward_only)
+            sums, rows = self._pipelined(shard, loss_fn, forward_only, record_routing)
         else:
             sums, rows = self._micro_batched(shard, loss_fn, forward_only, record_routing)
         for part in self.fsdp_parts:
             part.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
         replayed = {}
         if ROUTING_FIELD in shard and self.router is not None:
-            replayed = replay_agreement(self.moe_blocks, self.router.group, self.device)
+            replayed = replay_agreement(self.moe_blocks, [self.router.group, self.pp_group], self.device)
         return {**self._sum_metrics(sums), **self._router_metrics(), **replayed}, rows
 
     def _router_metrics(self) -> dict[str, float]:
@@ -270,7 +276,7 @@ class ModelEngine:
             count = -(-count // parallel.pp) * parallel.pp
         return count
 
-    def _pipelined(self, shard: Batch, loss_fn: LossFn, forward_only: bool):
+    def _pipelined(self, shard: Batch, loss_fn: LossFn, forward_only: bool, record_routing: bool = False):
         parallel = self.spec.parallel
         num_microbatches = self._pipeline_micro_batches(shard)
         seq = self._rank_sequence(shard)
@@ -279,13 +285,24 @@ class ModelEngine:
         activation_dtype = self.spec.param_dtype or next(self.parts[0].parameters()).dtype
         if self.router is not None:
             self.router.start(num_microbatches)
+        routing = seq.fields.get(ROUTING_FIELD)
+        fields = {name: value for name, value in seq.fields.items() if name != ROUTING_FIELD}
+        if record_routing:
+            start_recording(self.moe_blocks)
         with self._loss_context():
             sums, rows = run_schedule(
-                self.parts, self.pp_group, seq.input_ids, seq.fields,
+                self.parts, self.pp_group, seq.input_ids, fields,
                 lambda logits, micro: loss_fn(loss_logits(logits, seq), micro),
                 parallel.pp_schedule, num_microbatches, activation_dtype, forward_only,
-                self.sequence_multiple, self._token_weights(seq) if self.router is not None else None)
-        return sums, {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
+                self.sequence_multiple, self._token_weights(seq) if self.router is not None else None,
+                None if routing is None else routing[:, :seq.input_ids.shape[1]])
+        rows = {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
+        if record_routing:
+            recorded = take_recorded(self.moe_blocks, self.mesh["tp"].get_group())[:seq.input_ids.shape[0]]
+            whole = whole_model_routing(recorded, self.moe_blocks, self.router.num_layers, self.pp_group)
+            if any(stage.is_last for stage in self.parts):  # the rank whose rows are collected
+                rows[ROUTING_FIELD] = whole_positions(whole, seq, self.cp_group).to(torch.int16)
+        return sums, rows
 
     def _defer_gradient_reduction(self, defer: bool) -> None:
         """FSDP2 on a data-parallel mesh of one rank (there for bf16 mixed precision or tensor

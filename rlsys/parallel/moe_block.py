@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
+from rlsys.models.moe import moe_layer_indices
+
 
 class RouterBalance:
     """The load-balancing loss of every MoE layer of a model part, and its router metrics.
@@ -255,12 +257,13 @@ def install_moe_blocks(model: nn.Module) -> int:
     the model's inputs (HF hands its keywords down to every layer; a recomputed layer gets them
     again): `moe_token_mask` [B, T] and, to replay a routing, `moe_routing` [B, T, MoE blocks, k]."""
     count = 0
-    for layer in getattr(model.model, "layers", []):
-        if layer is None:
+    moe_layers = moe_layer_indices(model.config)
+    for i, layer in enumerate(getattr(model.model, "layers", [])):
+        if layer is None:  # another pipeline stage's
             continue
         if hasattr(getattr(layer, "mlp", None), "experts"):
             layer.mlp = MoEBlock(layer.mlp)
-            layer.mlp.moe_index = count
+            layer.mlp.moe_index = moe_layers.index(i)  # among the whole model's, whichever stage holds it
             count += 1
         layer.register_forward_pre_hook(_take_moe_inputs, with_kwargs=True)
     return count

@@ -28,22 +28,25 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
 
 def run_schedule(stages: list[DecoderStage], group: ProcessGroup, input_ids: torch.Tensor, fields: Batch, loss_fn,
                  schedule: str, num_microbatches: int, activation_dtype: torch.dtype, forward_only: bool,
-                 sequence_split: int = 1, token_weights: torch.Tensor | None = None
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                 sequence_split: int = 1, token_weights: torch.Tensor | None = None,
+                 routing: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Runs the first stage on `input_ids` [B, T] and `loss_fn` on the last stage's logits and
     `fields` (per-token, [B, T'] each), micro-batch by micro-batch. Activations between stages
     are [B, T / sequence_split, hidden] (sequence parallel splits them between the tensor-
     parallel ranks). `token_weights` [B, T]: an MoE model's real tokens, for its routers'
-    balance. Returns this rank's metric sums and per-row outputs (empty unless it holds the
+    balance; `routing` [B, T, MoE layers, k]: the experts to route each token to (routing replay).
+    Returns this rank's metric sums and per-row outputs (empty unless it holds the
     last stage)."""
     rows = input_ids.shape[0]
     input_ids, fields = _pad_rows(input_ids, num_microbatches), _pad_fields(fields, num_microbatches)
     micro_rows = input_ids.shape[0] // num_microbatches
+    device = next(stages[0].parameters()).device
     for stage in stages:
         stage.forwards = 0
         if token_weights is not None:
             stage.token_masks = list(_pad_rows(token_weights, num_microbatches).split(micro_rows))
-    device = next(stages[0].parameters()).device
+        stage.routings = [] if routing is None else \
+            [part.to(device) for part in _pad_rows(routing, num_microbatches).split(micro_rows)]
     shapes = _StageShapes(micro_rows, input_ids.shape[1], sequence_split, activation_dtype, not forward_only)
     pipeline_stages = [_pipeline_stage(stage, group, shapes, device) for stage in stages]
     recorder = _LossRecorder(loss_fn, {name: value.dtype for name, value in fields.items()})

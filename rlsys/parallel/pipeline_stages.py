@@ -68,6 +68,8 @@ class DecoderStage(nn.Module):
         """An MoE model's real tokens [rows, L] of each micro-batch, in the order the schedule runs
         them forward (every schedule runs a stage's micro-batches forward in order), set by the
         schedule for each batch: the stage's MoE blocks balance their routers over them."""
+        self.routings: list[torch.Tensor] = []
+        """A routing to replay, [rows, L, MoE layers, k] of each micro-batch in the same order (or none)."""
         self.forwards = 0
         self.model = causal_lm.model
         for i in range(len(self.model.layers)):
@@ -102,6 +104,8 @@ class DecoderStage(nn.Module):
         rotary = self.model.rotary_emb(hidden, positions)
         layer_types = getattr(self.config, "layer_types", None)
         moe = {"moe_token_mask": self.token_masks[self.forwards]} if self.token_masks else {}
+        if self.routings:
+            moe["moe_routing"] = self.routings[self.forwards]
         self.forwards += 1
         for i in self.layers:
             mask = masks[layer_types[i] if layer_types else "full_attention"]

@@ -9,8 +9,10 @@ engine sampled from.
 
 The recorded routing travels with the batch as one more per-token field, `routed_experts`
 [B, T, MoE layers, k] (int16), cut, packed and split over context-parallel ranks as every field
-is; the engine hands it to the model, each MoE block takes its layer's slice and, under tensor
-parallel, its rank's share of the tokens (`MoEBlock.replay`). A token whose experts are -1 (one the
+is; the engine hands it to the model (under pipeline parallel, each stage its micro-batches'),
+each MoE block takes its layer's slice and, under tensor parallel, its rank's share of the tokens
+(`MoEBlock.replay`). Recorded under pipeline parallel, each stage's layers are its own, and the
+stages put the whole model's routing together (`whole_model_routing`). A token whose experts are -1 (one the
 engine did not compute: a response's last, a tool turn after the last model turn, padding) goes
 where the trainer's router sends it.
 """
@@ -53,10 +55,11 @@ def start_recording(blocks: list[MoEBlock]) -> None:
 
 
 def take_recorded(blocks: list[MoEBlock], tp_group) -> torch.Tensor:
-    """The experts the blocks chose in the last forward, [B, T, MoE layers, k] for the model's
-    whole input (gathered over the tensor-parallel ranks that split its tokens), int32 (what gloo
-    and nccl gather); stops recording."""
-    chosen = torch.stack([block.recorded.pop() for block in blocks], dim=2).to(torch.int32)
+    """The experts the blocks chose in the forwards since recording started (micro-batches in
+    order, their rows one after another), [B, T, the blocks, k] for the model's whole input
+    (gathered over the tensor-parallel ranks that split its tokens), int32 (what gloo and nccl
+    gather); stops recording."""
+    chosen = torch.stack([torch.cat(block.recorded) for block in blocks], dim=2).to(torch.int32)
     for block in blocks:
         block.recorded = None
     if blocks[0].tp_split is not None:
@@ -66,15 +69,29 @@ def take_recorded(blocks: list[MoEBlock], tp_group) -> torch.Tensor:
     return chosen
 
 
-def replay_agreement(blocks: list[MoEBlock], group, device: torch.device) -> dict[str, float]:
+def replay_agreement(blocks: list[MoEBlock], groups: list, device: torch.device) -> dict[str, float]:
     """router/replay_agreement: the share of (real token, MoE layer) pairs of the passes since the
     last call whose replayed experts are the set the router would have chosen itself, over every
-    rank of `group` (none without a replay); resets the counts."""
+    rank of `groups` (the ranks sharing the batch, the pipeline stages) (none without a replay);
+    resets the counts."""
     totals = sum((block.agreement for block in blocks), torch.zeros(2))
     for block in blocks:
         block.agreement = torch.zeros(2)
     totals = totals.to(device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(totals, group=group)
     agree, count = totals.tolist()
     return {"router/replay_agreement": agree / count} if count else {}
+
+
+def whole_model_routing(stage_routing: torch.Tensor, blocks: list[MoEBlock], num_layers: int,
+                        pp_group) -> torch.Tensor:
+    """Under pipeline parallel: a stage's recorded routing [B, T, its blocks, k] placed among every
+    MoE layer of the model, [B, T, num_layers, k], the other stages' columns filled in by theirs."""
+    rows, length, _, top_k = stage_routing.shape
+    whole = torch.zeros(rows, length, num_layers, top_k, dtype=stage_routing.dtype, device=stage_routing.device)
+    whole[:, :, [block.moe_index for block in blocks]] = stage_routing
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(whole, group=pp_group)  # each column is one stage's; the others add zeros
+    return whole

@@ -173,9 +173,6 @@ def check_router_replay(cfg: RLJobConfig, model_config: PretrainedConfig) -> Non
         return
     if not num_experts(model_config):
         raise ConfigError("algorithm.router_replay: the model has no MoE layers to replay")
-    if cfg.parallel.pp > 1:
-        raise ConfigError("algorithm.router_replay: not with parallel.pp > 1 yet (the routing of the earlier "
-                          "stages' layers does not reach the last stage)")
     if algo.router_replay == "r2" and algo.old_logprobs == "rollout":
         raise ConfigError("algorithm.router_replay: r2 records the routing in the trainer's old-log-prob pass; "
                           "not with old_logprobs: rollout")

@@ -25,6 +25,8 @@ import os
 import statistics
 import zlib
 
+import rlsys.tasks  # noqa: F401  (registers the `arith` reward, for a trained model's runs)
+
 FIGURES = ("actor/log_ratio_abs", "actor/ppo_kl", "actor/clip_frac", "router/replay_agreement",
            "router/engine_agreement", "mismatch/kl_k3", "mismatch/abs_log_ratio_p50", "mismatch/abs_log_ratio_p99",
            "mismatch/abs_log_ratio_max", "time/update_s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import inspect
 
 TRIM_ABOVE_BYTES = 256 * 2**20
 
@@ -52,7 +53,17 @@ def release_freed_memory(min_bytes: int = 0) -> None:
 
 
 def releases_freed_memory(method):
-    """Decorate an actor method that frees large temporaries."""
+    """Decorate an actor method (a coroutine function too) that frees large temporaries."""
+
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def awaiting(*args, **kwargs):
+            try:
+                return await method(*args, **kwargs)
+            finally:
+                release_freed_memory(TRIM_ABOVE_BYTES)
+
+        return awaiting
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: one Ray cluster, one tiny model, one small arithmetic data set.
+"""Session-wide fixtures: one Ray cluster, one tiny model (and its copy taught to call the
+calculator), one small arithmetic data set.
 
 Ray and model start-ups are the slow part of the suite, so every test shares them.
 """
@@ -41,6 +42,51 @@ def moe_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def moe_model_dir(moe_model_dirs) -> str:
     return moe_model_dirs["qwen3_moe"]
+
+
+QUESTION, EXPRESSION = "12*34=", "12*34"
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+
+
+@pytest.fixture(scope="session")
+def calculator_tools():
+    from rlsys.tools.registry import load_tools
+
+    return load_tools(["calculator"], "")
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tmp_path_factory, tiny_model_dir, calculator_tools) -> str:
+    """The session's tiny model fine-tuned, in this process, on one tool-use trace: it calls the
+    calculator for 12*34 and answers with what the calculator said."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+    from rlsys.config.training import DataConfig
+    from rlsys.data.examples import sft_example
+    from rlsys.tools.builtin import calculator
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": CALL},
+                {"role": "tool", "content": calculator(EXPRESSION)}, {"role": "assistant", "content": "408"}]
+    example = sft_example({"messages": messages, "tools": [s.schema for s in calculator_tools]}, DataConfig(),
+                          tokenizer)
+    ids, mask = torch.tensor([example.input_ids]), torch.tensor([example.loss_mask], dtype=torch.float32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(1500):
+        loss = -(logprobs_of_labels(model(input_ids=ids).logits, ids) * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:  # the whole trace then has a probability of about 0.9
+            break
+    out = str(tmp_path_factory.mktemp("tool_caller"))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="session")

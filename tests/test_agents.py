@@ -1,7 +1,7 @@
 """Multi-turn agent loops with tools, token in and token out; agent harnesses written against the
 OpenAI client, through the rollout engine's OpenAI-compatible endpoint.
 
-A tiny model fine-tuned here to call the calculator and answer with its result runs the `tool`
+A tiny model fine-tuned to call the calculator and answer with its result runs the `tool`
 loop in a rollout engine, its calls served by the tool workers: each trajectory's tokens are the
 prompt, the sampled turns and the template's tool turns exactly, with exact masks, and the
 engine's log-probs of the sampled tokens equal the model's own across turns. Malformed calls,
@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from conftest import QUESTION
 
 from rlsys.agents.chat import ChatTurns
 from rlsys.agents.openai_loop import OpenAILoop
@@ -28,45 +29,6 @@ from rlsys.tools.registry import load_tools
 from rlsys.user_code import import_user_code
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
-QUESTION, EXPRESSION = "12*34=", "12*34"
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def calculator_tools():
-    return load_tools(["calculator"], "")
-
-
-@pytest.fixture(scope="module")
-def tool_caller(tmp_path_factory, tiny_model_dir, calculator_tools) -> str:
-    """The session's tiny model fine-tuned, in this process, on one tool-use trace: it calls the
-    calculator for 12*34 and answers with what the calculator said."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlsys.algorithms.lm_loss import logprobs_of_labels
-    from rlsys.config.training import DataConfig
-    from rlsys.data.examples import sft_example
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": CALL},
-                {"role": "tool", "content": calculator(EXPRESSION)}, {"role": "assistant", "content": "408"}]
-    example = sft_example({"messages": messages, "tools": [s.schema for s in calculator_tools]}, DataConfig(),
-                          tokenizer)
-    ids, mask = torch.tensor([example.input_ids]), torch.tensor([example.loss_mask], dtype=torch.float32)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(1500):
-        loss = -(logprobs_of_labels(model(input_ids=ids).logits, ids) * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:  # the whole trace then has a probability of about 0.9
-            break
-    out = str(tmp_path_factory.mktemp("tool_caller"))
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

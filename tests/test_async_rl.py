@@ -1,10 +1,12 @@
 """Asynchronous RL on a training rank and an engine of its own: a rollout in flight goes on
 under new weights, each token labelled with (and scored by) the weights that sampled it; the
 staleness bound holds, with drops counted; every prompt is trained once; a dead rank costs a
-restart and the run goes on."""
+restart and the run goes on, repeating what an uninterrupted run logs (one_step with whole
+syncs by itself; full mode with a tool loop by following the uninterrupted run's schedule)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -103,14 +105,16 @@ def test_asynchronous_steps_train_every_prompt_once_within_the_staleness_bound(r
             assert rows[-1]["async/dropped_groups"] > 0
 
 
-def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(ray_cluster, async_config, tmp_path):
-    """train.max_restarts=1: a training rank killed after the step-2 checkpoint; the groups are
-    built again and the run finishes. The checkpoint held the groups generated ahead, so with
-    syncs that wait for them (partial_rollout: false) steps 3 and 4 log what an uninterrupted
-    run logs, to the last digit."""
+def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(ray_cluster, async_config,
+                                                                                moe_model_dir, tmp_path):
+    """train.max_restarts=1: a training rank of an MoE policy with routing replay (R2) killed after
+    the step-2 checkpoint; the groups are built again and the run finishes. The checkpoint held the
+    groups generated ahead, so with syncs that wait for them (partial_rollout: false) every step
+    logs what an uninterrupted run logs, to the last digit, with no schedule to follow."""
     from test_failures import kill_after_checkpoint
 
-    overrides = ("train.steps=4", "train.save_every=2", "train.async_mode=one_step", "train.partial_rollout=false")
+    overrides = ("train.steps=4", "train.save_every=2", "train.async_mode=one_step", "train.partial_rollout=false",
+                 f"model.path={moe_model_dir}", "algorithm.router_replay=r2", "algorithm.ppo_mini_batch_size=4")
     cfg = async_config(*overrides, "train.max_restarts=1")
     killer = kill_after_checkpoint(cfg.output_dir, 2, "train-0")
     summary = run_rlvr(cfg)
@@ -119,15 +123,51 @@ def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(
     assert ray.is_initialized()
     uninterrupted = async_config(*overrides, f"output_dir={tmp_path / 'uninterrupted'}")
     run_rlvr(uninterrupted)
-    figures = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "async/staleness_mean")
+    figures = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "async/staleness_mean",
+               "router/replay_agreement", "router/max_load")
     restarted, reference = (_steps(c.output_dir, figures) for c in (cfg, uninterrupted))
-    assert restarted[3] == reference[3] and restarted[4] == reference[4], (restarted, reference)
+    assert restarted == reference  # steps 1-2: two runs alike; 3-4: the restart changed nothing
+
+
+def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart(ray_cluster, async_config,
+                                                                                 tool_caller, tmp_path):
+    """`full` mode with partial rollouts and a multi-turn tool loop, where the clock decides which
+    weights sample what, when a tool's result joins the engine's batch and which groups a step
+    trains on: a run records its schedule; a second run follows it (`train.replay`) and has a
+    training rank killed after the step-2 checkpoint (max_restarts=1). Every step of the second run
+    logs what the first logged, and its schedule, written again after the restart, is the first's.
+    Weights go bucket by bucket, a call each: no engine step may run between the first and the last."""
+    from conftest import EXPRESSION, QUESTION
+    from datasets import Dataset
+    from test_failures import kill_after_checkpoint
+
+    prompts = str(tmp_path / "calls.parquet")  # the question the model learned to call the calculator for
+    Dataset.from_list([{"data_source": "arith", "prompt": [{"role": "user", "content": QUESTION}],
+                        "reward_model": {"ground_truth": str(eval(EXPRESSION))}}] * 16).to_parquet(prompts)
+    overrides = ("train.steps=4", "train.save_every=2", f"model.path={tool_caller}", f"data.train_files=[{prompts}]",
+                 "rollout.agent_loop=tool", "rollout.max_new_tokens=96", "rollout.max_response_tokens=160",
+                 "tools.names=[calculator]", "tools.max_turns=2", "tools.num_workers=1",
+                 "rollout.sync_shared_memory=false", "rollout.sync_bucket_mb=0.05")  # syncs of several calls
+    recorded = async_config(*overrides, f"output_dir={tmp_path / 'recorded'}")
+    run_rlvr(recorded)
+    cfg = async_config(*overrides, "train.max_restarts=1", f"train.replay={recorded.output_dir}")
+    killer = kill_after_checkpoint(cfg.output_dir, 2, "train-0")
+    summary = run_rlvr(cfg)
+    killer.join(timeout=60)
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 2
+    figures = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "async/staleness_mean",
+               "agent/tool_calls_mean")
+    reference, followed = (_steps(c.output_dir, figures) for c in (recorded, cfg))
+    assert followed == reference
+    assert all(row["agent/tool_calls_mean"] > 0 for row in reference.values())
+    assert any(row["async/staleness_mean"] > 0 for row in reference.values())  # syncs landed mid-generation
+    schedules = [open(os.path.join(c.output_dir, "schedule.jsonl")).read() for c in (recorded, cfg)]
+    assert schedules[0] == schedules[1]
 
 
 def _steps(output_dir: str, figures: tuple[str, ...]) -> dict[int, dict[str, float]]:
     """The figures each step logged last (a resumed run logs its steps again)."""
     import json
-    import os
 
     rows = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     return {row["step"]: {name: row[name] for name in figures} for row in rows if "actor/pg_loss" in row}
@@ -148,3 +188,40 @@ def test_a_checkpoint_holds_a_trajectory_whole():
     back = _restored(json.loads(json.dumps(_saved(trajectory))))
     assert np.array_equal(back.routing, routing) and back.routing.dtype == routing.dtype
     assert {**vars(back), "routing": None} == {**vars(trajectory), "routing": None}
+
+
+def test_a_followed_schedule_holds_each_step_for_its_requests_and_its_sync():
+    """An engine following a record adds before each step the requests recorded for it, in the
+    recorded order, once they have all arrived; a step recorded after a sync waits for that sync,
+    and a sync waits for its step; a sync out of place is an error; past the record, the clock."""
+    import asyncio
+
+    from rlsys.rollout.schedule import EngineSchedule, ScheduleDiverged
+
+    async def finishes(awaitable) -> bool:
+        try:
+            await asyncio.wait_for(awaitable, 0.05)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def follow() -> None:
+        schedule = EngineSchedule()
+        schedule.follow([[0, "add", "a"], [0, "add", "b"], [1, "sync", 1], [1, "add", "c"], [2, "add", "c"]], 0)
+        assert not await finishes(schedule.wait_for_step(lambda: ["b"]))
+        assert await finishes(schedule.wait_for_step(lambda: ["b", "x", "a"]))
+        assert schedule.due(["b", "x", "a"]) == ["a", "b"]
+        assert not await finishes(schedule.wait_for_sync())  # the sync belongs before step 1
+        schedule.stepped()
+        assert await finishes(schedule.wait_for_sync())
+        assert not await finishes(schedule.wait_for_step(lambda: ["c"]))  # the sync has not landed
+        with pytest.raises(ScheduleDiverged):
+            schedule.synced(2)
+        schedule.synced(1)
+        assert await finishes(schedule.wait_for_step(lambda: ["c"]))
+        schedule.stepped()
+        assert not await finishes(schedule.wait_for_step(lambda: ["x"]))  # the second "c" has not arrived
+        schedule.stepped()
+        assert not schedule.following and schedule.due(["x", "y"]) == ["x", "y"]
+
+    asyncio.run(follow())

@@ -3,8 +3,9 @@ and taking new weights from the trainer.
 
 `rollout` runs one agent loop (`rlsys.agents`) per trajectory, all of them concurrently in the
 actor's event loop, over one in-process vLLM engine served request by request
-(`RequestEngine`); tools run in the tool workers. The sync methods are plain methods: in an
-asynchronous actor they run on the event loop, between engine steps, never during one.
+(`RequestEngine`); tools run in the tool workers. The sync methods run on the event loop too,
+between engine steps, never during one; a sync's first call waits for its turn (the engine step
+a followed schedule puts it before) and holds the engine's steps until its last call.
 """
 
 from __future__ import annotations
@@ -122,19 +123,22 @@ class RolloutWorker:
             trajectory.text = texts[tuple(trajectory.response_ids)]
 
     @releases_freed_memory
-    def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False,
-                     version: int = 0) -> None:
+    async def load_weights(self, *buckets: ShardBucket | None, first: bool = False, last: bool = False,
+                           version: int = 0) -> None:
         """Load one bucket, given as every training rank's shards of it. The sync's first
         bucket allocates released weights again; its last checks that every weight freed was
         rewritten and puts `version` in place (here rather than in calls of their own, which
         would add two round trips to every sync)."""
+        if first:
+            await self.engine.sync_turn()
         self._load(_place_weights, list(buckets), first, last, version)
 
-    def load_shared(self, *shards_by_rank: list[Shared], version: int = 0) -> None:
+    async def load_shared(self, *shards_by_rank: list[Shared], version: int = 0) -> None:
         """Load every weight, read in place from the memory of the training ranks on this
         machine (`WeightSync`'s in-place path): one call per sync, nothing through the object store.
         The first sync brings every rank's handles; later ones bring none (the handles never
         change and the engine keeps their mapping). Frees nothing, so no trim after it."""
+        await self.engine.sync_turn()
         self._load(_place_shared, list(shards_by_rank), True, True, version)
 
     def _load(self, place, shards: list, first: bool, last: bool, version: int) -> None:
@@ -148,14 +152,25 @@ class RolloutWorker:
             self.memory.confirm_rewritten()
             self.engine.weights_changed(version)
 
-    def load_adapter(self, *buckets: ShardBucket | None, version: int = 0) -> int:
+    async def load_adapter(self, *buckets: ShardBucket | None, version: int = 0) -> int:
         """Generate from now on with the LoRA adapter the training ranks' `buckets` hold, labelled
         `version`; returns its bytes."""
+        await self.engine.sync_turn()
         tensors = {peft_name(name): tensor for name, tensor in Assembler()(shard_pieces(list(buckets))).items()}
         self.adapter.load(tensors, version)
         self.engine.lora_request = self.adapter.request
         self.engine.weights_changed(version)
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def schedule(self) -> tuple[int, list[list]]:
+        """The engine steps taken so far and the schedule events recorded since the last call
+        (`rlsys.rollout.schedule`)."""
+        return self.engine.schedule.step, self.engine.schedule.take()
+
+    def follow_schedule(self, events: list[list], start: int) -> None:
+        """Count engine steps from `start` (a resumed run's engine continues the count) and follow
+        the recorded `events` from there (none: run by the clock)."""
+        self.engine.schedule.follow(events, start)
 
     def shutdown(self) -> None:
         """Stop vLLM's engine: with tensor-parallel workers its executor unlinks their

@@ -259,3 +259,9 @@ class RLTrainConfig(LoopConfig):
     partial_rollout: bool = True
     """Asynchronous modes: at a sync, requests in flight go on under the new weights, each token keeping
     the version that sampled it; false: the sync waits for them to finish first."""
+    record_schedule: bool = True
+    """Asynchronous modes: write schedule.jsonl beside the metrics, the order of the events that decided
+    the run's tokens (requests, syncs and tool turns by engine step; the groups each step took)."""
+    replay: str | None = None
+    """Asynchronous modes: a recorded run's schedule.jsonl (or its output_dir) to follow instead of the
+    clock: with that run's config and seed the job repeats its tokens and metrics exactly (on CPU)."""

@@ -17,7 +17,12 @@ New weights may arrive while requests are in flight (asynchronous RL): `weights_
 labels every token sampled from then on with the new version and makes the running requests
 recompute their KV cache under the new weights before their next token (vLLM preempts
 them; their sampled tokens stay). Nothing sampled is lost or sampled twice, and each token's
-completion says which weights sampled it.
+completion says which weights sampled it. A sync's weights arrive in one call or several
+(buckets); the engine takes no step between its first and its last.
+
+`schedule` records the order of what decided the engine's tokens (the requests each step added,
+the step before which each sync landed), or follows a record so that a run repeats one whose
+timing differed (`rlsys.rollout.schedule`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from rlsys.rollout.schedule import POLL_S, EngineSchedule, ScheduleDiverged, request_key
 from rlsys.rollout.vllm_compat import TokenVersions
 
 
@@ -51,7 +57,8 @@ class Completion:
 class RequestEngine:
     def __init__(self, llm):
         self.llm = llm
-        self._submitted: list[tuple[list[int], object, asyncio.Future]] = []
+        self._submitted: list[tuple[str, list[int], object, asyncio.Future]] = []
+        """(schedule key, prompt ids, sampling parameters, future) of each request not yet added."""
         self._running: dict[str, list[asyncio.Future]] = {}
         """Each request's waiting samples, in sample order."""
         self._serving: asyncio.Task | None = None
@@ -62,12 +69,15 @@ class RequestEngine:
         self._versions = TokenVersions(llm.llm_engine)
         self.lora_request = None
         """The LoRA adapter every request is generated with (`rlsys.rollout.adapters`), or None."""
+        self.schedule = EngineSchedule()
+        self._syncing = False
+        """Between a sync's first bucket and its last: no step runs on half-written weights."""
 
     async def generate(self, prompt_ids: list[int], params) -> Completion:
         """Sample one completion of `prompt_ids` with vLLM `SamplingParams` (n=1, flat log-probs
         of the sampled token: `logprobs=0, flat_logprobs=True`)."""
         future = asyncio.get_running_loop().create_future()
-        self._submitted.append((prompt_ids, params, future))
+        self._submitted.append((request_key(prompt_ids, params), prompt_ids, params, future))
         if self._serving is None or self._serving.done():
             self._serving = asyncio.create_task(self._serve())
         return await future
@@ -76,9 +86,17 @@ class RequestEngine:
     def busy(self) -> bool:
         return bool(self._submitted or self._running)
 
+    async def sync_turn(self) -> None:
+        """Called before a sync writes its first weight: wait for the engine step the schedule
+        followed puts it before, then hold the engine's steps until `weights_changed`."""
+        await self.schedule.wait_for_sync()
+        self._syncing = True
+
     def weights_changed(self, version: int) -> None:
         """New weights are in place: label what is sampled from now on `version`, and have the
         requests in flight recompute their KV cache, computed under the old weights."""
+        self.schedule.synced(version)
+        self._syncing = False
         self.version = version
         self._versions.changed(version)
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=bool(self._running))
@@ -88,10 +106,17 @@ class RequestEngine:
         try:
             while self.busy:
                 await asyncio.sleep(0)  # every coroutine that can submit now does, before the step
+                await self.schedule.wait_for_step(lambda: [key for key, *_ in self._submitted])
+                while self._syncing:
+                    await asyncio.sleep(POLL_S)
                 self._add_submitted()
+                if not self._running:
+                    raise ScheduleDiverged(f"engine step {self.schedule.step}: the requests waiting are recorded "
+                                           f"for later steps, and none is running")
                 started = time.perf_counter()
                 outputs = self.llm.llm_engine.step()
                 self.step_s += time.perf_counter() - started
+                self.schedule.stepped()
                 for output in outputs:
                     if output.finished:
                         for future, sampled in zip(self._running.pop(output.request_id), output.outputs):
@@ -100,7 +125,7 @@ class RequestEngine:
                         self._versions.done(output.request_id)
         except BaseException as err:  # the engine failed: every waiting coroutine gets the error
             for future in [*(f for futures in self._running.values() for f in futures),
-                           *(f for _, _, f in self._submitted)]:
+                           *(f for *_, f in self._submitted)]:
                 if not future.done():
                     future.set_exception(err)
             self._running.clear()
@@ -115,7 +140,9 @@ class RequestEngine:
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        submitted, self._submitted = self._submitted, []
+        due = self.schedule.due([key for key, *_ in self._submitted])
+        submitted = self._take_submitted(due)
+        self.schedule.added(due)
         for prompt_ids, params, futures in _runs(submitted):
             request_id = f"rlsys-{next(self._ids)}"
             params = msgspec.structs.replace(params, n=len(futures))
@@ -124,6 +151,18 @@ class RequestEngine:
                                             lora_request=self.lora_request)
             self._running[request_id] = futures
             self._versions.added(request_id, self.version)
+
+    def _take_submitted(self, keys: list[str]) -> list[tuple[list[int], object, asyncio.Future]]:
+        """The waiting requests named `keys`, in that order, removed from the waiting list; of several
+        with one name (they sample alike), the first to arrive."""
+        waiting: dict[str, list[int]] = {}
+        for index, (key, *_) in enumerate(self._submitted):
+            waiting.setdefault(key, []).append(index)
+        chosen = [waiting[key].pop(0) for key in keys]
+        taken = [self._submitted[index][1:] for index in chosen]
+        left = set(range(len(self._submitted))) - set(chosen)
+        self._submitted = [entry for index, entry in enumerate(self._submitted) if index in left]
+        return taken
 
 
 def _runs(submitted: list[tuple[list[int], object, asyncio.Future]]) -> list[tuple[list[int], object, list]]:

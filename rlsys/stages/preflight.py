@@ -22,6 +22,7 @@ from rlsys.models.moe import moe_family, num_experts
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
+from rlsys.stages.run_schedule import read_schedule
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -206,6 +207,22 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
         if algo.filter_groups:
             raise ConfigError("algorithm.filter_groups: DAPO's dynamic sampling draws prompts a step at a time; "
                               "not with train.async_mode")
+    if cfg.train.replay is not None:
+        _check_replay(cfg)
+
+
+def _check_replay(cfg: RLJobConfig) -> None:
+    """A schedule to follow: an asynchronous run's, for as many engines."""
+    if cfg.train.async_mode == "off":
+        raise ConfigError("train.replay: a synchronous run repeats itself without a schedule; set train.async_mode")
+    try:
+        lines = read_schedule(cfg.train.replay)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"train.replay: cannot read a schedule from {cfg.train.replay} ({err})") from None
+    engines = {len(line.get("engines", [])) for line in lines}
+    if engines - {cfg.rollout.num_engines}:
+        raise ConfigError(f"train.replay: {cfg.train.replay} was recorded with {sorted(engines)} engines; this job "
+                          f"has rollout.num_engines={cfg.rollout.num_engines}")
 
 
 def check_model_term(term: RewardTerm, key: str) -> None:

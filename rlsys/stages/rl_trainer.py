@@ -60,6 +60,7 @@ from rlsys.stages.rl_metrics import agent_metrics, dropped_metrics, mismatch, sa
 from rlsys.stages.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
 from rlsys.stages.rollout_stream import RolloutStream
 from rlsys.stages.run_dir import finish_run, logged_metric
+from rlsys.stages.run_schedule import RunSchedule
 from rlsys.stages.stage_loop import run_stage
 from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync
@@ -118,7 +119,7 @@ class RLVRTrainer:
         self.engine_routing = _engine_routing_shape(cfg)
         """R3: the layers of the engines' routing that the trainer's MoE blocks replay, and top-k."""
         self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
-        self.train_group = self.rollout_group = self.tools = self.stream = self.teacher = None
+        self.train_group = self.rollout_group = self.tools = self.stream = self.schedule = self.teacher = None
         self.reward_pool = RewardPool(cfg.reward)
         try:
             self.tools = self.agents.start_tools()
@@ -142,6 +143,8 @@ class RLVRTrainer:
                 self.stream = RolloutStream(self.rollout_group, self.prompts, self.sampler, cfg.train.async_mode,
                                             cfg.train.max_staleness, cfg.rollout.agent_loop, cfg.rollout.n,
                                             self.rollout_group.sampling(), cfg.seed, cfg.train.collective_timeout_s)
+                self.schedule = RunSchedule(cfg.output_dir, self.rollout_group, self.stream, cfg.train.replay,
+                                            cfg.train.record_schedule)
         except BaseException:
             self.shutdown()
             raise
@@ -411,18 +414,31 @@ class RLVRTrainer:
         summary, _ = self.evaluator.run(self.rollout_group)
         return {"val/accuracy": summary["accuracy"], "val/reward_errors": summary["reward_errors"]}
 
+    def end_step(self, step: int) -> None:
+        """After a step and its validation: the schedule's line for it."""
+        if self.schedule is not None:
+            self.schedule.write(step)
+
     def save(self, step: int) -> None:
+        if self.schedule is not None:  # the groups in flight finish first: they are part of the state
+            self.stream.settle()
+            self.schedule.write(step)
         save_training_state(self.checkpoints, step, self.train_group, self.stream or self.sampler,
-                            {"kl_ctrl": self.kl_ctrl})
+                            self._driver_state())
 
     def resume(self, force: bool = False) -> int:
         """Restore the newest checkpoint (when train.resume or `force`, as after a restart)."""
         resume = self.cfg.train.resume or force
         step = restore_training_state(self.checkpoints, self.train_group, self.stream or self.sampler,
-                                      {"kl_ctrl": self.kl_ctrl}) if resume else 0
+                                      self._driver_state()) if resume else 0
         if step or self.cfg.model.lora.syncs_adapters:  # the engines start from model.path, without adapters
             self.sync.run(version=step)
+        if self.schedule is not None:
+            self.schedule.start(step)
         return step
+
+    def _driver_state(self) -> dict:
+        return {"kl_ctrl": self.kl_ctrl, **({"schedule": self.schedule} if self.schedule is not None else {})}
 
     def shutdown(self) -> None:
         """Retire every actor of this attempt, dead ones included."""
@@ -471,6 +487,7 @@ class RLSession:
         train = self.cfg.train
         if self.cfg.eval and (step == train.steps or (train.val_every and step % train.val_every == 0)):
             metrics.update(self.trainer.validate(step))
+        self.trainer.end_step(step)
         return metrics
 
     def save(self, step: int) -> None:

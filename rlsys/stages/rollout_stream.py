@@ -13,7 +13,10 @@ weights sampled each token does (the engines' speed against the trainer's) unles
 waits for the groups in flight (`train.partial_rollout: false`). A checkpoint waits for the
 groups in flight to finish and holds their trajectories, so a resumed run trains the samples
 the uninterrupted run trained, sampled by the weights that sampled them there, instead of
-generating those prompts again under the restored weights.
+generating those prompts again under the restored weights. The groups taken are written down
+in the order taken (`taken`, by draw serial) for the run's schedule
+(`rlsys.stages.run_schedule`); given a schedule's order (`plan`), the stream takes the groups in
+that order instead of the order they finish.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rlsys.actors.phases import current_phase
 from rlsys.agents.trajectory import Sampling, Trajectory
 from rlsys.data.batching import EpochSampler
 from rlsys.data.rl import Prompt
+from rlsys.rollout.schedule import ScheduleDiverged
 
 
 @dataclass
@@ -59,6 +63,10 @@ class RolloutStream:
         those that were in flight."""
         self.serial = 0
         self.dropped = 0
+        self.taken: list[int] = []
+        """The serials of the groups taken (trained or dropped) since the schedule last wrote them."""
+        self.plan: list[int] = []
+        """The serials of the groups to take next, in order (a followed schedule's); empty: by the clock."""
 
     def fill(self) -> None:
         """Top the engines up to the stream's capacity of groups in flight."""
@@ -74,6 +82,7 @@ class RolloutStream:
         while len(taken) < count:
             self.fill()
             for group, trajectories in self._finished(count - len(taken)):
+                self.taken.append(group.serial)
                 if version - min(min(t.versions, default=version) for t in trajectories) > self.max_staleness:
                     self.dropped += 1
                     self.again.append(group.index)
@@ -84,8 +93,12 @@ class RolloutStream:
         return taken
 
     def _finished(self, count: int) -> list[tuple[_Group, list[Trajectory]]]:
-        """The next `count` finished groups: the first drawn (one_step), or the first to finish (full)."""
-        candidates = self.in_flight[:count] if self.mode == "one_step" else self.in_flight
+        """The next `count` finished groups: the first drawn (one_step), the first to finish (full), or
+        the next of a followed schedule."""
+        if self.plan:
+            candidates = self._planned(count)
+        else:
+            candidates = self.in_flight[:count] if self.mode == "one_step" else self.in_flight
         known = [g for g in candidates if g.done is not None][:count]
         pending = [g for g in candidates if g.done is None]
         wanted = count - len(known)
@@ -99,6 +112,15 @@ class RolloutStream:
         chosen = [g for g in candidates if g in known or g.ref in done_refs]
         self.in_flight = [g for g in self.in_flight if g not in chosen]
         return [(g, g.done) for g in chosen]
+
+    def _planned(self, count: int) -> list[_Group]:
+        """The groups a followed schedule takes next (all of them in flight, or the run differs)."""
+        serials, self.plan = self.plan[:count], self.plan[count:]
+        by_serial = {g.serial: g for g in self.in_flight}
+        missing = [serial for serial in serials if serial not in by_serial]
+        if missing:
+            raise ScheduleDiverged(f"the schedule takes the groups drawn {missing}, which are not in flight")
+        return [by_serial[serial] for serial in serials]
 
     def _collect(self, groups: list[_Group]) -> None:
         """Fetch the trajectories of finished `groups`."""
@@ -122,11 +144,15 @@ class RolloutStream:
         if pending:
             self.rollout.wait([g.ref for g in pending], [g.engine for g in pending])
 
+    def settle(self) -> None:
+        """Wait for every group in flight to finish and keep its trajectories (before a checkpoint)."""
+        self._collect([g for g in self.in_flight if g.done is None])
+
     # -- checkpoints: the sampler's state, the groups in flight (finished), the prompts to generate again --
 
     def state_dict(self) -> dict:
         """Waits for the groups in flight to finish: they are part of the state."""
-        self._collect([g for g in self.in_flight if g.done is None])
+        self.settle()
         return {**self.sampler.state_dict(), "again": list(self.again), "serial": self.serial,
                 "in_flight": [{"index": g.index, "serial": g.serial, "engine": g.engine,
                                "trajectories": [_saved(t) for t in g.done]} for g in self.in_flight]}

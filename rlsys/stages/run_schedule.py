@@ -1,0 +1,74 @@
+"""An asynchronous run's schedule: what decided its tokens besides the weights and the seeds.
+
+Under asynchronous RL the engines' steps interleave with the driver's calls, the tool results
+and the syncs by the clock, and in `full` mode a step trains on the groups that finished first.
+`schedule.jsonl`, beside `metrics.jsonl`, holds one line per training step (and one more at a
+checkpoint): the groups the stream took in that step, in the order taken (`taken`, by draw
+serial), and each engine's events (`engines`: the requests its steps added, the steps its syncs
+landed before; `rlsys.rollout.schedule`). `train.replay: PATH` runs a job following another
+run's schedule instead of the clock, so it repeats that run token for token; a checkpoint
+holds each engine's step count, so a resumed run continues its schedule, and one that replays
+continues following.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+SCHEDULE_FILE = "schedule.jsonl"
+
+
+def read_schedule(path: str) -> list[dict]:
+    """The lines of a recorded schedule (`path`: the file, or the run directory holding it)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, SCHEDULE_FILE)
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class RunSchedule:
+    def __init__(self, output_dir: str, rollout, stream, replay: str | None, record: bool):
+        """`rollout`: the engines (`RolloutGroup`); `stream`: the `RolloutStream` whose takes are
+        recorded (and, replaying, dictated); `replay`: a schedule to follow; `record`: write this
+        run's."""
+        self.path = os.path.join(output_dir, SCHEDULE_FILE)
+        self.rollout, self.stream, self.record = rollout, stream, record
+        self.followed = read_schedule(replay) if replay else []
+        self.engine_steps = [0] * len(rollout.actors)
+
+    def start(self, step: int) -> None:
+        """Begin after `step` (0: a fresh run; else the checkpoint's, whose engine step counts
+        `load_state_dict` brought): this run's record keeps what precedes it, the engines count on
+        from their step counts, and with a schedule to follow both follow it from there."""
+        if self.record:
+            self._truncate(step)
+        engines = len(self.engine_steps)
+        for index in range(engines):
+            events = [e for line in self.followed for e in line["engines"][index]] if self.followed else []
+            self.rollout.wait([self.rollout.submit(index, "follow_schedule", events, self.engine_steps[index])],
+                              [index])
+        if self.followed:
+            self.stream.plan = [serial for line in self.followed if line["step"] > step for serial in line["taken"]]
+
+    def write(self, step: int) -> None:
+        """Append what happened since the last line: the stream's takes and the engines' events."""
+        reports = self.rollout.run_all("schedule")
+        self.engine_steps = [steps for steps, _ in reports]
+        taken, self.stream.taken = self.stream.taken, []
+        if self.record:
+            line = {"step": step, "taken": taken, "engines": [events for _, events in reports]}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def state_dict(self) -> dict:
+        return {"engine_steps": list(self.engine_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine_steps = list(state.get("engine_steps", self.engine_steps))
+
+    def _truncate(self, step: int) -> None:
+        """Keep the lines of steps up to `step` (a resumed run writes the later ones again)."""
+        kept = [line for line in read_schedule(self.path) if line["step"] <= step] if os.path.exists(self.path) else []
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in kept)

@@ -142,10 +142,11 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
     from test_failures import kill_after_checkpoint
 
     prompts = str(tmp_path / "calls.parquet")  # the question the model learned to call the calculator for
-    Dataset.from_list([{"data_source": "arith", "prompt": [{"role": "user", "content": QUESTION}],
+    Dataset.from_list([{"data_source": "calc", "prompt": [{"role": "user", "content": QUESTION}],
                         "reward_model": {"ground_truth": str(eval(EXPRESSION))}}] * 16).to_parquet(prompts)
     overrides = ("train.steps=4", "train.save_every=2", f"model.path={tool_caller}", f"data.train_files=[{prompts}]",
-                 "rollout.agent_loop=tool", "rollout.max_new_tokens=96", "rollout.max_response_tokens=160",
+                 "reward.terms=[{name: calc}]", "optim.lr=1e-4", "rollout.agent_loop=tool", "rollout.max_new_tokens=96",
+                 "rollout.max_response_tokens=160",
                  "tools.names=[calculator]", "tools.max_turns=2", "tools.num_workers=1",
                  "rollout.sync_shared_memory=false", "rollout.sync_bucket_mb=0.05")  # syncs of several calls
     recorded = async_config(*overrides, f"output_dir={tmp_path / 'recorded'}")
@@ -159,7 +160,7 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
                "agent/tool_calls_mean")
     reference, followed = (_steps(c.output_dir, figures) for c in (recorded, cfg))
     assert followed == reference
-    assert all(row["agent/tool_calls_mean"] > 0 for row in reference.values())
+    assert all(row["agent/tool_calls_mean"] > 0 and row["actor/grad_norm"] > 0 for row in reference.values())
     assert any(row["async/staleness_mean"] > 0 for row in reference.values())  # syncs landed mid-generation
     schedules = [open(os.path.join(c.output_dir, "schedule.jsonl")).read() for c in (recorded, cfg)]
     assert schedules[0] == schedules[1]

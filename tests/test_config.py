@@ -104,6 +104,8 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         ("train.replay=runs/none", "train.replay: a synchronous run repeats itself without a schedule"),
         (("train.replay=runs/none", "train.async_mode=full", "rollout.placement=separate"),
          "train.replay: cannot read a schedule from runs/none"),
+        (("train.replay=runs/here", "output_dir=runs/here", "train.async_mode=full", "rollout.placement=separate"),
+         "train.replay: runs/here is this run's own schedule"),
         ("rollout.block_size=48", "rollout.block_size: 48 tokens; on CPU a multiple of 32"),
         ("rollout.agent_loop=tool", "rollout.agent_loop: the tool loop calls tools; give tools.names"),
         ("rollout.agent_loop=nope.py:Loop", "rollout.agent_loop: file not found"),

@@ -22,7 +22,7 @@ from rlsys.models.moe import moe_family, num_experts
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
-from rlsys.stages.run_schedule import read_schedule
+from rlsys.stages.run_schedule import SCHEDULE_FILE, read_schedule
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -215,6 +215,10 @@ def _check_replay(cfg: RLJobConfig) -> None:
     """A schedule to follow: an asynchronous run's, for as many engines."""
     if cfg.train.async_mode == "off":
         raise ConfigError("train.replay: a synchronous run repeats itself without a schedule; set train.async_mode")
+    own = os.path.join(cfg.output_dir, SCHEDULE_FILE)
+    if os.path.abspath(cfg.train.replay) in {os.path.abspath(cfg.output_dir), os.path.abspath(own)}:
+        raise ConfigError(f"train.replay: {cfg.train.replay} is this run's own schedule, which it writes again; "
+                          "give the recorded run's and another output_dir")
     try:
         lines = read_schedule(cfg.train.replay)
     except (OSError, ValueError) as err:

@@ -37,7 +37,7 @@ class AgentContext:
     """What a loop works with, inside a rollout engine's actor."""
 
     engine: Any
-    """`rlsys.rollout.request_engine.RequestEngine`: `await engine.generate(prompt_ids, params)`."""
+    """`rlsys.rollout.request_engine.RequestEngine`: `await engine.generate(prompt_ids, params, images)`."""
     tokenizer: Any
     tools: Any = None
     """`rlsys.actors.tool_pool.ToolClient` when tools are configured, else None."""
@@ -54,9 +54,11 @@ class AgentLoop:
     async def run(self, request: RolloutRequest, sampling: Sampling) -> Trajectory:
         raise NotImplementedError
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, seed: int, max_tokens: int):
-        """One model turn continuing `prompt_ids`: a `Completion` (token ids, log-probs, finish reason)."""
-        return await self.context.engine.generate(prompt_ids, sampling_params(sampling, seed, max_tokens))
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, seed: int, max_tokens: int,
+                       images: list | None = None):
+        """One model turn continuing `prompt_ids`: a `Completion` (token ids, log-probs, finish reason).
+        `images`: the pictures of the prompt's image tokens (`RolloutRequest.images`)."""
+        return await self.context.engine.generate(prompt_ids, sampling_params(sampling, seed, max_tokens), images)
 
 
 def sampling_params(sampling: Sampling, seed: int, max_tokens: int):
@@ -76,7 +78,7 @@ class SingleTurnLoop(AgentLoop):
 
     async def run(self, request: RolloutRequest, sampling: Sampling) -> Trajectory:
         completion = await self.generate(request.prompt_ids, sampling, request.seed,
-                                         min(sampling.max_new_tokens, sampling.max_response_tokens))
+                                         min(sampling.max_new_tokens, sampling.max_response_tokens), request.images)
         ids = completion.token_ids
         return Trajectory(request.prompt_index, request.prompt_ids, ids, [1] * len(ids), completion.logprobs,
                           completion.versions, text=None, finish_reason=completion.finish_reason,

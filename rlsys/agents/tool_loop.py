@@ -46,7 +46,7 @@ class ToolLoop(AgentLoop):
                 state.finish = "length"
                 return
             completion = await self.generate(state.ids, sampling, state.request.seed + state.turns * TURN_SEED_STRIDE,
-                                             min(sampling.max_new_tokens, budget))
+                                             min(sampling.max_new_tokens, budget), state.request.images)
             state.add_turn(completion)
             if completion.finish_reason != "stop" or state.turns >= self.limits.max_turns:
                 return

@@ -26,7 +26,12 @@ class RolloutRequest:
     seed: int
     """The first model turn's sampling seed (later turns derive theirs from it)."""
     row: dict = field(default_factory=dict)
-    """The data row as a loop sees it (`Prompt.row`): prompt, data_source, extra_info."""
+    """The data row as a loop sees it (`Prompt.row`): prompt, data_source, extra_info, images."""
+
+    @property
+    def images(self) -> list | None:
+        """The prompt's pictures (a vision-language model's), which every model turn is given."""
+        return self.row.get("images")
 
     @property
     def tools_kwargs(self) -> dict:

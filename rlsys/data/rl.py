@@ -1,5 +1,6 @@
 """Prompts in VeRL's RL schema: data_source, prompt (chat list or string),
-reward_model.ground_truth, extra_info. VeRL-prepared parquet reads unchanged,
+reward_model.ground_truth, extra_info, and for a vision-language model images (with `<image>`
+in the prompt where each goes: `rlsys.data.images`). VeRL-prepared parquet reads unchanged,
 and ground truths and extra info reach the reward functions as stored."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 
 from rlsys.data.examples import chat_messages
 from rlsys.data.files import RowStats, convert_rows
+from rlsys.data.images import load_images, with_image_parts
 
 
 @dataclass
@@ -27,13 +29,16 @@ class Prompt:
     messages: list[dict] | None = None
     """The prompt's chat messages (None for a plain-string prompt): a reward model or a judge
     renders them in its own chat template."""
+    images: list | None = None
+    """A vision-language prompt's pictures (PIL images), in the order its image tokens come."""
 
     @property
     def row(self) -> dict:
-        """What an agent loop sees of the row: the prompt (its messages, else its text), data_source and
-        extra_info (where `tools_kwargs` sits); the ground truth is the reward's alone."""
+        """What an agent loop sees of the row: the prompt (its messages, else its text), data_source,
+        extra_info (where `tools_kwargs` sits) and any images; the ground truth is the reward's alone."""
         return {"prompt": self.messages if self.messages is not None else self.text,
-                "data_source": self.data_source, "extra_info": self.extra_info}
+                "data_source": self.data_source, "extra_info": self.extra_info,
+                **({"images": self.images} if self.images else {})}
 
 
 def load_prompts(paths: list[str], tokenizer, max_tokens: int | None = None, limit: int = 0,
@@ -60,10 +65,15 @@ def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[d
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError("missing reward_model.ground_truth")
     prompt, messages = row["prompt"], None
+    images = load_images(row["images"]) if row.get("images") is not None else []
     if not isinstance(prompt, str):
         messages = chat_messages(to_python(prompt), "prompt")
+        if images:
+            messages = with_image_parts(messages, len(images))
         prompt = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                add_generation_prompt=True)
+    elif images:
+        raise ValueError("images: a plain-string prompt has no place for them; give chat messages with <image>")
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if max_tokens is not None and len(ids) > max_tokens:
         raise ValueError(f"prompt of {len(ids)} tokens, over the {max_tokens} that leave room for the response "
@@ -75,6 +85,7 @@ def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[d
         data_source=str(row.get("data_source") or ""),
         extra_info=to_python(row.get("extra_info")),
         messages=messages,
+        images=images or None,
     )
 
 

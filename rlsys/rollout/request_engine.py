@@ -54,11 +54,20 @@ class Completion:
     computed to (the last sampled token is never computed), when the engine returns them (R3)."""
 
 
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate: prompt token ids, vLLM `SamplingParams`, the prompt's pictures."""
+
+    prompt_ids: list[int]
+    params: object
+    images: list | None = None
+
+
 class RequestEngine:
     def __init__(self, llm):
         self.llm = llm
-        self._submitted: list[tuple[str, list[int], object, asyncio.Future]] = []
-        """(schedule key, prompt ids, sampling parameters, future) of each request not yet added."""
+        self._submitted: list[tuple[str, Request, asyncio.Future]] = []
+        """(schedule key, request, future) of each request not yet added."""
         self._running: dict[str, list[asyncio.Future]] = {}
         """Each request's waiting samples, in sample order."""
         self._serving: asyncio.Task | None = None
@@ -73,11 +82,13 @@ class RequestEngine:
         self._syncing = False
         """Between a sync's first bucket and its last: no step runs on half-written weights."""
 
-    async def generate(self, prompt_ids: list[int], params) -> Completion:
+    async def generate(self, prompt_ids: list[int], params, images: list | None = None) -> Completion:
         """Sample one completion of `prompt_ids` with vLLM `SamplingParams` (n=1, flat log-probs
-        of the sampled token: `logprobs=0, flat_logprobs=True`)."""
+        of the sampled token: `logprobs=0, flat_logprobs=True`). `images`: a vision-language
+        model's pictures, one for each image pad in `prompt_ids` (vLLM expands each pad)."""
         future = asyncio.get_running_loop().create_future()
-        self._submitted.append((request_key(prompt_ids, params), prompt_ids, params, future))
+        request = Request(prompt_ids, params, images or None)
+        self._submitted.append((request_key(prompt_ids, params, images), request, future))
         if self._serving is None or self._serving.done():
             self._serving = asyncio.create_task(self._serve())
         return await future
@@ -143,16 +154,18 @@ class RequestEngine:
         due = self.schedule.due([key for key, *_ in self._submitted])
         submitted = self._take_submitted(due)
         self.schedule.added(due)
-        for prompt_ids, params, futures in _runs(submitted):
+        for request, futures in _runs(submitted):
             request_id = f"rlsys-{next(self._ids)}"
-            params = msgspec.structs.replace(params, n=len(futures))
+            params = msgspec.structs.replace(request.params, n=len(futures))
             params.output_kind = RequestOutputKind.FINAL_ONLY  # the finished request only, as LLM.generate asks
-            self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                            lora_request=self.lora_request)
+            prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
+            if request.images:
+                prompt["multi_modal_data"] = {"image": request.images}
+            self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.lora_request)
             self._running[request_id] = futures
             self._versions.added(request_id, self.version)
 
-    def _take_submitted(self, keys: list[str]) -> list[tuple[list[int], object, asyncio.Future]]:
+    def _take_submitted(self, keys: list[str]) -> list[tuple[Request, asyncio.Future]]:
         """The waiting requests named `keys`, in that order, removed from the waiting list; of several
         with one name (they sample alike), the first to arrive."""
         waiting: dict[str, list[int]] = {}
@@ -165,20 +178,22 @@ class RequestEngine:
         return taken
 
 
-def _runs(submitted: list[tuple[list[int], object, asyncio.Future]]) -> list[tuple[list[int], object, list]]:
-    """Consecutive requests with the same prompt and parameters but for seeds first, first + 1, ..."""
-    runs: list[tuple[list[int], object, list]] = []
-    for prompt_ids, params, future in submitted:
-        if runs and _continues(runs[-1], prompt_ids, params):
-            runs[-1][2].append(future)
+def _runs(submitted: list[tuple[Request, asyncio.Future]]) -> list[tuple[Request, list[asyncio.Future]]]:
+    """Consecutive requests with the same prompt, images and parameters but for seeds first, first + 1, ..."""
+    runs: list[tuple[Request, list[asyncio.Future]]] = []
+    for request, future in submitted:
+        if runs and _continues(runs[-1], request):
+            runs[-1][1].append(future)
         else:
-            runs.append((prompt_ids, params, [future]))
+            runs.append((request, [future]))
     return runs
 
 
-def _continues(run: tuple[list[int], object, list], prompt_ids: list[int], params) -> bool:
-    run_ids, run_params, futures = run
-    if params.seed is None or run_params.seed is None or params.n != 1 or prompt_ids != run_ids:
+def _continues(run: tuple[Request, list[asyncio.Future]], request: Request) -> bool:
+    first, futures = run
+    params, run_params = request.params, first.params
+    if params.seed is None or run_params.seed is None or params.n != 1 or request.prompt_ids != first.prompt_ids \
+            or request.images is not first.images:
         return False
     return params.seed == run_params.seed + len(futures) and msgspec.structs.replace(params, seed=run_params.seed) \
         == run_params

@@ -10,7 +10,7 @@ requests and the sync recorded before it have arrived, a request that arrives ea
 its step, and a sync that arrives early waits for the engine to reach its step. Past the end of
 the record the engine runs by the clock again and records.
 
-A request is known by what it asks (its prompt, seed, temperature and token budget), which does
+A request is known by what it asks (its prompt and pictures, seed, temperature and token budget), which does
 not depend on timing; requests that ask alike sample alike, so which of them goes first does not
 matter.
 """
@@ -37,10 +37,12 @@ class ScheduleDiverged(ConfigError):
         super().__init__(f"train.replay: {why}: this job is not the one recorded (its config, seed or data differ)")
 
 
-def request_key(prompt_ids: list[int], params) -> str:
+def request_key(prompt_ids: list[int], params, images: list | None = None) -> str:
     """A request's name in a schedule: its seed, temperature and token budget, its prompt's length
-    and checksum (vLLM `SamplingParams`)."""
+    and checksum, that of its pictures too (vLLM `SamplingParams`; PIL images)."""
     checksum = zlib.crc32(np.asarray(prompt_ids, dtype=np.int64).tobytes())
+    for image in images or ():
+        checksum = zlib.crc32(image.tobytes(), checksum)
     return f"{params.seed}:{params.temperature:g}:{params.max_tokens}:{len(prompt_ids)}:{checksum:08x}"
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlsys.models.vision import engine_image_limits
 from rlsys.rollout.vllm_compat import routing_runner_env
 
 if TYPE_CHECKING:
@@ -25,11 +26,13 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
     each completion carries the experts an MoE model routed its tokens to (`routed_experts`, for R3).
     `rollout.engine_kwargs` go to vLLM last and override the rest."""
     dtype = prepare_engine(cfg.dtype)
+    from transformers import AutoConfig
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
     if return_routing:
         routing_runner_env()
+    images = engine_image_limits(AutoConfig.from_pretrained(model_path))
     return LLM(
         model=model_path,
         dtype=dtype,
@@ -53,6 +56,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         **({"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= lora_rank)}
            if lora_rank else {}),
         **({"enable_return_routed_experts": True} if return_routing else {}),
+        **images,
         **cfg.engine_kwargs,
     )
 

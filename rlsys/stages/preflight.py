@@ -19,6 +19,7 @@ from rlsys.config.rollout import EvalConfig
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.config.training import TrainConfig
 from rlsys.models.moe import moe_family, num_experts
+from rlsys.models.vision import is_vision_language
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
@@ -31,6 +32,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
+    _refuse_vision_language(model_config, cfg.model.path)
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     _check_files(cfg.data.train_files, "data.train_files")
@@ -66,6 +68,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     _refuse_random_init(cfg.model)
     model_config = check_model_dir(cfg.model, "model.path")
+    _refuse_vision_language(model_config, cfg.model.path)
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     if cfg.model.lora.syncs_adapters and cfg.train.async_mode != "off":
@@ -279,6 +282,12 @@ def check_model_dir(model: ModelConfig, key: str):
     if not any(os.path.isfile(os.path.join(model.path, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"{key}: no tokenizer files in {model.path} (expected one of {', '.join(_TOKENIZER_FILES)})")
     return config
+
+
+def _refuse_vision_language(config, path: str) -> None:
+    if is_vision_language(config):
+        raise ConfigError(f"model.path: {path} is a vision-language model ({type(config).__name__}); the eval stage "
+                          "runs it, training it is not built yet (docs/vision.md)")
 
 
 def _refuse_random_init(model: ModelConfig) -> None:

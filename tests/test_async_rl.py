@@ -110,23 +110,26 @@ def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(
     """train.max_restarts=1: a training rank of an MoE policy with routing replay (R2) killed after
     the step-2 checkpoint; the groups are built again and the run finishes. The checkpoint held the
     groups generated ahead, so with syncs that wait for them (partial_rollout: false) every step
-    logs what an uninterrupted run logs, to the last digit, with no schedule to follow."""
+    logs what an uninterrupted run logs, to the last digit, with no schedule to follow. The same with
+    the uninterrupted run's schedule followed: the engine was idle when the step-2 sync landed, just
+    before the checkpoint, and the resumed engine, which gets the step-2 weights from the restore, has
+    no such sync to wait for."""
     from test_failures import kill_after_checkpoint
 
     overrides = ("train.steps=4", "train.save_every=2", "train.async_mode=one_step", "train.partial_rollout=false",
                  f"model.path={moe_model_dir}", "algorithm.router_replay=r2", "algorithm.ppo_mini_batch_size=4")
-    cfg = async_config(*overrides, "train.max_restarts=1")
-    killer = kill_after_checkpoint(cfg.output_dir, 2, "train-0")
-    summary = run_rlvr(cfg)
-    killer.join(timeout=60)
-    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 2
-    assert ray.is_initialized()
     uninterrupted = async_config(*overrides, f"output_dir={tmp_path / 'uninterrupted'}")
     run_rlvr(uninterrupted)
     figures = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "async/staleness_mean",
                "router/replay_agreement", "router/max_load")
-    restarted, reference = (_steps(c.output_dir, figures) for c in (cfg, uninterrupted))
-    assert restarted == reference  # steps 1-2: two runs alike; 3-4: the restart changed nothing
+    reference = _steps(uninterrupted.output_dir, figures)
+    for name, follow in (("restarted", ()), ("followed", (f"train.replay={uninterrupted.output_dir}",))):
+        cfg = async_config(*overrides, "train.max_restarts=1", f"output_dir={tmp_path / name}", *follow)
+        killer = kill_after_checkpoint(cfg.output_dir, 2, "train-0")
+        summary = run_rlvr(cfg)
+        killer.join(timeout=60)
+        assert summary["restarts"] == 1 and summary["resumed_from_step"] == 2 and ray.is_initialized()
+        assert _steps(cfg.output_dir, figures) == reference, name  # steps 1-2: runs alike; 3-4: a restart too
 
 
 def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart(ray_cluster, async_config,
@@ -194,7 +197,8 @@ def test_a_checkpoint_holds_a_trajectory_whole():
 def test_a_followed_schedule_holds_each_step_for_its_requests_and_its_sync():
     """An engine following a record adds before each step the requests recorded for it, in the
     recorded order, once they have all arrived; a step recorded after a sync waits for that sync,
-    and a sync waits for its step; a sync out of place is an error; past the record, the clock."""
+    and a sync waits for its step; a sync out of place is an error; past the record (its last sync
+    landed), the clock."""
     import asyncio
 
     from rlsys.rollout.schedule import EngineSchedule, ScheduleDiverged
@@ -208,7 +212,8 @@ def test_a_followed_schedule_holds_each_step_for_its_requests_and_its_sync():
 
     async def follow() -> None:
         schedule = EngineSchedule()
-        schedule.follow([[0, "add", "a"], [0, "add", "b"], [1, "sync", 1], [1, "add", "c"], [2, "add", "c"]], 0)
+        schedule.follow([[0, "add", "a"], [0, "add", "b"], [1, "sync", 1], [1, "add", "c"], [2, "add", "c"],
+                         [3, "sync", 2]], 0)
         assert not await finishes(schedule.wait_for_step(lambda: ["b"]))
         assert await finishes(schedule.wait_for_step(lambda: ["b", "x", "a"]))
         assert schedule.due(["b", "x", "a"]) == ["a", "b"]
@@ -223,6 +228,9 @@ def test_a_followed_schedule_holds_each_step_for_its_requests_and_its_sync():
         schedule.stepped()
         assert not await finishes(schedule.wait_for_step(lambda: ["x"]))  # the second "c" has not arrived
         schedule.stepped()
-        assert not schedule.following and schedule.due(["x", "y"]) == ["x", "y"]
+        assert not await finishes(schedule.wait_for_step(lambda: ["x"]))  # the record's last sync has not landed
+        schedule.synced(2)
+        assert not schedule.following and schedule.due(["x", "y"]) == ["x", "y"]  # past the record: the clock
+        assert schedule.take() == [[1, "sync", 1], [3, "sync", 2]]  # what landed, where
 
     asyncio.run(follow())

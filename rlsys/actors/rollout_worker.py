@@ -145,12 +145,16 @@ class RolloutWorker:
         """Run `place` on `shards` in every vLLM worker, inside a sync's first and last steps. In
         an asynchronous actor this runs between two engine steps: requests in flight go on under
         the new weights (`RequestEngine.weights_changed`)."""
-        if first:
-            self.memory.resume(WEIGHTS)
-        self.llm.collective_rpc(place, args=(shards,))
-        if last:
-            self.memory.confirm_rewritten()
-            self.engine.weights_changed(version)
+        try:
+            if first:
+                self.memory.resume(WEIGHTS)
+            self.llm.collective_rpc(place, args=(shards,))
+            if last:
+                self.memory.confirm_rewritten()
+                self.engine.weights_changed(version)
+        except BaseException:
+            self.engine.sync_failed()
+            raise
 
     async def load_adapter(self, *buckets: ShardBucket | None, version: int = 0) -> int:
         """Generate from now on with the LoRA adapter the training ranks' `buckets` hold, labelled

@@ -23,7 +23,7 @@ def load_images(column: Any) -> list:
     for index, picture in enumerate(pictures):
         try:
             images.append(_open(picture, Image).convert("RGB"))
-        except (OSError, ValueError, TypeError) as err:
+        except (OSError, ValueError, TypeError, Image.DecompressionBombError) as err:
             raise ValueError(f"images[{index}]: cannot be read as an image ({err})") from None
     return images
 

@@ -12,8 +12,8 @@ then fail for Qwen2-VL:
   in its place a stand-in that names the video options (vLLM reads them) and refuses videos.
 
 `allow_qwen2_vl_without_torchvision` does both, and nothing where torchvision is installed. It has
-to run in every process that loads such a model or processor: the trainer's, the driver's, and
-vLLM's (rlsys's vLLM plugin calls it).
+to run in every process that loads such a processor: vLLM's (rlsys's vLLM plugin calls it, in every
+process vLLM starts) and whatever else builds or loads one (`rlsys.models.tiny_vl`).
 """
 
 from __future__ import annotations

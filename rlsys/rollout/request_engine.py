@@ -88,7 +88,8 @@ class RequestEngine:
         model's pictures, one for each image pad in `prompt_ids` (vLLM expands each pad)."""
         future = asyncio.get_running_loop().create_future()
         request = Request(prompt_ids, params, images or None)
-        self._submitted.append((request_key(prompt_ids, params, images), request, future))
+        key = request_key(prompt_ids, params, images) if self.schedule.active else ""
+        self._submitted.append((key, request, future))
         if self._serving is None or self._serving.done():
             self._serving = asyncio.create_task(self._serve())
         return await future
@@ -99,15 +100,21 @@ class RequestEngine:
 
     async def sync_turn(self) -> None:
         """Called before a sync writes its first weight: wait for the engine step the schedule
-        followed puts it before, then hold the engine's steps until `weights_changed`."""
+        followed puts it before, then hold the engine's steps until `weights_changed` (or
+        `sync_failed`)."""
         await self.schedule.wait_for_sync()
         self._syncing = True
+
+    def sync_failed(self) -> None:
+        """A sync's call failed between its first weight and its last: let the engine go on (its
+        error reaches the trainer, which restarts or stops)."""
+        self._syncing = False
 
     def weights_changed(self, version: int) -> None:
         """New weights are in place: label what is sampled from now on `version`, and have the
         requests in flight recompute their KV cache, computed under the old weights."""
-        self.schedule.synced(version)
         self._syncing = False
+        self.schedule.synced(version)
         self.version = version
         self._versions.changed(version)
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=bool(self._running))
@@ -135,6 +142,7 @@ class RequestEngine:
                                                                                            sampled)))
                         self._versions.done(output.request_id)
         except BaseException as err:  # the engine failed: every waiting coroutine gets the error
+            self.schedule.failed = err
             for future in [*(f for futures in self._running.values() for f in futures),
                            *(f for *_, f in self._submitted)]:
                 if not future.done():

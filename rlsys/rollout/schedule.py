@@ -42,7 +42,7 @@ def request_key(prompt_ids: list[int], params, images: list | None = None) -> st
     and checksum, that of its pictures too (vLLM `SamplingParams`; PIL images)."""
     checksum = zlib.crc32(np.asarray(prompt_ids, dtype=np.int64).tobytes())
     for image in images or ():
-        checksum = zlib.crc32(image.tobytes(), checksum)
+        checksum = zlib.crc32(f"{image.mode}{image.size}".encode() + image.tobytes(), checksum)
     return f"{params.seed}:{params.temperature:g}:{params.max_tokens}:{len(prompt_ids)}:{checksum:08x}"
 
 
@@ -51,22 +51,32 @@ class EngineSchedule:
     step: int = 0
     """Engine steps taken, counted from the run's start (a resumed engine starts where the
     checkpoint's left off)."""
+    active: bool = False
+    """Recording (an asynchronous run's engine); an engine that nobody asks for its record (a
+    synchronous run's, the eval stage's) keeps none."""
     recorded: list[list] = field(default_factory=list)
     """Events since the last `take`: [step, "add", key] and [step, "sync", version]."""
     plan_adds: dict[int, list[str]] = field(default_factory=dict)
     plan_syncs: dict[int, list[int]] = field(default_factory=dict)
     plan_end: int = -1
-    """The last step the plan says anything about; past it the engine runs by the clock."""
+    """The last step the plan still says anything about; past it the engine runs by the clock."""
+    failed: BaseException | None = None
+    """Why the engine stopped serving: a wait for the plan gives up with it."""
 
     def follow(self, events: list[list], start: int) -> None:
-        """Follow `events` (a record's, in order) from engine step `start` on; forget what was recorded
-        before (a resumed run's sync of the restored weights, which the record's run did not do)."""
-        self.step, self.recorded = start, []
+        """Record from engine step `start` on, following `events` (a record's, in order; none: the
+        clock); forget what was recorded before (a resumed run's sync of the restored weights, which
+        the record's run did not do)."""
+        self.step, self.recorded, self.active = start, [], True
         self.plan_adds, self.plan_syncs = {}, {}
         for step, kind, what in events:
             if step >= start:
                 (self.plan_adds if kind == "add" else self.plan_syncs).setdefault(step, []).append(what)
-        self.plan_end = max([*self.plan_adds, *self.plan_syncs], default=-1)
+        self._find_end()
+
+    def _find_end(self) -> None:
+        pending = [step for step, versions in self.plan_syncs.items() if versions]
+        self.plan_end = max([*self.plan_adds, *pending], default=-1)
 
     @property
     def following(self) -> bool:
@@ -80,16 +90,20 @@ class EngineSchedule:
     # -- what the engine reports --
 
     def added(self, keys: list[str]) -> None:
-        self.recorded.extend([self.step, "add", key] for key in keys)
+        if self.active:
+            self.recorded.extend([self.step, "add", key] for key in keys)
 
     def synced(self, version: int) -> None:
-        self.recorded.append([self.step, "sync", version])
+        if not self.active:
+            return
         if self.following:
             due = self.plan_syncs.get(self.step, [])
             if not due or due[0] != version:
                 raise ScheduleDiverged(f"version {version} synced before engine step {self.step}, where the "
                                        f"record has {due or 'no sync'}")
             due.pop(0)
+            self._find_end()  # past a record's last sync, the clock
+        self.recorded.append([self.step, "sync", version])
 
     def stepped(self) -> None:
         self.step += 1
@@ -120,4 +134,7 @@ class EngineSchedule:
                 raise ScheduleDiverged(f"engine step {self.step} passed the sync recorded before step {min(pending)}")
             if min(pending) == self.step:
                 return
+            if self.failed is not None:
+                raise RuntimeError(f"the engine stopped serving ({self.failed!r}) before the step this sync "
+                                   "was recorded before")
             await asyncio.sleep(POLL_S)

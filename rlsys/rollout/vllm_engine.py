@@ -32,7 +32,8 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
     on_gpu = torch.cuda.is_available()
     if return_routing:
         routing_runner_env()
-    images = engine_image_limits(AutoConfig.from_pretrained(model_path))
+    images = engine_image_limits(AutoConfig.from_pretrained(
+        model_path, trust_remote_code=cfg.engine_kwargs.get("trust_remote_code", False)))
     return LLM(
         model=model_path,
         dtype=dtype,

@@ -44,8 +44,8 @@ class RunSchedule:
         if self.record:
             self._truncate(step)
         engines = len(self.engine_steps)
-        for index in range(engines):
-            events = [e for line in self.followed for e in line["engines"][index]] if self.followed else []
+        for index in range(engines):  # the lines up to `step` hold what the engines did before the checkpoint
+            events = [e for line in self.followed if line["step"] > step for e in line["engines"][index]]
             self.rollout.wait([self.rollout.submit(index, "follow_schedule", events, self.engine_steps[index])],
                               [index])
         if self.followed:

@@ -163,7 +163,8 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
                "agent/tool_calls_mean")
     reference, followed = (_steps(c.output_dir, figures) for c in (recorded, cfg))
     assert followed == reference
-    assert all(row["agent/tool_calls_mean"] > 0 and row["actor/grad_norm"] > 0 for row in reference.values())
+    assert all(row["agent/tool_calls_mean"] > 0 for row in reference.values())
+    assert sum(row["actor/grad_norm"] > 0 for row in reference.values()) >= 2  # (a step all right has no gradient)
     assert any(row["async/staleness_mean"] > 0 for row in reference.values())  # syncs landed mid-generation
     schedules = [open(os.path.join(c.output_dir, "schedule.jsonl")).read() for c in (recorded, cfg)]
     assert schedules[0] == schedules[1]

@@ -32,6 +32,10 @@ from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.router_replay import without_routing
 from rlsys.sync.shards import ShardBucket, Shared, pack
 
+RENDEZVOUS_TIMEOUT_S = 300.0
+"""How long the ranks of a group wait for each other to join it (`train.collective_timeout_s`, when
+longer, instead)."""
+
 
 @dataclass(frozen=True)
 class TrainWorkerSpec:
@@ -127,7 +131,11 @@ class TrainWorker:
         if spec.use_gpu:
             torch.cuda.set_device(self.device)
         backend = "cpu:gloo,cuda:nccl" if spec.use_gpu else "gloo"
-        dist.init_process_group(backend, rank=self.rank, world_size=spec.dims.world_size,
+        # The ranks meet with a limit of their own: on a busy machine one may reach this call long after
+        # another (its imports alone take seconds), which is start-up, not a hung collective.
+        store = dist.TCPStore(master_addr, master_port, spec.dims.world_size, is_master=self.rank == 0,
+                              timeout=timedelta(seconds=max(spec.collective_timeout_s, RENDEZVOUS_TIMEOUT_S)))
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=spec.dims.world_size,
                                 timeout=timedelta(seconds=spec.collective_timeout_s))
         mesh = spec.dims.build_mesh(self.device.type)
         torch.manual_seed(spec.seed)

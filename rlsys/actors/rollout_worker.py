@@ -160,10 +160,14 @@ class RolloutWorker:
         """Generate from now on with the LoRA adapter the training ranks' `buckets` hold, labelled
         `version`; returns its bytes."""
         await self.engine.sync_turn()
-        tensors = {peft_name(name): tensor for name, tensor in Assembler()(shard_pieces(list(buckets))).items()}
-        self.adapter.load(tensors, version)
-        self.engine.lora_request = self.adapter.request
-        self.engine.weights_changed(version)
+        try:
+            tensors = {peft_name(name): tensor for name, tensor in Assembler()(shard_pieces(list(buckets))).items()}
+            self.adapter.load(tensors, version)
+            self.engine.lora_request = self.adapter.request
+            self.engine.weights_changed(version)
+        except BaseException:
+            self.engine.sync_failed()
+            raise
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def schedule(self) -> tuple[int, list[list]]:

@@ -43,13 +43,12 @@ class RunSchedule:
         from their step counts, and with a schedule to follow both follow it from there."""
         if self.record:
             self._truncate(step)
-        engines = len(self.engine_steps)
-        for index in range(engines):  # the lines up to `step` hold what the engines did before the checkpoint
-            events = [e for line in self.followed if line["step"] > step for e in line["engines"][index]]
-            self.rollout.wait([self.rollout.submit(index, "follow_schedule", events, self.engine_steps[index])],
-                              [index])
-        if self.followed:
-            self.stream.plan = [serial for line in self.followed if line["step"] > step for serial in line["taken"]]
+        after = [line for line in self.followed if line["step"] > step]  # the earlier lines precede the checkpoint
+        engines = range(len(self.engine_steps))
+        self.rollout.wait([self.rollout.submit(index, "follow_schedule",
+                                               [event for line in after for event in line["engines"][index]],
+                                               self.engine_steps[index]) for index in engines], list(engines))
+        self.stream.plan = [serial for line in after for serial in line["taken"]]
 
     def write(self, step: int) -> None:
         """Append what happened since the last line: the stream's takes and the engines' events."""
@@ -59,7 +58,7 @@ class RunSchedule:
         if self.record:
             line = {"step": step, "taken": taken, "engines": [events for _, events in reports]}
             with open(self.path, "a") as f:
-                f.write(json.dumps(line, separators=(",", ":")) + "\n")
+                f.write(_json_line(line))
 
     def state_dict(self) -> dict:
         return {"engine_steps": list(self.engine_steps)}
@@ -71,4 +70,8 @@ class RunSchedule:
         """Keep the lines of steps up to `step` (a resumed run writes the later ones again)."""
         kept = [line for line in read_schedule(self.path) if line["step"] <= step] if os.path.exists(self.path) else []
         with open(self.path, "w") as f:
-            f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in kept)
+            f.writelines(_json_line(line) for line in kept)
+
+
+def _json_line(line: dict) -> str:
+    return json.dumps(line, separators=(",", ":")) + "\n"

@@ -13,6 +13,7 @@ import pathlib
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
 
@@ -100,8 +101,104 @@ def test_prompts_with_pictures_are_sampled_with_them_and_the_trainers_logprobs(t
     assert (next_token[0] - next_token[3]).abs().max() > 1e-2  # the picture matters
 
 
-def test_the_eval_stage_runs_a_vision_language_model_and_training_it_is_refused(ray_cluster, tiny_vl_dir, dots_file,
-                                                                                tmp_path, capsys):
+@pytest.fixture(scope="module")
+def dots_sft_file(tmp_path_factory) -> str:
+    """8 conversations: a picture of 1 to 4 dots and its count; the last two rows have no picture."""
+    from datasets import Dataset
+
+    def row(count: int, picture: bool = True) -> dict:
+        question = "<image>dots=" if picture else "dots=1+1="
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": str(count)}],
+                "images": [{"bytes": dots(count), "path": None}] if picture else []}
+
+    rows = [row(count) for count in (1, 2, 3, 4, 2, 3)] + [row(2, picture=False), row(2, picture=False)]
+    path = str(tmp_path_factory.mktemp("dots_sft") / "dots_sft.parquet")
+    Dataset.from_list(rows).to_parquet(path)
+    return path
+
+
+def reference_inputs(tiny_vl_dir: str, rows: list[dict]) -> dict:
+    """The processor's own inputs for `rows` (chat messages with <image> markers, pictures), right-padded."""
+    from transformers import AutoProcessor
+
+    from rlsys.data.images import load_images, with_image_parts
+
+    allow_qwen2_vl_without_torchvision()
+    processor = AutoProcessor.from_pretrained(tiny_vl_dir)
+    ids, kinds, pixels, grids = [], [], [], []
+    for row in rows:
+        images = load_images(row["images"]) if len(row["images"]) else None
+        messages = with_image_parts(row["messages"], len(images or []))
+        text = processor.tokenizer.apply_chat_template(messages, tokenize=False)
+        inputs = processor(text=[text], images=images, return_tensors="pt")
+        ids.append(inputs["input_ids"][0])
+        kinds.append(inputs["mm_token_type_ids"][0])
+        if images:
+            pixels.append(inputs["pixel_values"])
+            grids.append(inputs["image_grid_thw"])
+    pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # noqa: E731
+    return {"input_ids": pad(ids), "mm_token_type_ids": pad(kinds), "pixel_values": torch.cat(pixels),
+            "image_grid_thw": torch.cat(grids)}
+
+
+@pytest.mark.timeout(600)
+def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_config, tiny_vl_dir, dots_sft_file):
+    """The processor's path: each picture's pad becomes the 4 image tokens the model expects, with its
+    pixels. Loss, gradients (vision tower included) and log-probs of the SFT loss and of the RL policy loss
+    on 2 FSDP2 ranks equal transformers' in one process; one rank's second micro-batch has no picture."""
+    import pandas as pd
+    from parity import ALGO, assert_gradients_match, layout_run
+    from transformers import AutoModelForImageTextToText
+
+    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
+    from rlsys.config.training import DataConfig
+    from rlsys.data.batching import collate, num_targets
+    from rlsys.data.examples import load_sft_examples
+    from rlsys.models.vision import image_tokens_of
+
+    image_tokens = image_tokens_of(tiny_vl_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl_dir)
+    examples, stats = load_sft_examples(DataConfig(train_files=[dots_sft_file], max_seq_len=64), tokenizer,
+                                        image_tokens)
+    assert len(examples) == 8 and stats.skipped == 0
+    sft = collate(examples, tokenizer.pad_token_id)
+    reference = reference_inputs(tiny_vl_dir, pd.read_parquet(dots_sft_file).to_dict("records"))
+    assert torch.equal(reference["input_ids"], sft["input_ids"] * sft["attention_mask"])
+    assert (sft["input_ids"] == image_tokens.image_token_id).sum(1).tolist() == [4] * 6 + [0, 0]
+
+    generator = torch.Generator().manual_seed(0)
+    rl = dict(sft, loss_mask=sft["loss_mask"], advantages=torch.randn(8, 1, generator=generator) * sft["loss_mask"])
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_dir, dtype=torch.float32)
+
+    def forward():
+        return model(input_ids=sft["input_ids"], attention_mask=sft["attention_mask"], **{
+            k: v for k, v in reference.items() if k != "input_ids"}).logits
+
+    with torch.no_grad():
+        logprobs = torch.nn.functional.pad(logprobs_of_labels(forward(), sft["input_ids"]), (1, 0))
+    noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
+    rl.update(old_logprobs=logprobs + noise(), ref_logprobs=logprobs + noise())
+    counts = {"tokens": num_targets(rl), "sequences": 8}
+    expected = []
+    for batch, loss_fn in ((sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO))):
+        model.zero_grad()
+        out = loss_fn(forward(), batch)
+        out.loss.backward()
+        expected.append((out.loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+
+    cfg = sft_config("parallel.dp_shard=2", "train.micro_batch_size=2", f"model.path={tiny_vl_dir}")
+    [(metrics, got_sft), (_, got_rl)], got_logprobs, _ = layout_run(cfg, sft, rl, counts)
+    assert metrics["loss"] == pytest.approx(expected[0][0], rel=1e-5)
+    assert_gradients_match(got_sft, expected[0][1])
+    assert_gradients_match(got_rl, expected[1][1])
+    assert got_sft["model.visual.blocks.0.attn.qkv.weight"].abs().sum() > 0
+    mask = sft["attention_mask"]
+    assert (got_logprobs * mask - logprobs * mask).abs().max() < 1e-5
+
+
+def test_the_eval_stage_runs_a_vision_language_model_and_a_layout_it_lacks_is_refused(
+        ray_cluster, tiny_vl_dir, dots_file, tmp_path, capsys):
     from rlsys.config.loader import load_config
     from rlsys.config.schema import EvalJobConfig
     from rlsys.run import main
@@ -113,6 +210,45 @@ def test_the_eval_stage_runs_a_vision_language_model_and_training_it_is_refused(
     summary = run_eval(cfg)
     assert summary["num_prompts"] == 4 and summary["skipped_rows"] == 2
     code = main(["rlvr", "--config", RL_CONFIG, f"model.path={tiny_vl_dir}", f"data.train_files=[{dots_file}]",
-                 "eval=null"])
+                 "eval=null", "parallel.tp=2"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "is a vision-language model" in err, err
+    assert code == 2 and len(err.splitlines()) == 1 and "parallel.tp: a vision-language model" in err, err
+
+
+def picture_logprob_gap(trainer) -> float:
+    """The largest gap between vLLM's log-probs of 2 samples of each picture prompt and the trainer's."""
+    from rlsys.data.batching import collate_rollouts
+
+    prompts = [(i, p.ids, p.row) for i, p in enumerate(trainer.prompts)]
+    samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, trainer.rollout_group.sampling(), seed=1)
+    prompt_ids, pixels = trainer._prompts_with_pictures(samples)
+    batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], trainer.tokenizer.pad_token_id,
+                             prompt_pixels=pixels)
+    ours = trainer._logprobs(batch)
+    return max((ours[row, len(ids):len(ids) + len(s.response_ids)] - torch.tensor(s.logprobs)).abs().max().item()
+               for row, (ids, s) in enumerate(zip(prompt_ids, samples)))
+
+
+@pytest.mark.timeout(600)
+def test_rl_steps_on_pictures_and_the_sync_carries_the_vision_tower(ray_cluster, rl_config, tiny_vl_dir, dots_file):
+    """GRPO steps on the picture prompts (2 FSDP2 ranks, a colocated engine): the engine's log-probs of
+    what it sampled equal the trainer's given the pictures; after every weight, the vision tower's too, is
+    perturbed and synced, they equal them again within 1e-4 (and differed before)."""
+    import worker_probes as probes
+
+    from rlsys.stages.rl_trainer import RLVRTrainer
+
+    cfg = rl_config(f"model.path={tiny_vl_dir}", f"data.train_files=[{dots_file}]", "eval=null",
+                    "train.prompts_per_step=4", "algorithm.ppo_mini_batch_size=2", "rollout.max_new_tokens=4",
+                    "reward.terms=[{name: arith}]")
+    trainer = RLVRTrainer(cfg)
+    try:
+        metrics = trainer.step(1)
+        assert metrics["rollout/logprob_abs_diff"] < 1e-4, metrics
+        assert picture_logprob_gap(trainer) < 1e-4  # the update, synced
+        trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed, False, "model.visual.")
+        assert picture_logprob_gap(trainer) > 1e-2
+        trainer.sync.run()
+        assert picture_logprob_gap(trainer) < 1e-4
+    finally:
+        trainer.shutdown()

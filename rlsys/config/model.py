@@ -51,6 +51,9 @@ class ModelConfig:
     own shards from `seed` and the shard's place, so the draw depends on the layout. Not for RL."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters (rank 0: none)."""
+    freeze_vision: bool = False
+    """A vision-language model: keep its vision encoder (patch embedding and blocks) as loaded and train the
+    language model and the merger that projects image features into it (VeRL's `freeze_vision_tower`)."""
     fp32_lm_head: bool = False
     """Compute the logits in fp32 from bf16 hidden states and weights, in the trainer and in the rollout
     engines (vLLM's `head_dtype`): removes the bf16 rounding of the logits from the engine/trainer log-prob gap

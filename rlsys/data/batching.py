@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from rlsys.data.examples import Example
+from rlsys.data.image_tokens import ImagePixels, image_fields
 
 Batch = dict[str, torch.Tensor]
 
@@ -48,7 +49,10 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
     input_ids[filled] = torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.long)
     loss_mask = torch.zeros(attention_mask.shape, dtype=torch.float32)
     loss_mask[filled] = torch.tensor([m for e in examples for m in e.loss_mask], dtype=torch.float32)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    if any(e.pixels is not None for e in examples):
+        batch.update(image_fields([e.pixels for e in examples], tuple(input_ids.shape)))
+    return batch
 
 
 def num_targets(batch: Batch) -> int:
@@ -107,11 +111,15 @@ def split_to_count(sizes: list[int], lengths: list[int], count: int) -> list[int
 
 
 def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-                     response_masks: list[list[int]] | None = None) -> Batch:
+                     response_masks: list[list[int]] | None = None,
+                     prompt_pixels: list[ImagePixels | None] | None = None) -> Batch:
     """Prompt + response rows, right-padded; loss_mask is 1 on the response tokens the policy
-    sampled (`response_masks`; all of them when not given), 0 on the prompt and on tool turns."""
+    sampled (`response_masks`; all of them when not given), 0 on the prompt and on tool turns.
+    `prompt_pixels`: a vision-language prompt's pictures, its `prompt_ids` expanded for them."""
     masks = response_masks or [[1] * len(r) for r in response_ids]
-    examples = [Example(p + r, [0] * len(p) + list(m)) for p, r, m in zip(prompt_ids, response_ids, masks)]
+    pixels = prompt_pixels or [None] * len(prompt_ids)
+    examples = [Example(p + r, [0] * len(p) + list(m), x)
+                for p, r, m, x in zip(prompt_ids, response_ids, masks, pixels)]
     return collate(examples, pad_id)
 
 

@@ -10,12 +10,16 @@ from dataclasses import dataclass
 
 from rlsys.config.training import DataConfig
 from rlsys.data.files import RowStats, convert_rows
+from rlsys.data.image_tokens import ImagePixels, ImageTokens
+from rlsys.data.images import load_images, with_image_parts
 
 
 @dataclass
 class Example:
     input_ids: list[int]
     loss_mask: list[int]
+    pixels: ImagePixels | None = None
+    """A vision-language example's pictures, its image pads expanded (`rlsys.data.image_tokens`)."""
 
 
 def load_pretrain_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], RowStats]:
@@ -29,11 +33,13 @@ def load_pretrain_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], R
     return [Example(w, [1] * n) for w in windows], stats
 
 
-def load_sft_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], RowStats]:
-    """Prompt/response or chat rows; only response (assistant) tokens are targets."""
+def load_sft_examples(cfg: DataConfig, tokenizer, image_tokens: ImageTokens | None = None
+                      ) -> tuple[list[Example], RowStats]:
+    """Prompt/response or chat rows; only response (assistant) tokens are targets. A vision-language
+    model's (`image_tokens`) rows may hold pictures (`rlsys.data.images`)."""
 
     def convert(row: dict) -> Example:
-        example = sft_example(row, cfg, tokenizer)
+        example = sft_example(row, cfg, tokenizer, image_tokens)
         if len(example.input_ids) > cfg.max_seq_len:
             raise ValueError(f"{len(example.input_ids)} tokens > data.max_seq_len={cfg.max_seq_len}")
         return example
@@ -41,15 +47,24 @@ def load_sft_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], RowSta
     return convert_rows(cfg.train_files, convert, "sft data")
 
 
-def sft_example(row: dict, cfg: DataConfig, tokenizer) -> Example:
+def sft_example(row: dict, cfg: DataConfig, tokenizer, image_tokens: ImageTokens | None = None) -> Example:
     tools = row.get(cfg.tools_key) or None
+    images = load_images(row["images"]) if row.get("images") is not None else []
+    if images and image_tokens is None:
+        raise ValueError("images: the model is not a vision-language model")
     if cfg.messages_key in row and row[cfg.messages_key] is not None:
-        return _chat_example(chat_messages(row[cfg.messages_key], cfg.messages_key), tokenizer, tools)
-    prompt, response = row[cfg.prompt_key], _text_field(row, cfg.response_key)
-    if isinstance(prompt, str):
-        return _plain_example(prompt, response, tokenizer)
-    messages = chat_messages(prompt, cfg.prompt_key) + [{"role": "assistant", "content": response}]
-    return _chat_example(messages, tokenizer, tools)
+        messages = chat_messages(row[cfg.messages_key], cfg.messages_key)
+    else:
+        prompt, response = row[cfg.prompt_key], _text_field(row, cfg.response_key)
+        if isinstance(prompt, str) and not images:
+            return _plain_example(prompt, response, tokenizer)
+        if isinstance(prompt, str):
+            raise ValueError("images: a plain-string prompt has no place for them; give chat messages with <image>")
+        messages = chat_messages(prompt, cfg.prompt_key) + [{"role": "assistant", "content": response}]
+    if not images:
+        return _chat_example(messages, tokenizer, tools)
+    example = _chat_example(with_image_parts(messages, len(images)), tokenizer, tools)
+    return Example(*image_tokens.expand(example.input_ids, example.loss_mask, images))
 
 
 def _plain_example(prompt: str, response: str, tokenizer) -> Example:

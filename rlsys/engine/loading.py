@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import ModelConfig
@@ -23,6 +23,7 @@ from rlsys.engine.stored_tensors import TensorReader, stored_tensors
 from rlsys.models import lora
 from rlsys.models.head import compute_logits_in_fp32
 from rlsys.models.moe import FUSED, MoEFamily, moe_family
+from rlsys.models.vision import checkpoint_name, freeze_vision, model_class, place_images_by_batch, vision_tower
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import parallelize
 from rlsys.parallel.pipeline_stages import split_into_stages, stages_per_rank
@@ -37,10 +38,15 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
     With `value_head` (a critic) the LM head is replaced by a zero-initialised hidden -> 1
     projection, untied from the embedding, so the model's "logits" are values."""
     config = AutoConfig.from_pretrained(model_cfg.path)
+    builder = model_class(config)
 
     def build() -> nn.Module:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
+            model = builder.from_config(config, dtype=DTYPES[model_cfg.dtype])
+            if vision_tower(model) is not None:
+                place_images_by_batch(model)
+                if model_cfg.freeze_vision:
+                    freeze_vision(model)
             if value_head:
                 model.lm_head = nn.Linear(config.hidden_size, 1, bias=False, dtype=DTYPES[model_cfg.dtype])
             if model_cfg.lora.rank:
@@ -105,7 +111,7 @@ def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
     state = {name: tensor for name, tensor in get_model_state_dict(model).items() if name not in new}
     experts = {name for name in state if FUSED.match(name)} if family else set()
     stored = stored_tensors(path)
-    disk = {name: family.disk_name(lora.base_name(name)) if family else lora.base_name(name)
+    disk = {name: family.disk_name(lora.base_name(name)) if family else _stored_name(lora.base_name(name), stored)
             for name in state if name not in experts}
     missing = [name for name in disk if disk[name] not in stored and not _tied(model, name)]
     missing += [name for name in experts if family.expert_names(name, 0)[0] not in stored]
@@ -119,6 +125,11 @@ def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
                 reader.read_into(disk_name, region, local)
         if experts:
             _load_experts(model, family, experts, reader)
+
+
+def _stored_name(name: str, stored) -> str:
+    """`name` as the checkpoint stores it: itself, or a vision-language model's original name."""
+    return name if name in stored else checkpoint_name(name)
 
 
 @torch.no_grad()

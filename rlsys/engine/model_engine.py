@@ -38,6 +38,7 @@ from rlsys.engine.schedule import lr_multiplier
 from rlsys.engine.state import RankState
 from rlsys.engine.weights import RankWeights
 from rlsys.models import lora
+from rlsys.models.vision import image_inputs, vision_tower
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
 from rlsys.parallel.pipeline_schedule import run_schedule
@@ -84,6 +85,8 @@ class ModelEngine:
         self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
         self.pp_group = mesh["pp"].get_group()
         self.pp_rank = mesh["pp"].get_local_rank()
+        self.vision = vision_tower(self.parts[0]) is not None
+        """A vision-language model: its batches may carry pictures (`rlsys.data.image_tokens`)."""
         self.moe_blocks = [block for part in self.parts for block in moe_blocks(part)]
         self.router = self._router_balance()
         # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
@@ -320,9 +323,11 @@ class ModelEngine:
 
     def _packs(self, loss_fn: LossFn) -> bool:
         """Pack sequences (`rlsys.data.packing`) for a token-level loss, outside pipeline and
-        context parallel (whose schedules and attention split rows and sequences themselves)."""
+        context parallel (whose schedules and attention split rows and sequences themselves), and
+        not a vision-language model's (whose rotary positions its forward derives per row)."""
         dims = self.spec.dims
-        return self.spec.parallel.pack_sequences and is_token_level(loss_fn) and dims.pp == 1 and dims.cp == 1
+        return (self.spec.parallel.pack_sequences and is_token_level(loss_fn) and dims.pp == 1 and dims.cp == 1
+                and not self.vision)
 
     def _rank_sequence(self, batch: Batch) -> RankSequence:
         return rank_sequence(batch, self.spec.dims.cp, self.cp_rank, self.sequence_multiple)
@@ -340,8 +345,18 @@ class ModelEngine:
             moe["moe_token_mask"] = torch.zeros_like(weights) if filler else weights
         if ROUTING_FIELD in seq.fields:
             moe["moe_routing"] = seq.fields[ROUTING_FIELD][:, :ids.shape[1]].to(self.device)
+        images = self._image_inputs(seq, ids.shape[1])
         return self.parts[0](input_ids=ids, attention_mask=self._attention_mask(seq),
-                             position_ids=positions.to(self.device), use_cache=False, **moe).logits
+                             position_ids=None if images else positions.to(self.device), use_cache=False,
+                             **moe, **images).logits
+
+    def _image_inputs(self, seq: RankSequence, width: int) -> dict:
+        """A vision-language model's pictures in the micro-batch (the forward derives its own 3-D
+        rotary positions from them); where it has none and other data-parallel ranks may have some,
+        a blank one that fills no token (`image_inputs`)."""
+        if not self.vision:
+            return {}
+        return image_inputs(self.parts[0], seq.fields, width, self.device, idle=self.spec.dims.dp_size > 1)
 
     def _token_weights(self, seq: RankSequence) -> torch.Tensor:
         """[rows, span]: how many of the batch's tokens each input token stands for: 0 for padding,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +29,7 @@ from rlsys.engine.schedule import follow_schedule
 from rlsys.engine.weights import RankWeights
 from rlsys.models import lora
 from rlsys.models.moe import moe_family
+from rlsys.models.vision import checkpoint_name
 
 
 class RankState:
@@ -86,6 +88,7 @@ def export_hf(weights: RankWeights, model_cfg: ModelConfig, out_dir: str, pp_ran
     for name, tensor in named:
         if reward_head and name == "lm_head.weight":
             name = "score.weight"
+        name = checkpoint_name(name)
         if writes_stage:  # an MoE model's experts under their names on disk, one tensor each
             for disk_name, disk_tensor in family.to_disk(name, tensor) if family else [(name, tensor)]:
                 split = disk_tensor.numel() < tensor.numel()  # a view: safetensors stores no shared memory
@@ -110,6 +113,9 @@ def _keep_adapters(named: Iterator[tuple[str, torch.Tensor]], adapters: dict[str
         yield name, tensor
 
 
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.jinja")
+
+
 def _write_hf_metadata(src: str, out_dir: str, indexed: bool, reward_head: bool = False) -> None:
     """Config, tokenizer and generation config from `src` (a reward model's config as a one-label
     sequence classifier, which generates nothing); with `indexed` (several stages' shards) the index
@@ -127,6 +133,9 @@ def _write_hf_metadata(src: str, out_dir: str, indexed: bool, reward_head: bool 
     tokenizer.save_pretrained(out_dir)
     if not reward_head and os.path.isfile(os.path.join(src, "generation_config.json")):
         GenerationConfig.from_pretrained(src).save_pretrained(out_dir)
+    for name in _PROCESSOR_FILES:  # a vision-language model's processor
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
     if indexed:
         weight_map = {}
         for shard in sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors")):

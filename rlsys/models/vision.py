@@ -1,9 +1,25 @@
-"""Which models are vision-language models, and what their engines are told about images."""
+"""Vision-language models (Qwen2-VL's family) in the trainer and the engines: which models are
+such, what their engines are told about images, how the trainer builds, names and runs them.
+
+The trainer's module tree is transformers' (`model.visual.*`, `model.language_model.*`,
+`lm_head`); the checkpoint's names are the original ones (`visual.*`, `model.*`), which
+`checkpoint_name` maps to. vLLM's loader takes either, so the weight sync sends the module names.
+"""
 
 from __future__ import annotations
 
+import types
+
+import torch
+from torch import nn
+
+from rlsys.data.image_tokens import GRIDS, PIXELS, ImageTokens
+from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
+
 IMAGES_PER_PROMPT = 4
 """The pictures a prompt may hold, by default (`rollout.engine_kwargs.limit_mm_per_prompt` sets it)."""
+
+_CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 def is_vision_language(config) -> bool:
@@ -15,3 +31,94 @@ def engine_image_limits(config) -> dict:
     """vLLM's `limit_mm_per_prompt` for the model: images (videos need torchvision and are refused); none
     for a text model."""
     return {"limit_mm_per_prompt": {"image": IMAGES_PER_PROMPT, "video": 0}} if is_vision_language(config) else {}
+
+
+def model_class(config):
+    """The transformers class that builds the trainer's model from `config`."""
+    if not is_vision_language(config):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+    allow_qwen2_vl_without_torchvision()
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText
+
+
+def checkpoint_name(name: str) -> str:
+    """The name a vision-language model's weight has in its original checkpoint."""
+    for module_prefix, stored_prefix in _CHECKPOINT_PREFIXES:
+        if name.startswith(module_prefix):
+            return stored_prefix + name[len(module_prefix):]
+    return name
+
+
+def image_tokens_of(path: str) -> ImageTokens | None:
+    """The processor of the vision-language model in `path`, to expand examples with; None for a text model."""
+    from transformers import AutoConfig, AutoProcessor
+
+    config = AutoConfig.from_pretrained(path)
+    if not is_vision_language(config):
+        return None
+    allow_qwen2_vl_without_torchvision()
+    processor = AutoProcessor.from_pretrained(path)
+    return ImageTokens(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size)
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    return getattr(getattr(model, "model", None), "visual", None)
+
+
+def freeze_vision(model: nn.Module) -> None:
+    """Train the language model and the merger only: the vision tower's encoder (patch embedding
+    and blocks) keeps its weights, as VeRL's `freeze_vision_tower`."""
+    tower = vision_tower(model)
+    for name, param in tower.named_parameters():
+        if not name.startswith("merger."):
+            param.requires_grad_(False)
+
+
+def place_images_by_batch(model: nn.Module) -> None:
+    """The pictures' features go where the batch put pixels, not onto every image pad token: a
+    policy may sample one, which the engine embeds as text. Transformers finds the places in
+    `get_placeholder_mask`; this model's reads them from `image_positions`, which `image_inputs`
+    sets before each forward."""
+    language_vision = model.model
+
+    def placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
+        positions = self.image_positions
+        if image_features is not None and positions.any() and positions.sum() != image_features.shape[0]:
+            raise ValueError(f"{int(positions.sum())} image tokens for {image_features.shape[0]} features")
+        mask = positions.unsqueeze(-1).expand_as(inputs_embeds)
+        return mask, torch.zeros_like(mask)
+
+    language_vision.image_positions = None
+    language_vision.get_placeholder_mask = types.MethodType(placeholder_mask, language_vision)
+
+
+def image_inputs(model: nn.Module, fields: dict[str, torch.Tensor], width: int, device: torch.device,
+                 idle: bool = False) -> dict:
+    """The forward's image arguments for a micro-batch's `fields` (`rlsys.data.image_tokens`) of
+    `width` columns: its image tokens' patches, the images' grids in token order, and which tokens
+    are image tokens (for the 3-D rotary positions). A micro-batch without pictures has none, or
+    with `idle` one blank picture of the smallest grid that fills no token: the vision tower still
+    runs forward and backward (a zero gradient) in its place in the model, so the collectives of its
+    FSDP units pair up with those of data-parallel ranks whose micro-batch has pictures (VeRL's
+    dummy image)."""
+    merge = model.config.vision_config.spatial_merge_size
+    grids = fields[GRIDS][:, :width] if GRIDS in fields else torch.zeros(1, width, 3, dtype=torch.long)
+    positions = torch.zeros(grids.shape[:2], dtype=torch.bool)
+    for row, col in grids[..., 0].nonzero().tolist():
+        positions[row, col:col + int(grids[row, col].prod()) // merge ** 2] = True
+    model.model.image_positions = positions.to(device)
+    if positions.any():
+        patches = fields[PIXELS][:, :width][positions]
+        pixels, image_grids = patches.reshape(patches.shape[0] * merge ** 2, -1), grids[grids[..., 0] > 0]
+    elif idle:
+        vision = model.config.vision_config
+        pixels = torch.zeros(merge ** 2, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2)
+        image_grids = torch.tensor([[1, merge, merge]])
+    else:
+        return {}
+    return {"pixel_values": pixels.to(device), "image_grid_thw": image_grids.to(device),
+            "mm_token_type_ids": positions.int().to(device)}

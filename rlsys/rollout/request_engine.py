@@ -112,12 +112,16 @@ class RequestEngine:
 
     def weights_changed(self, version: int) -> None:
         """New weights are in place: label what is sampled from now on `version`, and have the
-        requests in flight recompute their KV cache, computed under the old weights."""
+        requests in flight recompute their KV cache, computed under the old weights, and a
+        vision-language model's pictures their features (vLLM keeps a picture's encoder output by its
+        hash, across requests)."""
         self._syncing = False
         self.schedule.synced(version)
         self.version = version
         self._versions.changed(version)
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=bool(self._running))
+        if self.llm.llm_engine.model_config.is_multimodal_model:
+            self.llm.llm_engine.reset_encoder_cache()
 
     async def _serve(self) -> None:
         """Add what was submitted, step, resolve the finished requests; until nothing is left."""

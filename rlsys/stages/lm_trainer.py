@@ -25,6 +25,7 @@ from rlsys.data.examples import Example, load_pretrain_examples, load_sft_exampl
 from rlsys.data.files import DataError, RowStats
 from rlsys.data.preferences import load_preference_pairs
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.models.vision import image_tokens_of
 from rlsys.parallel.dims import ParallelDims
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.preflight import check_train_job
@@ -77,7 +78,10 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
 def load_units(cfg: TrainJobConfig, stage: Stage, tokenizer) -> tuple[list[Unit], RowStats]:
     if stage == "rm":
         return load_preference_pairs(cfg.data, tokenizer)
-    examples, stats = (load_pretrain_examples if stage == "pretrain" else load_sft_examples)(cfg.data, tokenizer)
+    if stage == "pretrain":
+        examples, stats = load_pretrain_examples(cfg.data, tokenizer)
+    else:
+        examples, stats = load_sft_examples(cfg.data, tokenizer, image_tokens_of(cfg.model.path))
     return [(example,) for example in examples], stats
 
 

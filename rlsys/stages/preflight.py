@@ -32,7 +32,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
-    _refuse_vision_language(model_config, cfg.model.path)
+    _check_vision_language(model_config, cfg.model, cfg.parallel, stage)
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     _check_files(cfg.data.train_files, "data.train_files")
@@ -68,7 +68,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     _refuse_random_init(cfg.model)
     model_config = check_model_dir(cfg.model, "model.path")
-    _refuse_vision_language(model_config, cfg.model.path)
+    _check_vision_language(model_config, cfg.model, cfg.parallel, "rlvr")
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     if cfg.model.lora.syncs_adapters and cfg.train.async_mode != "off":
@@ -284,10 +284,21 @@ def check_model_dir(model: ModelConfig, key: str):
     return config
 
 
-def _refuse_vision_language(config, path: str) -> None:
-    if is_vision_language(config):
-        raise ConfigError(f"model.path: {path} is a vision-language model ({type(config).__name__}); the eval stage "
-                          "runs it, training it is not built yet (docs/vision.md)")
+def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig, stage: str) -> None:
+    """What a vision-language model trains with so far: data and FSDP2 parallel (docs/vision.md)."""
+    if not is_vision_language(config):
+        if model.freeze_vision:
+            raise ConfigError(f"model.freeze_vision: {model.path} has no vision tower")
+        return
+    refusals = {
+        "parallel.pp": parallel.pp > 1, "parallel.tp": parallel.tp > 1, "parallel.cp": parallel.cp > 1,
+        "model.lora.rank": model.lora.rank > 0, "stage": stage == "rm",
+    }
+    for key, refused in refusals.items():
+        if refused:
+            raise ConfigError(f"{key}: a vision-language model ({type(config).__name__}) trains on data-parallel "
+                              "layouts (dp_shard, dp_replicate), every weight, with the sft and rlvr stages; "
+                              "not with this yet (docs/vision.md)")
 
 
 def _refuse_random_init(model: ModelConfig) -> None:

@@ -45,9 +45,11 @@ from rlsys.data.batching import (
     split_rows,
 )
 from rlsys.data.files import DataError
+from rlsys.data.image_tokens import ImagePixels, ImageTokens
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.models.moe import moe_layer_indices
+from rlsys.models.vision import image_tokens_of
 from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
@@ -77,6 +79,8 @@ class RLData:
     prompts: list[Prompt]
     evaluator: Evaluator | None
     agents: AgentSetup
+    image_tokens: ImageTokens | None = None
+    """A vision-language model's processor: the trainer's rows carry the prompts' pictures expanded."""
 
 
 def load_rl_data(cfg: RLJobConfig) -> RLData:
@@ -93,7 +97,7 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
                           loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
                           response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget) \
         if cfg.eval else None
-    return RLData(tokenizer, prompts, evaluator, agents)
+    return RLData(tokenizer, prompts, evaluator, agents, image_tokens_of(cfg.model.path))
 
 
 def _loops(cfg: RLJobConfig) -> dict[str, str]:
@@ -110,7 +114,7 @@ class RLVRTrainer:
         self.cfg = cfg
         data = data or load_rl_data(cfg)
         self.tokenizer, self.prompts = data.tokenizer, data.prompts
-        self.evaluator, self.agents = data.evaluator, data.agents
+        self.evaluator, self.agents, self.image_tokens = data.evaluator, data.agents, data.image_tokens
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = updates_per_step(cfg)
         self.old_logprobs = old_logprobs_source(cfg)
@@ -178,8 +182,9 @@ class RLVRTrainer:
         cfg, timer = self.cfg, PhaseTimer("rlvr", step)
         started = time.perf_counter()
         samples, groups, scored, rewards, reward_metrics = self._rollout(step, timer)
-        batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                 self.tokenizer.pad_token_id, [s.response_mask for s in samples])
+        prompt_ids, prompt_pixels = self._prompts_with_pictures(samples)
+        batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], self.tokenizer.pad_token_id,
+                                 [s.response_mask for s in samples], prompt_pixels)
         engine_logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
         if cfg.algorithm.router_replay == "r3":
             batch[ROUTING_FIELD] = engine_routing([s.routing for s in samples], batch["input_ids"].shape[1],
@@ -226,6 +231,20 @@ class RLVRTrainer:
             **sync_metrics,
             **timer.times,
         }
+
+    def _prompts_with_pictures(self, samples: list[Trajectory]) -> tuple[list[list[int]], list[ImagePixels | None]]:
+        """Each sample's prompt ids as the trainer's model reads them: a vision-language prompt's
+        image pads expanded, with its pictures' pixels (once per prompt: its samples share them)."""
+        if self.image_tokens is None:
+            return [s.prompt_ids for s in samples], [None] * len(samples)
+        expanded: dict[int, tuple[list[int], ImagePixels]] = {}
+        for s in samples:
+            images = self.prompts[s.prompt_index].images
+            if images and s.prompt_index not in expanded:
+                ids, _, pixels = self.image_tokens.expand(s.prompt_ids, [0] * len(s.prompt_ids), images)
+                expanded[s.prompt_index] = ids, pixels
+        rows = [expanded.get(s.prompt_index, (s.prompt_ids, None)) for s in samples]
+        return [ids for ids, _ in rows], [pixels for _, pixels in rows]
 
     def _rollout(self, step: int, timer: PhaseTimer
                  ) -> tuple[list[Trajectory], torch.Tensor, list[ScoredSample], torch.Tensor, dict[str, float]]:

@@ -1,0 +1,86 @@
+"""A vision-language example's pictures as the trainer's forward takes them.
+
+The chat template writes one image pad token per picture (`<|image_pad|>`); the model's processor
+resizes the picture, cuts it into patches and says how many tokens it becomes: one per
+`merge_size` x `merge_size` patches, the pad repeated that many times (vLLM expands a prompt's
+pads the same way). Each of those tokens carries its own patches in the batch, as the per-token
+fields
+
+    pixel_values    [B, T, merge_size ** 2 * patch values]: the token's patches (0 elsewhere)
+    image_grid_thw  [B, T, 3]: an image's (t, h, w) patch grid at its first token (0 elsewhere)
+
+so a picture's pixels stay with its tokens wherever a batch is cut into rows, micro-batches or
+trimmed columns, and the model finds them in row-major token order, the order its processor
+flattened them in (each merged token's patches consecutive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PIXELS = "pixel_values"
+GRIDS = "image_grid_thw"
+IMAGE_FIELDS = (PIXELS, GRIDS)
+
+
+@dataclass(frozen=True)
+class ImagePixels:
+    """An example's pictures, expanded: where each starts, its patch grid, and every image token's patches."""
+
+    starts: list[int]
+    """The position of each picture's first image token in the example."""
+    counts: list[int]
+    """The image tokens of each picture."""
+    grids: torch.Tensor
+    """[pictures, 3]: (t, h, w) patches of each."""
+    pixels: torch.Tensor
+    """[image tokens, merge_size ** 2 * patch values], in token order."""
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """A vision-language model's processor, as far as expanding examples goes."""
+
+    image_processor: object
+    """The model's image processor (`AutoProcessor(...).image_processor`)."""
+    image_token_id: int
+    merge_size: int
+
+    def expand(self, input_ids: list[int], loss_mask: list[int], images: list
+               ) -> tuple[list[int], list[int], ImagePixels]:
+        """`input_ids` with each image pad repeated to its picture's token count (and `loss_mask`
+        alike), with the pictures' patches; a ValueError when pads and pictures differ in number."""
+        pads = input_ids.count(self.image_token_id)
+        if pads != len(images):
+            raise ValueError(f"{pads} image tokens for {len(images)} images")
+        processed = self.image_processor(images=images, return_tensors="pt")
+        grids = processed["image_grid_thw"]
+        pixels = processed["pixel_values"].reshape(int(grids.prod(-1).sum()) // self.merge_size ** 2, -1)
+        counts = (grids.prod(-1) // self.merge_size ** 2).tolist()
+        left = iter(counts)
+        ids, mask, starts = [], [], []
+        for token, target in zip(input_ids, loss_mask):
+            repeat = next(left) if token == self.image_token_id else 1
+            if token == self.image_token_id:
+                starts.append(len(ids))
+            ids.extend([token] * repeat)
+            mask.extend([target] * repeat)
+        return ids, mask, ImagePixels(starts, counts, grids, pixels)
+
+
+def image_fields(pixels: list[ImagePixels | None], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The per-token image fields of a batch of `shape` [B, T] whose rows hold `pixels` (None: none)."""
+    width = next(p.pixels.shape[1] for p in pixels if p is not None)
+    values = torch.zeros(*shape, width)
+    grids = torch.zeros(*shape, 3, dtype=torch.long)
+    for row, row_pixels in enumerate(pixels):
+        if row_pixels is None:
+            continue
+        taken = 0
+        for start, grid, count in zip(row_pixels.starts, row_pixels.grids, row_pixels.counts):
+            values[row, start:start + count] = row_pixels.pixels[taken:taken + count]
+            grids[row, start] = grid
+            taken += count
+    return {PIXELS: values, GRIDS: grids}

@@ -69,9 +69,9 @@ def local_shapes(worker) -> dict[str, tuple[int, ...]]:
 
 def perturb_parameters(worker, scale: float, seed: int, trained_only: bool = False, names: str = "") -> None:
     """Add seeded noise to every parameter of the policy (with `trained_only`, to those it trains:
-    LoRA's adapters; with `names`, to those whose names start with it), the same in any layout (seeded by name), so that it differs from the rollout
-    engines' weights. Each rank adds its shard's region of the full noise (the region the weight
-    sync sends it as)."""
+    LoRA's adapters; with `names`, to those whose names start with it), the same in any layout
+    (seeded by name), so that it differs from the rollout engines' weights. Each rank adds its
+    shard's region of the full noise (the region the weight sync sends it as)."""
     with torch.no_grad():
         for name, p in worker.policy.named_parameters():
             if trained_only and not p.requires_grad or not name.startswith(names):

@@ -197,6 +197,30 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     assert (got_logprobs * mask - logprobs * mask).abs().max() < 1e-5
 
 
+@pytest.mark.timeout(600)
+def test_the_sft_stage_trains_on_pictures_with_a_frozen_vision_encoder(ray_cluster, sft_config, tiny_vl_dir,
+                                                                         dots_sft_file, tmp_path):
+    """`sft` with `model.freeze_vision` on the picture conversations (2 FSDP2 ranks): the exported
+    model loads in transformers under the original names; its vision encoder is the initial one, its
+    merger and language model trained."""
+    from safetensors.torch import load_file
+
+    from rlsys.run import main
+
+    out = tmp_path / "sft"
+    code = main(["sft", "--config", sft_config.path, f"model.path={tiny_vl_dir}", f"output_dir={out}",
+                 f"data.train_files=[{dots_sft_file}]", "data.max_seq_len=64", "train.steps=2",
+                 "train.global_batch_size=8", "train.micro_batch_size=2", "model.freeze_vision=true"])
+    assert code == 0
+    before = load_file(f"{tiny_vl_dir}/model.safetensors")
+    after = load_file(f"{out}/hf_model/model.safetensors")
+    assert after.keys() == before.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert not any(name.startswith(("visual.blocks.", "visual.patch_embed.")) for name in changed), changed
+    assert any(name.startswith("visual.merger.") for name in changed)
+    assert "model.layers.0.mlp.up_proj.weight" in changed
+
+
 def test_the_eval_stage_runs_a_vision_language_model_and_a_layout_it_lacks_is_refused(
         ray_cluster, tiny_vl_dir, dots_file, tmp_path, capsys):
     from rlsys.config.loader import load_config

@@ -75,7 +75,8 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError("train.async_mode: the adapter sync runs with async_mode: off; for asynchronous RL "
                           "with LoRA set model.lora.sync: merged")
     _check_files(cfg.data.train_files, "data.train_files")
-    _check_heads_split(model_config, cfg.rollout.tensor_parallel_size, "rollout.tensor_parallel_size")
+    _check_heads_split(model_config.get_text_config(), cfg.rollout.tensor_parallel_size,
+                       "rollout.tensor_parallel_size")
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
     if mini and prompts % mini:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
@@ -334,7 +335,7 @@ def check_layout(parallel: ParallelConfig, model_config: PretrainedConfig) -> Pa
         raise ConfigError(f"parallel.{tp_option}: needs parallel.tp > 1")
     try:
         dims = ParallelDims.of(parallel)
-        dims.check_model(model_config, stages_per_rank(parallel))
+        dims.check_model(model_config.get_text_config(), stages_per_rank(parallel))  # a VL model's language model
         if dims.tp > 1:
             check_tp_family(model_config)
     except LayoutError as err:

@@ -155,8 +155,8 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     from rlsys.config.training import DataConfig
     from rlsys.data.batching import collate, num_targets
     from rlsys.data.examples import load_sft_examples
-    from rlsys.models.vision import image_tokens_of
-
+    from rlsys.data.image_tokens import image_tokens_of
+    
     image_tokens = image_tokens_of(tiny_vl_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl_dir)
     examples, stats = load_sft_examples(DataConfig(train_files=[dots_sft_file], max_seq_len=64), tokenizer,

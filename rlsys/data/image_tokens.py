@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsys.models.vision import is_vision_language
+from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
+
 PIXELS = "pixel_values"
 GRIDS = "image_grid_thw"
 IMAGE_FIELDS = (PIXELS, GRIDS)
@@ -68,6 +71,18 @@ class ImageTokens:
             ids.extend([token] * repeat)
             mask.extend([target] * repeat)
         return ids, mask, ImagePixels(starts, counts, grids, pixels)
+
+
+def image_tokens_of(path: str) -> ImageTokens | None:
+    """The processor of the vision-language model in `path`, to expand examples with; None for a text model."""
+    from transformers import AutoConfig, AutoProcessor
+
+    config = AutoConfig.from_pretrained(path)
+    if not is_vision_language(config):
+        return None
+    allow_qwen2_vl_without_torchvision()
+    processor = AutoProcessor.from_pretrained(path)
+    return ImageTokens(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size)
 
 
 def image_fields(pixels: list[ImagePixels | None], shape: tuple[int, int]) -> dict[str, torch.Tensor]:

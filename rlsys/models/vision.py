@@ -13,7 +13,6 @@ import types
 import torch
 from torch import nn
 
-from rlsys.data.image_tokens import GRIDS, PIXELS, ImageTokens
 from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
 
 IMAGES_PER_PROMPT = 4
@@ -53,18 +52,6 @@ def checkpoint_name(name: str) -> str:
     return name
 
 
-def image_tokens_of(path: str) -> ImageTokens | None:
-    """The processor of the vision-language model in `path`, to expand examples with; None for a text model."""
-    from transformers import AutoConfig, AutoProcessor
-
-    config = AutoConfig.from_pretrained(path)
-    if not is_vision_language(config):
-        return None
-    allow_qwen2_vl_without_torchvision()
-    processor = AutoProcessor.from_pretrained(path)
-    return ImageTokens(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size)
-
-
 def vision_tower(model: nn.Module) -> nn.Module | None:
     return getattr(getattr(model, "model", None), "visual", None)
 
@@ -96,23 +83,24 @@ def place_images_by_batch(model: nn.Module) -> None:
     language_vision.get_placeholder_mask = types.MethodType(placeholder_mask, language_vision)
 
 
-def image_inputs(model: nn.Module, fields: dict[str, torch.Tensor], width: int, device: torch.device,
-                 idle: bool = False) -> dict:
-    """The forward's image arguments for a micro-batch's `fields` (`rlsys.data.image_tokens`) of
-    `width` columns: its image tokens' patches, the images' grids in token order, and which tokens
-    are image tokens (for the 3-D rotary positions). A micro-batch without pictures has none, or
+def image_inputs(model: nn.Module, pixels: torch.Tensor | None, grids: torch.Tensor | None, width: int,
+                 device: torch.device, idle: bool = False) -> dict:
+    """The forward's image arguments for a micro-batch of `width` columns whose per-token fields
+    (`rlsys.data.image_tokens`) are `pixels` and `grids` (None: no pictures): its image tokens'
+    patches, the images' grids in token order, and which tokens are image tokens (for the 3-D
+    rotary positions). A micro-batch without pictures has none, or
     with `idle` one blank picture of the smallest grid that fills no token: the vision tower still
     runs forward and backward (a zero gradient) in its place in the model, so the collectives of its
     FSDP units pair up with those of data-parallel ranks whose micro-batch has pictures (VeRL's
     dummy image)."""
     merge = model.config.vision_config.spatial_merge_size
-    grids = fields[GRIDS][:, :width] if GRIDS in fields else torch.zeros(1, width, 3, dtype=torch.long)
+    grids = grids[:, :width] if grids is not None else torch.zeros(1, width, 3, dtype=torch.long)
     positions = torch.zeros(grids.shape[:2], dtype=torch.bool)
     for row, col in grids[..., 0].nonzero().tolist():
         positions[row, col:col + int(grids[row, col].prod()) // merge ** 2] = True
     model.model.image_positions = positions.to(device)
     if positions.any():
-        patches = fields[PIXELS][:, :width][positions]
+        patches = pixels[:, :width][positions]
         pixels, image_grids = patches.reshape(patches.shape[0] * merge ** 2, -1), grids[grids[..., 0] > 0]
     elif idle:
         vision = model.config.vision_config

@@ -23,9 +23,9 @@ from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
 from rlsys.data.files import DataError, RowStats
+from rlsys.data.image_tokens import image_tokens_of
 from rlsys.data.preferences import load_preference_pairs
 from rlsys.data.tokenizer import load_tokenizer
-from rlsys.models.vision import image_tokens_of
 from rlsys.parallel.dims import ParallelDims
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.preflight import check_train_job

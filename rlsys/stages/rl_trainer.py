@@ -45,11 +45,10 @@ from rlsys.data.batching import (
     split_rows,
 )
 from rlsys.data.files import DataError
-from rlsys.data.image_tokens import ImagePixels, ImageTokens
+from rlsys.data.image_tokens import ImagePixels, ImageTokens, image_tokens_of
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.models.moe import moe_layer_indices
-from rlsys.models.vision import image_tokens_of
 from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs

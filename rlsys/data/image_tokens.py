@@ -3,15 +3,21 @@
 The chat template writes one image pad token per picture (`<|image_pad|>`); the model's processor
 resizes the picture, cuts it into patches and says how many tokens it becomes: one per
 `merge_size` x `merge_size` patches, the pad repeated that many times (vLLM expands a prompt's
-pads the same way). Each of those tokens carries its own patches in the batch, as the per-token
-fields
+pads the same way). A batch carries a row's pictures in three fields:
 
-    pixel_values    [B, T, merge_size ** 2 * patch values]: the token's patches (0 elsewhere)
-    image_grid_thw  [B, T, 3]: an image's (t, h, w) patch grid at its first token (0 elsewhere)
+    image_tokens    [B, T]: 1 on the row's image tokens (per token, as every other field)
+    pixel_values    [B, P, merge_size ** 2 * patch values]: the row's image tokens' patches, in
+                    token order, then zeros (P: the most image tokens of a row)
+    image_grid_thw  [B, G, 3]: the (t, h, w) patch grid of each of the row's pictures, in order,
+                    then zeros (G: the most pictures of a row)
 
-so a picture's pixels stay with its tokens wherever a batch is cut into rows, micro-batches or
-trimmed columns, and the model finds them in row-major token order, the order its processor
-flattened them in (each merged token's patches consecutive).
+Rows split and gather as every field does. The last two are not per token, yet the cuts a batch
+goes through keep them whole: a micro-batch is trimmed to its longest row, and a row holds at least
+as many tokens as image tokens, and those at least as many as pictures, so trimming to that length
+drops only their trailing zeros. (Context parallel, which cuts each row into chunks, and packing,
+which moves tokens between rows, are not used with these models.) The model reads the patches in
+row-major token order, the order its processor flattened them in (each merged token's patches
+consecutive).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import torch
 from rlsys.models.vision import is_vision_language
 from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
 
+IMAGE_TOKENS = "image_tokens"
 PIXELS = "pixel_values"
 GRIDS = "image_grid_thw"
-IMAGE_FIELDS = (PIXELS, GRIDS)
 
 
 @dataclass(frozen=True)
@@ -86,16 +92,18 @@ def image_tokens_of(path: str) -> ImageTokens | None:
 
 
 def image_fields(pixels: list[ImagePixels | None], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """The per-token image fields of a batch of `shape` [B, T] whose rows hold `pixels` (None: none)."""
-    width = next(p.pixels.shape[1] for p in pixels if p is not None)
-    values = torch.zeros(*shape, width)
-    grids = torch.zeros(*shape, 3, dtype=torch.long)
+    """The image fields of a batch of `shape` [B, T] whose rows hold `pixels` (None: no pictures)."""
+    rows = [p for p in pixels if p is not None]
+    most_tokens = max(len(p.pixels) for p in rows)
+    most_pictures = max(len(p.grids) for p in rows)
+    tokens = torch.zeros(shape, dtype=torch.long)
+    values = torch.zeros(shape[0], most_tokens, rows[0].pixels.shape[1])
+    grids = torch.zeros(shape[0], most_pictures, 3, dtype=torch.long)
     for row, row_pixels in enumerate(pixels):
         if row_pixels is None:
             continue
-        taken = 0
-        for start, grid, count in zip(row_pixels.starts, row_pixels.grids, row_pixels.counts):
-            values[row, start:start + count] = row_pixels.pixels[taken:taken + count]
-            grids[row, start] = grid
-            taken += count
-    return {PIXELS: values, GRIDS: grids}
+        for start, count in zip(row_pixels.starts, row_pixels.counts):
+            tokens[row, start:start + count] = 1
+        values[row, :len(row_pixels.pixels)] = row_pixels.pixels
+        grids[row, :len(row_pixels.grids)] = row_pixels.grids
+    return {IMAGE_TOKENS: tokens, PIXELS: values, GRIDS: grids}

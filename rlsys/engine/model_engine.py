@@ -31,7 +31,7 @@ from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
-from rlsys.data.image_tokens import GRIDS, PIXELS
+from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
 from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.grad_norm import clip_grad_norm
 from rlsys.engine.loading import load_parallel_model
@@ -358,8 +358,8 @@ class ModelEngine:
         if not self.vision:
             return {}
         fields = seq.fields
-        return image_inputs(self.parts[0], fields.get(PIXELS), fields.get(GRIDS), width, self.device,
-                            idle=self.spec.dims.dp_size > 1)
+        return image_inputs(self.parts[0], fields.get(IMAGE_TOKENS), fields.get(PIXELS), fields.get(GRIDS), width,
+                            self.device, idle=self.spec.dims.dp_size > 1)
 
     def _token_weights(self, seq: RankSequence) -> torch.Tensor:
         """[rows, span]: how many of the batch's tokens each input token stands for: 0 for padding,

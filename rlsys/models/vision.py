@@ -83,30 +83,26 @@ def place_images_by_batch(model: nn.Module) -> None:
     language_vision.get_placeholder_mask = types.MethodType(placeholder_mask, language_vision)
 
 
-def image_inputs(model: nn.Module, pixels: torch.Tensor | None, grids: torch.Tensor | None, width: int,
-                 device: torch.device, idle: bool = False) -> dict:
-    """The forward's image arguments for a micro-batch of `width` columns whose per-token fields
-    (`rlsys.data.image_tokens`) are `pixels` and `grids` (None: no pictures): its image tokens'
-    patches, the images' grids in token order, and which tokens are image tokens (for the 3-D
-    rotary positions). A micro-batch without pictures has none, or
-    with `idle` one blank picture of the smallest grid that fills no token: the vision tower still
-    runs forward and backward (a zero gradient) in its place in the model, so the collectives of its
-    FSDP units pair up with those of data-parallel ranks whose micro-batch has pictures (VeRL's
-    dummy image)."""
+def image_inputs(model: nn.Module, image_tokens: torch.Tensor | None, pixels: torch.Tensor | None,
+                 grids: torch.Tensor | None, width: int, device: torch.device, idle: bool = False) -> dict:
+    """The forward's image arguments for a micro-batch of `width` columns whose image fields
+    (`rlsys.data.image_tokens`) are `image_tokens`, `pixels` and `grids` (None: no pictures): its
+    image tokens' patches in token order, its pictures' grids, and which tokens are image tokens
+    (for the 3-D rotary positions). A micro-batch without pictures has none, or with `idle` one
+    blank picture of the smallest grid that fills no token: the vision tower still runs forward
+    and backward (a zero gradient) in its place in the model, so the collectives of its FSDP units
+    pair up with those of data-parallel ranks whose micro-batch has pictures (VeRL's dummy image)."""
     merge = model.config.vision_config.spatial_merge_size
-    grids = grids[:, :width] if grids is not None else torch.zeros(1, width, 3, dtype=torch.long)
-    positions = torch.zeros(grids.shape[:2], dtype=torch.bool)
-    for row, col in grids[..., 0].nonzero().tolist():
-        positions[row, col:col + int(grids[row, col].prod()) // merge ** 2] = True
+    positions = image_tokens[:, :width].bool() if image_tokens is not None else torch.zeros(1, width, dtype=torch.bool)
     model.model.image_positions = positions.to(device)
     if positions.any():
-        patches = pixels[:, :width][positions]
-        pixels, image_grids = patches.reshape(patches.shape[0] * merge ** 2, -1), grids[grids[..., 0] > 0]
+        patches = torch.cat([row[:count] for row, count in zip(pixels, positions.sum(1).tolist())])
+        patches, image_grids = patches.reshape(patches.shape[0] * merge ** 2, -1), grids[grids[..., 0] > 0]
     elif idle:
         vision = model.config.vision_config
-        pixels = torch.zeros(merge ** 2, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2)
+        patches = torch.zeros(merge ** 2, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2)
         image_grids = torch.tensor([[1, merge, merge]])
     else:
         return {}
-    return {"pixel_values": pixels.to(device), "image_grid_thw": image_grids.to(device),
+    return {"pixel_values": patches.to(device), "image_grid_thw": image_grids.to(device),
             "mm_token_type_ids": positions.int().to(device)}

@@ -43,16 +43,17 @@ def dots(count: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def dots_file(tmp_path_factory) -> str:
-    """4 rows asking how many dots a picture holds (1 to 4), then a row whose picture is not an image
-    and one with two <image> markers for its one picture."""
+    """4 rows asking how many dots a picture holds (1 to 4), then a row whose picture is not an image,
+    one with two <image> markers for its one picture, and one of 5 pictures (a prompt may hold 4)."""
     from datasets import Dataset
 
-    def row(count: int, picture: bytes, question: str = "<image>dots=") -> dict:
+    def row(count: int, pictures: list[bytes], question: str = "<image>dots=") -> dict:
         return {"data_source": "arith", "prompt": [{"role": "user", "content": question}],
-                "images": [{"bytes": picture, "path": None}], "reward_model": {"ground_truth": str(count)}}
+                "images": [{"bytes": picture, "path": None} for picture in pictures],
+                "reward_model": {"ground_truth": str(count)}}
 
-    rows = [row(count, dots(count)) for count in (1, 2, 3, 4)]
-    rows += [row(1, b"not a picture"), row(1, dots(1), "<image><image>dots=")]
+    rows = [row(count, [dots(count)]) for count in (1, 2, 3, 4)]
+    rows += [row(1, [b"not a picture"]), row(1, [dots(1)], "<image><image>dots="), row(5, [dots(1)] * 5, "<image>" * 5)]
     path = str(tmp_path_factory.mktemp("dots") / "dots.parquet")
     Dataset.from_list(rows).to_parquet(path)
     return path
@@ -68,13 +69,20 @@ def test_prompts_with_pictures_are_sampled_with_them_and_the_trainers_logprobs(t
     from rlsys.agents.loop import SingleTurnLoop
     from rlsys.agents.trajectory import Sampling
     from rlsys.config.rollout import RolloutConfig
+    from rlsys.data.files import DataError
+    from rlsys.data.image_tokens import image_tokens_of
     from rlsys.data.rl import load_prompts
 
     allow_qwen2_vl_without_torchvision()
     processor = AutoProcessor.from_pretrained(tiny_vl_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl_dir, dtype=torch.float32).eval()
-    prompts, stats = load_prompts([dots_file], processor.tokenizer)
-    assert len(prompts) == 4 and stats.skipped == 2
+    image_tokens = image_tokens_of(tiny_vl_dir)
+    prompts, stats = load_prompts([dots_file], processor.tokenizer, image_tokens=image_tokens)
+    assert len(prompts) == 4 and stats.skipped == 3
+    expanded = len(prompts[0].ids) + 3  # the context budget counts the pad as the engine expands it: 4 tokens
+    assert len(load_prompts([dots_file], processor.tokenizer, expanded, image_tokens=image_tokens)[0]) == 4
+    with pytest.raises(DataError, match=f"prompt of {expanded} tokens, over the {expanded - 1}"):
+        load_prompts([dots_file], processor.tokenizer, expanded - 1, image_tokens=image_tokens)
     image_pad = model.config.image_token_id
     assert all(p.ids.count(image_pad) == 1 and len(p.images) == 1 for p in prompts)
 
@@ -232,7 +240,7 @@ def test_the_eval_stage_runs_a_vision_language_model_and_a_layout_it_lacks_is_re
                                             f"eval.files=[{dots_file}]", "eval.reward=arith", "eval.max_new_tokens=4",
                                             "eval.engine_memory_gib=0.1", "ray.include_dashboard=false"])
     summary = run_eval(cfg)
-    assert summary["num_prompts"] == 4 and summary["skipped_rows"] == 2
+    assert summary["num_prompts"] == 4 and summary["skipped_rows"] == 3
     code = main(["rlvr", "--config", RL_CONFIG, f"model.path={tiny_vl_dir}", f"data.train_files=[{dots_file}]",
                  "eval=null", "parallel.tp=2"])
     err = capsys.readouterr().err.strip()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.models.vision import is_vision_language
+from rlsys.models.vision import IMAGES_PER_PROMPT, is_vision_language
 from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
 
 IMAGE_TOKENS = "image_tokens"
@@ -56,6 +56,18 @@ class ImageTokens:
     """The model's image processor (`AutoProcessor(...).image_processor`)."""
     image_token_id: int
     merge_size: int
+    max_images: int = IMAGES_PER_PROMPT
+    """The pictures a prompt may hold (the engines' `limit_mm_per_prompt`)."""
+
+    def expanded_length(self, input_ids: list[int], images: list) -> int:
+        """How many tokens `input_ids` become once their pads are expanded for `images` (PIL images),
+        without processing them; a ValueError when there are more pictures than a prompt may hold."""
+        if len(images) > self.max_images:
+            raise ValueError(f"images: {len(images)} pictures, over the {self.max_images} a prompt may hold "
+                             "(rollout.engine_kwargs.limit_mm_per_prompt)")
+        patches = sum(self.image_processor.get_number_of_image_patches(image.height, image.width, {})
+                      for image in images)
+        return len(input_ids) - len(images) + patches // self.merge_size ** 2
 
     def expand(self, input_ids: list[int], loss_mask: list[int], images: list
                ) -> tuple[list[int], list[int], ImagePixels]:
@@ -79,7 +91,7 @@ class ImageTokens:
         return ids, mask, ImagePixels(starts, counts, grids, pixels)
 
 
-def image_tokens_of(path: str) -> ImageTokens | None:
+def image_tokens_of(path: str, max_images: int = IMAGES_PER_PROMPT) -> ImageTokens | None:
     """The processor of the vision-language model in `path`, to expand examples with; None for a text model."""
     from transformers import AutoConfig, AutoProcessor
 
@@ -88,7 +100,8 @@ def image_tokens_of(path: str) -> ImageTokens | None:
         return None
     allow_qwen2_vl_without_torchvision()
     processor = AutoProcessor.from_pretrained(path)
-    return ImageTokens(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size)
+    return ImageTokens(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size,
+                       max_images)
 
 
 def image_fields(pixels: list[ImagePixels | None], shape: tuple[int, int]) -> dict[str, torch.Tensor]:

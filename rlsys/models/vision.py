@@ -32,6 +32,12 @@ def engine_image_limits(config) -> dict:
     return {"limit_mm_per_prompt": {"image": IMAGES_PER_PROMPT, "video": 0}} if is_vision_language(config) else {}
 
 
+def engine_image_limit(engine_kwargs: dict) -> int:
+    """The pictures a prompt may hold in engines started with `engine_kwargs` (`rollout.engine_kwargs`)."""
+    limits = engine_kwargs.get("limit_mm_per_prompt") or {}
+    return int(limits.get("image", IMAGES_PER_PROMPT))
+
+
 def model_class(config):
     """The transformers class that builds the trainer's model from `config`."""
     if not is_vision_language(config):

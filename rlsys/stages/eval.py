@@ -21,6 +21,7 @@ from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.config.rl import RewardConfig
 from rlsys.config.rollout import EvalConfig, RolloutConfig, ToolsConfig
 from rlsys.config.schema import EvalJobConfig
+from rlsys.data.image_tokens import image_tokens_of
 from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.rewards.loading import eval_term
@@ -41,7 +42,7 @@ class Evaluator:
         self.cfg, self.seed, self.loop = cfg, seed, loop
         self.response_tokens = max(response_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
         self.prompts, self.stats = load_prompts(cfg.files, tokenizer, prompt_budget(model_path, self.response_tokens),
-                                                cfg.limit, tools=tools)
+                                                cfg.limit, tools=tools, image_tokens=image_tokens_of(model_path))
         self.rewards = RewardPool(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
                                     role="val_reward")
 

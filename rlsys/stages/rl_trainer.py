@@ -49,6 +49,7 @@ from rlsys.data.image_tokens import ImagePixels, ImageTokens, image_tokens_of
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.models.moe import moe_layer_indices
+from rlsys.models.vision import engine_image_limit
 from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
@@ -87,8 +88,9 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
     agents = agent_setup(_loops(cfg), cfg.tools,
                          Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"))
     agents.check_template(tokenizer)
-    prompts, _ = load_prompts(cfg.data.train_files, tokenizer,
-                              prompt_budget(cfg.model.path, cfg.rollout.response_budget), tools=agents.schemas)
+    image_tokens = image_tokens_of(cfg.model.path, engine_image_limit(cfg.rollout.engine_kwargs))
+    budget = prompt_budget(cfg.model.path, cfg.rollout.response_budget)
+    prompts, _ = load_prompts(cfg.data.train_files, tokenizer, budget, tools=agents.schemas, image_tokens=image_tokens)
     if len(prompts) < cfg.train.prompts_per_step:
         raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
                         f"({cfg.train.prompts_per_step})")
@@ -96,7 +98,7 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
                           loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
                           response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget) \
         if cfg.eval else None
-    return RLData(tokenizer, prompts, evaluator, agents, image_tokens_of(cfg.model.path))
+    return RLData(tokenizer, prompts, evaluator, agents, image_tokens)
 
 
 def _loops(cfg: RLJobConfig) -> dict[str, str]:

@@ -150,10 +150,14 @@ def reference_inputs(tiny_vl_dir: str, rows: list[dict]) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_config, tiny_vl_dir, dots_sft_file):
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_shard=1", "parallel.tp=2"]],
+                         ids=["fsdp2", "tp2"])
+def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_config, tiny_vl_dir, dots_sft_file,
+                                                             layout):
     """The processor's path: each picture's pad becomes the 4 image tokens the model expects, with its
     pixels. Loss, gradients (vision tower included) and log-probs of the SFT loss and of the RL policy loss
-    on 2 FSDP2 ranks equal transformers' in one process; one rank's second micro-batch has no picture."""
+    on 2 FSDP2 ranks (one rank's second micro-batch has no picture), and on 2 tensor-parallel ranks (the
+    language model split, the vision tower whole on each), equal transformers' in one process."""
     import pandas as pd
     from parity import ALGO, assert_gradients_match, layout_run
     from transformers import AutoModelForImageTextToText
@@ -195,7 +199,7 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
         out.loss.backward()
         expected.append((out.loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
 
-    cfg = sft_config("parallel.dp_shard=2", "train.micro_batch_size=2", f"model.path={tiny_vl_dir}")
+    cfg = sft_config(*layout, "train.micro_batch_size=2", f"model.path={tiny_vl_dir}")
     [(metrics, got_sft), (_, got_rl)], got_logprobs, _ = layout_run(cfg, sft, rl, counts)
     assert metrics["loss"] == pytest.approx(expected[0][0], rel=1e-5)
     assert_gradients_match(got_sft, expected[0][1])
@@ -241,10 +245,11 @@ def test_the_eval_stage_runs_a_vision_language_model_and_a_layout_it_lacks_is_re
                                             "eval.engine_memory_gib=0.1", "ray.include_dashboard=false"])
     summary = run_eval(cfg)
     assert summary["num_prompts"] == 4 and summary["skipped_rows"] == 3
+    capsys.readouterr()  # what loading the data printed
     code = main(["rlvr", "--config", RL_CONFIG, f"model.path={tiny_vl_dir}", f"data.train_files=[{dots_file}]",
-                 "eval=null", "parallel.tp=2"])
+                 "eval=null", "parallel.cp=2"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "parallel.tp: a vision-language model" in err, err
+    assert code == 2 and len(err.splitlines()) == 1 and "parallel.cp: a vision-language model" in err, err
 
 
 def picture_logprob_gap(trainer) -> float:

@@ -37,13 +37,16 @@ from rlsys.parallel.dims import LayoutError
 
 log = logging.getLogger(__name__)
 
-TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
-"""Model types whose module names and attention follow the plan below."""
+TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "qwen2_vl_text")
+"""Model types (a vision-language model's: its language model's) whose module names and attention
+follow the plan below. A vision-language model's vision tower is not split: every tensor-parallel
+rank holds it whole (FSDP2 shards it over the data-parallel ranks) and runs it on the same pictures."""
 
 
 def check_tp_family(model_config: PretrainedConfig) -> None:
-    if model_config.model_type not in TP_FAMILIES:
-        raise LayoutError(f"parallel.tp: no tensor-parallel plan for model type {model_config.model_type!r} "
+    model_type = model_config.get_text_config().model_type
+    if model_type not in TP_FAMILIES:
+        raise LayoutError(f"parallel.tp: no tensor-parallel plan for model type {model_type!r} "
                           f"(plans: {', '.join(TP_FAMILIES)})")
 
 
@@ -52,21 +55,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     """Turn `model`'s weights into DTensors over `tp_mesh`, in place; parameter names stay HF's.
     A critic's one-output value head is not split: it takes the whole sequence."""
     residual = Shard(1) if sequence_parallel else Replicate()
-    top = top_plan(residual, sequence_parallel, loss_parallel, value_head)
+    decoder = "model.language_model" if _has_module(model, "model.language_model") else "model"
+    top = top_plan(residual, sequence_parallel, loss_parallel, value_head, decoder)
     # a pipeline stage lacks the embedding, the final norm or the LM head, and most blocks
     present = {name: style for name, style in top.items() if _has_module(model, name)}
     parallelize_module(model, tp_mesh, present)
-    for block in model.model.layers:
+    for block in model.get_submodule(decoder).layers:
         if block is not None:
             parallelize_module(block, tp_mesh, block_plan(block, residual, sequence_parallel))
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
              "on" if sequence_parallel else "off", "on" if loss_parallel else "off")
 
 
-def top_plan(residual, sequence_parallel: bool, loss_parallel: bool, value_head: bool) -> dict:
-    """The styles of the modules outside the decoder blocks, by module name."""
+def top_plan(residual, sequence_parallel: bool, loss_parallel: bool, value_head: bool, decoder: str = "model"
+             ) -> dict:
+    """The styles of the modules outside the decoder blocks, by module name; `decoder`: the module
+    holding the embedding, blocks and final norm (a vision-language model's language model)."""
     top = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        f"{decoder}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "lm_head": ColwiseParallel(input_layouts=residual,
                                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=not loss_parallel),
@@ -75,7 +81,7 @@ def top_plan(residual, sequence_parallel: bool, loss_parallel: bool, value_head:
         top["lm_head"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
                                             use_local_output=True)
     if sequence_parallel:
-        top["model.norm"] = SequenceParallel()
+        top[f"{decoder}.norm"] = SequenceParallel()
     return top
 
 

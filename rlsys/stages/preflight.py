@@ -286,20 +286,21 @@ def check_model_dir(model: ModelConfig, key: str):
 
 
 def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig, stage: str) -> None:
-    """What a vision-language model trains with so far: data and FSDP2 parallel (docs/vision.md)."""
+    """What a vision-language model trains with so far: data and tensor parallel (docs/vision.md)."""
     if not is_vision_language(config):
         if model.freeze_vision:
             raise ConfigError(f"model.freeze_vision: {model.path} has no vision tower")
         return
     refusals = {
-        "parallel.pp": parallel.pp > 1, "parallel.tp": parallel.tp > 1, "parallel.cp": parallel.cp > 1,
-        "model.lora.rank": model.lora.rank > 0, "stage": stage == "rm",
+        "parallel.pp": parallel.pp > 1, "parallel.cp": parallel.cp > 1,
+        "parallel.sequence_parallel": parallel.sequence_parallel, "model.lora.rank": model.lora.rank > 0,
+        "stage": stage == "rm",
     }
     for key, refused in refusals.items():
         if refused:
             raise ConfigError(f"{key}: a vision-language model ({type(config).__name__}) trains on data-parallel "
-                              "layouts (dp_shard, dp_replicate), every weight, with the sft and rlvr stages; "
-                              "not with this yet (docs/vision.md)")
+                              "and tensor-parallel layouts (dp_shard, dp_replicate, tp), every weight, with the sft "
+                              "and rlvr stages; not with this yet (docs/vision.md)")
 
 
 def _refuse_random_init(model: ModelConfig) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from rlsys.config.training import DataConfig
 from rlsys.data.files import RowStats, convert_rows
-from rlsys.data.image_tokens import ImagePixels, ImageTokens
+from rlsys.data.image_tokens import ImageExpander, ImagePixels
 from rlsys.data.images import load_images, with_image_parts
 
 
@@ -33,13 +33,13 @@ def load_pretrain_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], R
     return [Example(w, [1] * n) for w in windows], stats
 
 
-def load_sft_examples(cfg: DataConfig, tokenizer, image_tokens: ImageTokens | None = None
+def load_sft_examples(cfg: DataConfig, tokenizer, expander: ImageExpander | None = None
                       ) -> tuple[list[Example], RowStats]:
     """Prompt/response or chat rows; only response (assistant) tokens are targets. A vision-language
-    model's (`image_tokens`) rows may hold pictures (`rlsys.data.images`)."""
+    model's (`expander`) rows may hold pictures (`rlsys.data.images`)."""
 
     def convert(row: dict) -> Example:
-        example = sft_example(row, cfg, tokenizer, image_tokens)
+        example = sft_example(row, cfg, tokenizer, expander)
         if len(example.input_ids) > cfg.max_seq_len:
             raise ValueError(f"{len(example.input_ids)} tokens > data.max_seq_len={cfg.max_seq_len}")
         return example
@@ -47,10 +47,10 @@ def load_sft_examples(cfg: DataConfig, tokenizer, image_tokens: ImageTokens | No
     return convert_rows(cfg.train_files, convert, "sft data")
 
 
-def sft_example(row: dict, cfg: DataConfig, tokenizer, image_tokens: ImageTokens | None = None) -> Example:
+def sft_example(row: dict, cfg: DataConfig, tokenizer, expander: ImageExpander | None = None) -> Example:
     tools = row.get(cfg.tools_key) or None
     images = load_images(row["images"]) if row.get("images") is not None else []
-    if images and image_tokens is None:
+    if images and expander is None:
         raise ValueError("images: the model is not a vision-language model")
     if cfg.messages_key in row and row[cfg.messages_key] is not None:
         messages = chat_messages(row[cfg.messages_key], cfg.messages_key)
@@ -64,7 +64,7 @@ def sft_example(row: dict, cfg: DataConfig, tokenizer, image_tokens: ImageTokens
     if not images:
         return _chat_example(messages, tokenizer, tools)
     example = _chat_example(with_image_parts(messages, len(images)), tokenizer, tools)
-    return Example(*image_tokens.expand(example.input_ids, example.loss_mask, images))
+    return Example(*expander.expand(example.input_ids, example.loss_mask, images))
 
 
 def _plain_example(prompt: str, response: str, tokenizer) -> Example:

@@ -49,7 +49,7 @@ class ImagePixels:
 
 
 @dataclass(frozen=True)
-class ImageTokens:
+class ImageExpander:
     """A vision-language model's processor, as far as expanding examples goes."""
 
     image_processor: object
@@ -72,7 +72,8 @@ class ImageTokens:
     def expand(self, input_ids: list[int], loss_mask: list[int], images: list
                ) -> tuple[list[int], list[int], ImagePixels]:
         """`input_ids` with each image pad repeated to its picture's token count (and `loss_mask`
-        alike), with the pictures' patches; a ValueError when pads and pictures differ in number."""
+        alike, 0 on the image tokens), with the pictures' patches; a ValueError when pads and
+        pictures differ in number."""
         pads = input_ids.count(self.image_token_id)
         if pads != len(images):
             raise ValueError(f"{pads} image tokens for {len(images)} images")
@@ -87,11 +88,28 @@ class ImageTokens:
             if token == self.image_token_id:
                 starts.append(len(ids))
             ids.extend([token] * repeat)
-            mask.extend([target] * repeat)
+            mask.extend([0 if token == self.image_token_id else target] * repeat)  # a picture is not a target
         return ids, mask, ImagePixels(starts, counts, grids, pixels)
 
 
-def image_tokens_of(path: str, max_images: int = IMAGES_PER_PROMPT) -> ImageTokens | None:
+    def expand_prompts(self, prompts: list[tuple[list[int], list | None]]
+                       ) -> tuple[list[list[int]], list[ImagePixels | None]]:
+        """Rows' prompt ids with their pictures (None: none), expanded; each distinct prompt once (a
+        prompt's samples share it)."""
+        done: dict[tuple, tuple[list[int], ImagePixels | None]] = {}
+        rows = []
+        for ids, images in prompts:
+            key = (tuple(ids), id(images))
+            if key not in done and images:
+                expanded, _, pixels = self.expand(ids, [0] * len(ids), images)
+                done[key] = expanded, pixels
+            elif key not in done:
+                done[key] = ids, None
+            rows.append(done[key])
+        return [ids for ids, _ in rows], [pixels for _, pixels in rows]
+
+
+def image_expander_of(path: str, max_images: int = IMAGES_PER_PROMPT) -> ImageExpander | None:
     """The processor of the vision-language model in `path`, to expand examples with; None for a text model."""
     from transformers import AutoConfig, AutoProcessor
 
@@ -100,7 +118,7 @@ def image_tokens_of(path: str, max_images: int = IMAGES_PER_PROMPT) -> ImageToke
         return None
     allow_qwen2_vl_without_torchvision()
     processor = AutoProcessor.from_pretrained(path)
-    return ImageTokens(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size,
+    return ImageExpander(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size,
                        max_images)
 
 

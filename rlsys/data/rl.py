@@ -12,7 +12,7 @@ import numpy as np
 
 from rlsys.data.examples import chat_messages
 from rlsys.data.files import RowStats, convert_rows
-from rlsys.data.image_tokens import ImageTokens
+from rlsys.data.image_tokens import ImageExpander
 from rlsys.data.images import load_images, with_image_parts
 
 
@@ -43,14 +43,14 @@ class Prompt:
 
 
 def load_prompts(paths: list[str], tokenizer, max_tokens: int | None = None, limit: int = 0,
-                 tools: list[dict] | None = None, image_tokens: ImageTokens | None = None
+                 tools: list[dict] | None = None, expander: ImageExpander | None = None
                  ) -> tuple[list[Prompt], RowStats]:
     """The prompts of `paths`; a row whose prompt is longer than `max_tokens` is skipped and
     counted (`prompt_budget`), as VeRL filters overlong prompts. `tools`: OpenAI function
-    schemas the chat template renders into chat prompts (`tools=`). `image_tokens`: a
+    schemas the chat template renders into chat prompts (`tools=`). `expander`: a
     vision-language model's, which counts a prompt's image tokens as the engine expands them and
     skips a row with more pictures than a prompt may hold."""
-    prompts, stats = convert_rows(paths, lambda row: to_prompt(row, tokenizer, max_tokens, tools, image_tokens),
+    prompts, stats = convert_rows(paths, lambda row: to_prompt(row, tokenizer, max_tokens, tools, expander),
                                   "rl data")
     return (prompts[:limit] if limit else prompts), stats
 
@@ -66,7 +66,7 @@ def prompt_budget(model_path: str, response_tokens: int) -> int | None:
 
 
 def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[dict] | None = None,
-              image_tokens: ImageTokens | None = None) -> Prompt:
+              expander: ImageExpander | None = None) -> Prompt:
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError("missing reward_model.ground_truth")
@@ -81,7 +81,7 @@ def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[d
     elif images:
         raise ValueError("images: a plain-string prompt has no place for them; give chat messages with <image>")
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    length = image_tokens.expanded_length(ids, images) if images and image_tokens is not None else len(ids)
+    length = expander.expanded_length(ids, images) if images and expander is not None else len(ids)
     if max_tokens is not None and length > max_tokens:
         raise ValueError(f"prompt of {length} tokens, over the {max_tokens} that leave room for the response "
                          "in the model's context")

@@ -358,8 +358,8 @@ class ModelEngine:
         if not self.vision:
             return {}
         fields = seq.fields
-        return image_inputs(self.parts[0], fields.get(IMAGE_TOKENS), fields.get(PIXELS), fields.get(GRIDS), width,
-                            self.device, idle=self.spec.dims.dp_size > 1)
+        return image_inputs(self.parts[0], fields.get(IMAGE_TOKENS), fields.get(PIXELS), fields.get(GRIDS),
+                            seq.input_ids.shape[0], width, self.device, idle=self.spec.dims.dp_size > 1)
 
     def _token_weights(self, seq: RankSequence) -> torch.Tensor:
         """[rows, span]: how many of the batch's tokens each input token stands for: 0 for padding,

@@ -18,6 +18,9 @@ from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
 IMAGES_PER_PROMPT = 4
 """The pictures a prompt may hold, by default (`rollout.engine_kwargs.limit_mm_per_prompt` sets it)."""
 
+VL_FAMILIES = ("qwen2_vl",)
+"""Model types the trainer's vision-language path is built and tested for."""
+
 _CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
@@ -80,6 +83,8 @@ def place_images_by_batch(model: nn.Module) -> None:
 
     def placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
         positions = self.image_positions
+        if positions is None:  # a forward not through the trainer's engine: transformers' own way
+            return type(self).get_placeholder_mask(self, input_ids, inputs_embeds, image_features, video_features)
         if image_features is not None and positions.any() and positions.sum() != image_features.shape[0]:
             raise ValueError(f"{int(positions.sum())} image tokens for {image_features.shape[0]} features")
         mask = positions.unsqueeze(-1).expand_as(inputs_embeds)
@@ -90,8 +95,8 @@ def place_images_by_batch(model: nn.Module) -> None:
 
 
 def image_inputs(model: nn.Module, image_tokens: torch.Tensor | None, pixels: torch.Tensor | None,
-                 grids: torch.Tensor | None, width: int, device: torch.device, idle: bool = False) -> dict:
-    """The forward's image arguments for a micro-batch of `width` columns whose image fields
+                 grids: torch.Tensor | None, rows: int, width: int, device: torch.device, idle: bool = False) -> dict:
+    """The forward's image arguments for a micro-batch of `rows` x `width` tokens whose image fields
     (`rlsys.data.image_tokens`) are `image_tokens`, `pixels` and `grids` (None: no pictures): its
     image tokens' patches in token order, its pictures' grids, and which tokens are image tokens
     (for the 3-D rotary positions). A micro-batch without pictures has none, or with `idle` one
@@ -99,7 +104,7 @@ def image_inputs(model: nn.Module, image_tokens: torch.Tensor | None, pixels: to
     and backward (a zero gradient) in its place in the model, so the collectives of its FSDP units
     pair up with those of data-parallel ranks whose micro-batch has pictures (VeRL's dummy image)."""
     merge = model.config.vision_config.spatial_merge_size
-    positions = image_tokens[:, :width].bool() if image_tokens is not None else torch.zeros(1, width, dtype=torch.bool)
+    positions = torch.zeros(rows, width, dtype=torch.bool) if image_tokens is None else image_tokens[:, :width].bool()
     model.model.image_positions = positions.to(device)
     if positions.any():
         patches = torch.cat([row[:count] for row, count in zip(pixels, positions.sum(1).tolist())])

@@ -57,8 +57,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         **({"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= lora_rank)}
            if lora_rank else {}),
         **({"enable_return_routed_experts": True} if return_routing else {}),
-        **images,
-        **cfg.engine_kwargs,
+        **{**images, **cfg.engine_kwargs},  # the user's limit_mm_per_prompt over the default
     )
 
 

@@ -21,9 +21,10 @@ from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.config.rl import RewardConfig
 from rlsys.config.rollout import EvalConfig, RolloutConfig, ToolsConfig
 from rlsys.config.schema import EvalJobConfig
-from rlsys.data.image_tokens import image_tokens_of
+from rlsys.data.image_tokens import image_expander_of
 from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
+from rlsys.models.vision import IMAGES_PER_PROMPT
 from rlsys.rewards.loading import eval_term
 from rlsys.rewards.scoring import reward_inputs
 from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
@@ -35,14 +36,17 @@ log = logging.getLogger(__name__)
 
 class Evaluator:
     def __init__(self, cfg: EvalConfig, tokenizer, seed: int, model_path: str, reward_timeout_s: float = 10.0,
-                 loop: str = "single_turn", tools: list[dict] | None = None, response_tokens: int | None = None):
+                 loop: str = "single_turn", tools: list[dict] | None = None, response_tokens: int | None = None,
+                 max_images: int = IMAGES_PER_PROMPT):
         """Loads and tokenises the split (for the context of the model at `model_path`, with the
         `tools` schemas in its chat prompts) and checks the reward; starts nothing. `loop`: the
-        agent loop that answers each prompt; `response_tokens`: a whole response's budget."""
+        agent loop that answers each prompt; `response_tokens`: a whole response's budget;
+        `max_images`: the pictures a prompt may hold in the engines that answer."""
         self.cfg, self.seed, self.loop = cfg, seed, loop
         self.response_tokens = max(response_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
         self.prompts, self.stats = load_prompts(cfg.files, tokenizer, prompt_budget(model_path, self.response_tokens),
-                                                cfg.limit, tools=tools, image_tokens=image_tokens_of(model_path))
+                                                cfg.limit, tools=tools,
+                                                expander=image_expander_of(model_path, max_images))
         self.rewards = RewardPool(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
                                     role="val_reward")
 

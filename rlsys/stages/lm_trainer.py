@@ -23,7 +23,7 @@ from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
 from rlsys.data.files import DataError, RowStats
-from rlsys.data.image_tokens import image_tokens_of
+from rlsys.data.image_tokens import image_expander_of
 from rlsys.data.preferences import load_preference_pairs
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.parallel.dims import ParallelDims
@@ -81,7 +81,7 @@ def load_units(cfg: TrainJobConfig, stage: Stage, tokenizer) -> tuple[list[Unit]
     if stage == "pretrain":
         examples, stats = load_pretrain_examples(cfg.data, tokenizer)
     else:
-        examples, stats = load_sft_examples(cfg.data, tokenizer, image_tokens_of(cfg.model.path))
+        examples, stats = load_sft_examples(cfg.data, tokenizer, image_expander_of(cfg.model.path))
     return [(example,) for example in examples], stats
 
 

@@ -19,7 +19,7 @@ from rlsys.config.rollout import EvalConfig
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.config.training import TrainConfig
 from rlsys.models.moe import moe_family, num_experts
-from rlsys.models.vision import is_vision_language
+from rlsys.models.vision import VL_FAMILIES, is_vision_language
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
@@ -68,7 +68,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     _require(cfg.output_dir, "output_dir")
     _refuse_random_init(cfg.model)
     model_config = check_model_dir(cfg.model, "model.path")
-    _check_vision_language(model_config, cfg.model, cfg.parallel, "rlvr")
+    _check_vision_language(model_config, cfg.model, cfg.parallel, "rlvr", cfg)
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     if cfg.model.lora.syncs_adapters and cfg.train.async_mode != "off":
@@ -285,22 +285,35 @@ def check_model_dir(model: ModelConfig, key: str):
     return config
 
 
-def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig, stage: str) -> None:
-    """What a vision-language model trains with so far: data and tensor parallel (docs/vision.md)."""
+def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig, stage: str,
+                           rl: RLJobConfig | None = None) -> None:
+    """What a vision-language model trains with so far (docs/vision.md): Qwen2-VL, the sft and rlvr
+    stages, data and tensor parallel, every weight; in RL, synchronous steps of the single-turn or
+    tool loop, without a critic or a teacher, with the trainer's processor settings."""
     if not is_vision_language(config):
         if model.freeze_vision:
             raise ConfigError(f"model.freeze_vision: {model.path} has no vision tower")
         return
+    if config.model_type not in VL_FAMILIES:
+        raise ConfigError(f"model.path: {model.path} is a vision-language model of type {config.model_type!r}; "
+                          f"training is built for {', '.join(VL_FAMILIES)} (docs/vision.md)")
     refusals = {
-        "parallel.pp": parallel.pp > 1, "parallel.cp": parallel.cp > 1,
+        "stage": stage not in ("sft", "rlvr"), "parallel.pp": parallel.pp > 1, "parallel.cp": parallel.cp > 1,
         "parallel.sequence_parallel": parallel.sequence_parallel, "model.lora.rank": model.lora.rank > 0,
-        "stage": stage == "rm",
     }
+    if rl is not None:
+        refusals.update({
+            "algorithm.adv_estimator": rl.algorithm.adv_estimator == "gae",
+            "algorithm.distill": rl.algorithm.distill is not None,
+            "rollout.agent_loop": rl.rollout.agent_loop == "openai",
+            "train.async_mode": rl.train.async_mode != "off",
+            "rollout.engine_kwargs.mm_processor_kwargs": "mm_processor_kwargs" in rl.rollout.engine_kwargs,
+        })
     for key, refused in refusals.items():
         if refused:
-            raise ConfigError(f"{key}: a vision-language model ({type(config).__name__}) trains on data-parallel "
-                              "and tensor-parallel layouts (dp_shard, dp_replicate, tp), every weight, with the sft "
-                              "and rlvr stages; not with this yet (docs/vision.md)")
+            raise ConfigError(f"{key}: not built yet for a vision-language model ({type(config).__name__}): it "
+                              "trains with the sft and rlvr stages on data- and tensor-parallel layouts, every "
+                              "weight, in synchronous RL with the single_turn or tool loop (docs/vision.md)")
 
 
 def _refuse_random_init(model: ModelConfig) -> None:

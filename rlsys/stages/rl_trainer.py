@@ -45,7 +45,7 @@ from rlsys.data.batching import (
     split_rows,
 )
 from rlsys.data.files import DataError
-from rlsys.data.image_tokens import ImagePixels, ImageTokens, image_tokens_of
+from rlsys.data.image_tokens import ImageExpander, ImagePixels, image_expander_of
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.models.moe import moe_layer_indices
@@ -79,7 +79,7 @@ class RLData:
     prompts: list[Prompt]
     evaluator: Evaluator | None
     agents: AgentSetup
-    image_tokens: ImageTokens | None = None
+    expander: ImageExpander | None = None
     """A vision-language model's processor: the trainer's rows carry the prompts' pictures expanded."""
 
 
@@ -88,17 +88,18 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
     agents = agent_setup(_loops(cfg), cfg.tools,
                          Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"))
     agents.check_template(tokenizer)
-    image_tokens = image_tokens_of(cfg.model.path, engine_image_limit(cfg.rollout.engine_kwargs))
+    max_images = engine_image_limit(cfg.rollout.engine_kwargs)
+    expander = image_expander_of(cfg.model.path, max_images)
     budget = prompt_budget(cfg.model.path, cfg.rollout.response_budget)
-    prompts, _ = load_prompts(cfg.data.train_files, tokenizer, budget, tools=agents.schemas, image_tokens=image_tokens)
+    prompts, _ = load_prompts(cfg.data.train_files, tokenizer, budget, tools=agents.schemas, expander=expander)
     if len(prompts) < cfg.train.prompts_per_step:
         raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
                         f"({cfg.train.prompts_per_step})")
     evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, cfg.reward.timeout_s,
                           loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
-                          response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget) \
-        if cfg.eval else None
-    return RLData(tokenizer, prompts, evaluator, agents, image_tokens)
+                          response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget,
+                          max_images=max_images) if cfg.eval else None
+    return RLData(tokenizer, prompts, evaluator, agents, expander)
 
 
 def _loops(cfg: RLJobConfig) -> dict[str, str]:
@@ -115,7 +116,7 @@ class RLVRTrainer:
         self.cfg = cfg
         data = data or load_rl_data(cfg)
         self.tokenizer, self.prompts = data.tokenizer, data.prompts
-        self.evaluator, self.agents, self.image_tokens = data.evaluator, data.agents, data.image_tokens
+        self.evaluator, self.agents, self.expander = data.evaluator, data.agents, data.expander
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = updates_per_step(cfg)
         self.old_logprobs = old_logprobs_source(cfg)
@@ -235,17 +236,10 @@ class RLVRTrainer:
 
     def _prompts_with_pictures(self, samples: list[Trajectory]) -> tuple[list[list[int]], list[ImagePixels | None]]:
         """Each sample's prompt ids as the trainer's model reads them: a vision-language prompt's
-        image pads expanded, with its pictures' pixels (once per prompt: its samples share them)."""
-        if self.image_tokens is None:
+        image pads expanded, with its pictures' pixels."""
+        if self.expander is None:
             return [s.prompt_ids for s in samples], [None] * len(samples)
-        expanded: dict[int, tuple[list[int], ImagePixels]] = {}
-        for s in samples:
-            images = self.prompts[s.prompt_index].images
-            if images and s.prompt_index not in expanded:
-                ids, _, pixels = self.image_tokens.expand(s.prompt_ids, [0] * len(s.prompt_ids), images)
-                expanded[s.prompt_index] = ids, pixels
-        rows = [expanded.get(s.prompt_index, (s.prompt_ids, None)) for s in samples]
-        return [ids for ids, _ in rows], [pixels for _, pixels in rows]
+        return self.expander.expand_prompts([(s.prompt_ids, self.prompts[s.prompt_index].images) for s in samples])
 
     def _rollout(self, step: int, timer: PhaseTimer
                  ) -> tuple[list[Trajectory], torch.Tensor, list[ScoredSample], torch.Tensor, dict[str, float]]:

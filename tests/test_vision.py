@@ -166,7 +166,7 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
     from rlsys.config.training import DataConfig
     from rlsys.data.batching import collate, num_targets
-    from rlsys.data.examples import load_sft_examples
+    from rlsys.data.examples import load_sft_examples, with_pixels
     from rlsys.data.image_tokens import image_expander_of
     
     expander = image_expander_of(tiny_vl_dir)
@@ -174,6 +174,7 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     examples, stats = load_sft_examples(DataConfig(train_files=[dots_sft_file], max_seq_len=64), tokenizer,
                                         expander)
     assert len(examples) == 8 and stats.skipped == 0
+    examples = with_pixels(examples, expander)
     sft = collate(examples, tokenizer.pad_token_id)
     reference = reference_inputs(tiny_vl_dir, pd.read_parquet(dots_sft_file).to_dict("records"))
     assert torch.equal(reference["input_ids"], sft["input_ids"] * sft["attention_mask"])

@@ -118,7 +118,7 @@ def collate_rollouts(prompt_ids: list[list[int]], response_ids: list[list[int]],
     `prompt_pixels`: a vision-language prompt's pictures, its `prompt_ids` expanded for them."""
     masks = response_masks or [[1] * len(r) for r in response_ids]
     pixels = prompt_pixels or [None] * len(prompt_ids)
-    examples = [Example(p + r, [0] * len(p) + list(m), x)
+    examples = [Example(p + r, [0] * len(p) + list(m), pixels=x)
                 for p, r, m, x in zip(prompt_ids, response_ids, masks, pixels)]
     return collate(examples, pad_id)
 

@@ -6,11 +6,11 @@ prediction target (the model predicts it from the tokens before it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlsys.config.training import DataConfig
 from rlsys.data.files import RowStats, convert_rows
-from rlsys.data.image_tokens import ImageExpander, ImagePixels
+from rlsys.data.image_tokens import ImageExpander, ImagePixels, Pictures
 from rlsys.data.images import load_images, with_image_parts
 
 
@@ -18,8 +18,18 @@ from rlsys.data.images import load_images, with_image_parts
 class Example:
     input_ids: list[int]
     loss_mask: list[int]
+    pictures: Pictures | None = None
+    """A vision-language example's pictures, its image pads expanded for them (`rlsys.data.image_tokens`):
+    held as loaded (decoded images), processed into `pixels` for the batches that take the example."""
     pixels: ImagePixels | None = None
-    """A vision-language example's pictures, its image pads expanded (`rlsys.data.image_tokens`)."""
+    """The pictures processed, as a batch holds them."""
+
+
+def with_pixels(examples: list[Example], expander: ImageExpander | None) -> list[Example]:
+    """`examples` with their pictures processed (`Example.pixels`), for a batch to hold."""
+    if expander is None:
+        return examples
+    return [replace(e, pixels=expander.process(e.pictures)) if e.pictures is not None else e for e in examples]
 
 
 def load_pretrain_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], RowStats]:

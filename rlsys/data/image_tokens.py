@@ -35,13 +35,23 @@ GRIDS = "image_grid_thw"
 
 
 @dataclass(frozen=True)
-class ImagePixels:
-    """An example's pictures, expanded: where each starts, its patch grid, and every image token's patches."""
+class Pictures:
+    """An example's pictures, not yet processed, and where their image tokens are."""
 
+    images: list
+    """PIL images, in the order their tokens come."""
     starts: list[int]
     """The position of each picture's first image token in the example."""
     counts: list[int]
     """The image tokens of each picture."""
+
+
+@dataclass(frozen=True)
+class ImagePixels:
+    """An example's pictures, processed: where each starts, its patch grid, and every image token's patches."""
+
+    starts: list[int]
+    counts: list[int]
     grids: torch.Tensor
     """[pictures, 3]: (t, h, w) patches of each."""
     pixels: torch.Tensor
@@ -59,28 +69,28 @@ class ImageExpander:
     max_images: int = IMAGES_PER_PROMPT
     """The pictures a prompt may hold (the engines' `limit_mm_per_prompt`)."""
 
-    def expanded_length(self, input_ids: list[int], images: list) -> int:
-        """How many tokens `input_ids` become once their pads are expanded for `images` (PIL images),
-        without processing them; a ValueError when there are more pictures than a prompt may hold."""
+    def token_counts(self, images: list) -> list[int]:
+        """The image tokens of each of `images` (PIL images), from the processor's patch grid without
+        processing them; a ValueError when there are more pictures than a prompt may hold."""
         if len(images) > self.max_images:
             raise ValueError(f"images: {len(images)} pictures, over the {self.max_images} a prompt may hold "
                              "(rollout.engine_kwargs.limit_mm_per_prompt)")
-        patches = sum(self.image_processor.get_number_of_image_patches(image.height, image.width, {})
-                      for image in images)
-        return len(input_ids) - len(images) + patches // self.merge_size ** 2
+        return [self.image_processor.get_number_of_image_patches(image.height, image.width, {}) // self.merge_size ** 2
+                for image in images]
+
+    def expanded_length(self, input_ids: list[int], images: list) -> int:
+        """How many tokens `input_ids` become once their pads are expanded for `images`."""
+        return len(input_ids) - len(images) + sum(self.token_counts(images))
 
     def expand(self, input_ids: list[int], loss_mask: list[int], images: list
-               ) -> tuple[list[int], list[int], ImagePixels]:
+               ) -> tuple[list[int], list[int], Pictures]:
         """`input_ids` with each image pad repeated to its picture's token count (and `loss_mask`
-        alike, 0 on the image tokens), with the pictures' patches; a ValueError when pads and
-        pictures differ in number."""
+        alike, 0 on the image tokens), and where the pictures' tokens are; nothing is processed yet
+        (`process`). A ValueError when pads and pictures differ in number."""
         pads = input_ids.count(self.image_token_id)
         if pads != len(images):
             raise ValueError(f"{pads} image tokens for {len(images)} images")
-        processed = self.image_processor(images=images, return_tensors="pt")
-        grids = processed["image_grid_thw"]
-        pixels = processed["pixel_values"].reshape(int(grids.prod(-1).sum()) // self.merge_size ** 2, -1)
-        counts = (grids.prod(-1) // self.merge_size ** 2).tolist()
+        counts = self.token_counts(images)
         left = iter(counts)
         ids, mask, starts = [], [], []
         for token, target in zip(input_ids, loss_mask):
@@ -89,20 +99,28 @@ class ImageExpander:
                 starts.append(len(ids))
             ids.extend([token] * repeat)
             mask.extend([0 if token == self.image_token_id else target] * repeat)  # a picture is not a target
-        return ids, mask, ImagePixels(starts, counts, grids, pixels)
+        return ids, mask, Pictures(images, starts, counts)
 
+    def process(self, pictures: Pictures) -> ImagePixels:
+        """The pictures' patch grids and every image token's patches."""
+        processed = self.image_processor(images=pictures.images, return_tensors="pt")
+        grids = processed["image_grid_thw"]
+        counts = (grids.prod(-1) // self.merge_size ** 2).tolist()
+        if counts != pictures.counts:  # the processor's own grid against the one counted at load
+            raise ValueError(f"the processor made {counts} image tokens of pictures counted as {pictures.counts}")
+        return ImagePixels(pictures.starts, counts, grids, processed["pixel_values"].reshape(sum(counts), -1))
 
     def expand_prompts(self, prompts: list[tuple[list[int], list | None]]
                        ) -> tuple[list[list[int]], list[ImagePixels | None]]:
-        """Rows' prompt ids with their pictures (None: none), expanded; each distinct prompt once (a
-        prompt's samples share it)."""
+        """Rows' prompt ids with their pictures (None: none), expanded and processed; each distinct
+        prompt once (a prompt's samples share it)."""
         done: dict[tuple, tuple[list[int], ImagePixels | None]] = {}
         rows = []
         for ids, images in prompts:
             key = (tuple(ids), id(images))
             if key not in done and images:
-                expanded, _, pixels = self.expand(ids, [0] * len(ids), images)
-                done[key] = expanded, pixels
+                expanded, _, pictures = self.expand(ids, [0] * len(ids), images)
+                done[key] = expanded, self.process(pictures)
             elif key not in done:
                 done[key] = ids, None
             rows.append(done[key])

@@ -21,9 +21,9 @@ from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.algorithms.preference_loss import bradley_terry_loss
 from rlsys.config.schema import TrainJobConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
-from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples
+from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples, with_pixels
 from rlsys.data.files import DataError, RowStats
-from rlsys.data.image_tokens import image_expander_of
+from rlsys.data.image_tokens import ImageExpander, image_expander_of
 from rlsys.data.preferences import load_preference_pairs
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.parallel.dims import ParallelDims
@@ -44,7 +44,8 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     check_train_job(cfg, stage)
     started = time.time()
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    examples, row_stats = load_units(cfg, stage, tokenizer)
+    expander = image_expander_of(cfg.model.path) if stage == "sft" else None
+    examples, row_stats = load_units(cfg, stage, tokenizer, expander)
     try:
         sampler = EpochSampler(len(examples), cfg.train.global_batch_size, cfg.seed)
     except ValueError as err:
@@ -60,7 +61,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     log.info("%s: %d training %s (%d rows skipped)", stage, len(examples), "pairs" if stage == "rm" else "sequences",
              row_stats.skipped)
     run = run_stage(cfg, stage, lambda checkpoints: LMSession(cfg, stage, examples, sampler,
-                                                              tokenizer.pad_token_id, checkpoints))
+                                                              tokenizer.pad_token_id, checkpoints, expander))
     summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": run.start_step,
                "final_loss": run.last.get("train/loss"), "restarts": run.restarts,
                "skipped_rows": row_stats.skipped, "hf_model": run.hf_dir}
@@ -75,13 +76,14 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     return summary
 
 
-def load_units(cfg: TrainJobConfig, stage: Stage, tokenizer) -> tuple[list[Unit], RowStats]:
+def load_units(cfg: TrainJobConfig, stage: Stage, tokenizer, expander: ImageExpander | None = None
+               ) -> tuple[list[Unit], RowStats]:
     if stage == "rm":
         return load_preference_pairs(cfg.data, tokenizer)
     if stage == "pretrain":
         examples, stats = load_pretrain_examples(cfg.data, tokenizer)
     else:
-        examples, stats = load_sft_examples(cfg.data, tokenizer, image_expander_of(cfg.model.path))
+        examples, stats = load_sft_examples(cfg.data, tokenizer, expander)
     return [(example,) for example in examples], stats
 
 
@@ -90,8 +92,9 @@ class LMSession:
     the examples."""
 
     def __init__(self, cfg: TrainJobConfig, stage: Stage, examples: list[Unit], sampler: EpochSampler,
-                 pad_id: int, checkpoints: CheckpointDir):
+                 pad_id: int, checkpoints: CheckpointDir, expander: ImageExpander | None = None):
         self.cfg, self.stage, self.examples, self.sampler, self.pad_id = cfg, stage, examples, sampler, pad_id
+        self.expander = expander
         self.checkpoints = checkpoints
         rows = len(examples[0])  # a micro-batch of micro_batch_size units
         self.group = TrainGroup(build_worker_spec(cfg, rows * cfg.train.micro_batch_size, cfg.train.steps,
@@ -106,7 +109,7 @@ class LMSession:
 
     def step(self, step: int) -> dict[str, float]:
         set_phase(f"{self.stage} step {step}: train")
-        return train_step(self.group, self.examples, self.sampler, self.pad_id)
+        return train_step(self.group, self.examples, self.sampler, self.pad_id, self.expander)
 
     def save(self, step: int) -> None:
         save_training_state(self.checkpoints, step, self.group, self.sampler)
@@ -118,10 +121,12 @@ class LMSession:
         self.group.shutdown()
 
 
-def train_step(group: TrainGroup, examples: list[Unit], sampler: EpochSampler, pad_id: int) -> dict:
+def train_step(group: TrainGroup, examples: list[Unit], sampler: EpochSampler, pad_id: int,
+               expander: ImageExpander | None = None) -> dict:
+    """One step; `expander` processes a vision-language model's pictures of the step's examples."""
     started = time.perf_counter()
     units = [examples[i] for i in sampler.next_indices()]
-    batch = collate([example for unit in units for example in unit], pad_id)
+    batch = collate(with_pixels([example for unit in units for example in unit], expander), pad_id)
     loss_fn = bradley_terry_loss(len(units)) if len(units[0]) == 2 else nll_loss(num_targets(batch))
     step, _ = group.run_data_parallel("train_step", batch, loss_fn=loss_fn)[0]
     elapsed = time.perf_counter() - started

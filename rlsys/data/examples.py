@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from rlsys.config.training import DataConfig
 from rlsys.data.files import RowStats, convert_rows
 from rlsys.data.image_tokens import ImageExpander, ImagePixels, Pictures
-from rlsys.data.images import load_images, with_image_parts
+from rlsys.data.images import refuse_in_plain_prompt, row_images, with_image_parts
 
 
 @dataclass
@@ -59,17 +59,16 @@ def load_sft_examples(cfg: DataConfig, tokenizer, expander: ImageExpander | None
 
 def sft_example(row: dict, cfg: DataConfig, tokenizer, expander: ImageExpander | None = None) -> Example:
     tools = row.get(cfg.tools_key) or None
-    images = load_images(row["images"]) if row.get("images") is not None else []
+    images = row_images(row)
     if images and expander is None:
         raise ValueError("images: the model is not a vision-language model")
     if cfg.messages_key in row and row[cfg.messages_key] is not None:
         messages = chat_messages(row[cfg.messages_key], cfg.messages_key)
     else:
         prompt, response = row[cfg.prompt_key], _text_field(row, cfg.response_key)
-        if isinstance(prompt, str) and not images:
-            return _plain_example(prompt, response, tokenizer)
         if isinstance(prompt, str):
-            raise ValueError("images: a plain-string prompt has no place for them; give chat messages with <image>")
+            refuse_in_plain_prompt(images)
+            return _plain_example(prompt, response, tokenizer)
         messages = chat_messages(prompt, cfg.prompt_key) + [{"role": "assistant", "content": response}]
     if not images:
         return _chat_example(messages, tokenizer, tools)

@@ -14,6 +14,17 @@ from typing import Any
 PLACEHOLDER = "<image>"
 
 
+def row_images(row: dict) -> list:
+    """The pictures of a row's `images` column (`load_images`); none when it has none."""
+    return load_images(row["images"]) if row.get("images") is not None else []
+
+
+def refuse_in_plain_prompt(images: list) -> None:
+    """A plain-string prompt has no place for pictures: a ValueError when there are some."""
+    if images:
+        raise ValueError(f"images: a plain-string prompt has no place for them; give chat messages with {PLACEHOLDER}")
+
+
 def load_images(column: Any) -> list:
     """The row's pictures as RGB PIL images; a ValueError names the one that cannot be read."""
     from PIL import Image

@@ -13,7 +13,7 @@ import numpy as np
 from rlsys.data.examples import chat_messages
 from rlsys.data.files import RowStats, convert_rows
 from rlsys.data.image_tokens import ImageExpander
-from rlsys.data.images import load_images, with_image_parts
+from rlsys.data.images import refuse_in_plain_prompt, row_images, with_image_parts
 
 
 @dataclass
@@ -71,15 +71,15 @@ def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[d
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError("missing reward_model.ground_truth")
     prompt, messages = row["prompt"], None
-    images = load_images(row["images"]) if row.get("images") is not None else []
+    images = row_images(row)
     if not isinstance(prompt, str):
         messages = chat_messages(to_python(prompt), "prompt")
         if images:
             messages = with_image_parts(messages, len(images))
         prompt = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                add_generation_prompt=True)
-    elif images:
-        raise ValueError("images: a plain-string prompt has no place for them; give chat messages with <image>")
+    else:
+        refuse_in_plain_prompt(images)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     length = expander.expanded_length(ids, images) if images and expander is not None else len(ids)
     if max_tokens is not None and length > max_tokens:

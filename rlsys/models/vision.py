@@ -35,7 +35,7 @@ def engine_image_limits(config) -> dict:
     return {"limit_mm_per_prompt": {"image": IMAGES_PER_PROMPT, "video": 0}} if is_vision_language(config) else {}
 
 
-def engine_image_limit(engine_kwargs: dict) -> int:
+def images_per_prompt(engine_kwargs: dict) -> int:
     """The pictures a prompt may hold in engines started with `engine_kwargs` (`rollout.engine_kwargs`)."""
     limits = engine_kwargs.get("limit_mm_per_prompt") or {}
     return int(limits.get("image", IMAGES_PER_PROMPT))

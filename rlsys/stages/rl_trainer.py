@@ -49,7 +49,7 @@ from rlsys.data.image_tokens import ImageExpander, ImagePixels, image_expander_o
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
 from rlsys.models.moe import moe_layer_indices
-from rlsys.models.vision import engine_image_limit
+from rlsys.models.vision import images_per_prompt
 from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
@@ -88,7 +88,7 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
     agents = agent_setup(_loops(cfg), cfg.tools,
                          Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"))
     agents.check_template(tokenizer)
-    max_images = engine_image_limit(cfg.rollout.engine_kwargs)
+    max_images = images_per_prompt(cfg.rollout.engine_kwargs)
     expander = image_expander_of(cfg.model.path, max_images)
     budget = prompt_budget(cfg.model.path, cfg.rollout.response_budget)
     prompts, _ = load_prompts(cfg.data.train_files, tokenizer, budget, tools=agents.schemas, expander=expander)

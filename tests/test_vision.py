@@ -1,5 +1,5 @@
-"""Vision-language models: a tiny random Qwen2-VL written with transformers (the character
-tokenizer with Qwen2-VL's vision tokens, its processor beside it). Prompts in VeRL's multimodal
+"""Vision-language models: tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL models written with
+transformers (the character tokenizer with Qwen's vision tokens, the processor beside it). Prompts in VeRL's multimodal
 schema (an `images` column, `<image>` in the prompt) reach the rollout engine with their pictures:
 vLLM expands each image pad to the processor's count, and its log-probs of what it samples equal
 transformers' given the same pixels (fp32); a picture that cannot be read skips its row, counted;
@@ -15,16 +15,29 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
+from rlsys.models.vision_compat import allow_qwen_vl_without_torchvision
 
 RL_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "arith" / "rlvr.yaml")
 
 
 @pytest.fixture(scope="module")
-def tiny_vl_dir(tmp_path_factory) -> str:
-    from rlsys.models.tiny_vl import write_tiny_vl_model
+def vl_dirs(tmp_path_factory):
+    """The directory of a tiny model of a family (`rlsys.models.tiny_vl.FAMILIES`), written once."""
+    from rlsys.models.tiny_vl import TinyVLSpec, write_tiny_vl_model
 
-    return write_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
+    written = {}
+
+    def dir_of(family: str) -> str:
+        if family not in written:
+            written[family] = write_tiny_vl_model(str(tmp_path_factory.mktemp(family)), TinyVLSpec(family=family))
+        return written[family]
+
+    return dir_of
+
+
+@pytest.fixture(scope="module")
+def tiny_vl_dir(vl_dirs) -> str:
+    return vl_dirs("qwen2_vl")
 
 
 def dots(count: int) -> bytes:
@@ -59,7 +72,8 @@ def dots_file(tmp_path_factory) -> str:
     return path
 
 
-def test_prompts_with_pictures_are_sampled_with_them_and_the_trainers_logprobs(tiny_vl_dir, dots_file):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_prompts_with_pictures_are_sampled_with_them_and_the_trainers_logprobs(vl_dirs, dots_file, family):
     """The rows' pictures go with their prompts through the single-turn loop to vLLM, one image pad
     each in the prompt's ids; transformers' log-probs of the sampled tokens, given the processor's
     pixels of the same picture, equal the engine's within 1e-4; another picture changes them."""
@@ -73,7 +87,8 @@ def test_prompts_with_pictures_are_sampled_with_them_and_the_trainers_logprobs(t
     from rlsys.data.image_tokens import image_expander_of
     from rlsys.data.rl import load_prompts
 
-    allow_qwen2_vl_without_torchvision()
+    tiny_vl_dir = vl_dirs(family)
+    allow_qwen_vl_without_torchvision()
     processor = AutoProcessor.from_pretrained(tiny_vl_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl_dir, dtype=torch.float32).eval()
     expander = image_expander_of(tiny_vl_dir)
@@ -131,7 +146,7 @@ def reference_inputs(tiny_vl_dir: str, rows: list[dict]) -> dict:
 
     from rlsys.data.images import load_images, with_image_parts
 
-    allow_qwen2_vl_without_torchvision()
+    allow_qwen_vl_without_torchvision()
     processor = AutoProcessor.from_pretrained(tiny_vl_dir)
     ids, kinds, pixels, grids = [], [], [], []
     for row in rows:
@@ -149,11 +164,15 @@ def reference_inputs(tiny_vl_dir: str, rows: list[dict]) -> dict:
             "image_grid_thw": torch.cat(grids)}
 
 
+FSDP2, TP2 = ["parallel.dp_shard=2"], ["parallel.dp_shard=1", "parallel.tp=2"]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_shard=1", "parallel.tp=2"]],
-                         ids=["fsdp2", "tp2"])
-def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_config, tiny_vl_dir, dots_sft_file,
-                                                             layout):
+@pytest.mark.parametrize("family,layout", [("qwen2_vl", FSDP2), ("qwen2_vl", TP2), ("qwen2_5_vl", TP2),
+                                           ("qwen3_vl", FSDP2)],
+                         ids=["qwen2_vl-fsdp2", "qwen2_vl-tp2", "qwen2_5_vl-tp2", "qwen3_vl-fsdp2"])
+def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_config, vl_dirs, dots_sft_file,
+                                                             family, layout):
     """The processor's path: each picture's pad becomes the 4 image tokens the model expects, with its
     pixels. Loss, gradients (vision tower included) and log-probs of the SFT loss and of the RL policy loss
     on 2 FSDP2 ranks (one rank's second micro-batch has no picture), and on 2 tensor-parallel ranks (the
@@ -168,7 +187,8 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     from rlsys.data.batching import collate, num_targets
     from rlsys.data.examples import load_sft_examples, with_pixels
     from rlsys.data.image_tokens import image_expander_of
-    
+
+    tiny_vl_dir = vl_dirs(family)
     expander = image_expander_of(tiny_vl_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl_dir)
     examples, stats = load_sft_examples(DataConfig(train_files=[dots_sft_file], max_seq_len=64), tokenizer,
@@ -225,14 +245,18 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
 
 
 @pytest.mark.timeout(600)
-def test_the_sft_stage_trains_on_pictures_with_a_frozen_vision_encoder(ray_cluster, sft_config, tiny_vl_dir,
-                                                                         dots_sft_file, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_the_sft_stage_trains_on_pictures_with_a_frozen_vision_encoder(ray_cluster, sft_config, vl_dirs,
+                                                                         dots_sft_file, tmp_path, family):
     """`sft` with `model.freeze_vision` on the picture conversations (2 FSDP2 ranks): the exported
-    model loads in transformers under the original names; its vision encoder is the initial one, its
-    merger and language model trained."""
+    model has the names of the family's checkpoints (Qwen2-VL's original ones, Qwen3-VL's module
+    names); its vision encoder is the initial one, its merger and language model trained."""
     from safetensors.torch import load_file
 
     from rlsys.run import main
+
+    tiny_vl_dir = vl_dirs(family)
+    vision, language = ("visual.", "model.") if family == "qwen2_vl" else ("model.visual.", "model.language_model.")
 
     out = tmp_path / "sft"
     code = main(["sft", "--config", sft_config.path, f"model.path={tiny_vl_dir}", f"output_dir={out}",
@@ -243,9 +267,10 @@ def test_the_sft_stage_trains_on_pictures_with_a_frozen_vision_encoder(ray_clust
     after = load_file(f"{out}/hf_model/model.safetensors")
     assert after.keys() == before.keys()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert not any(name.startswith(("visual.blocks.", "visual.patch_embed.")) for name in changed), changed
-    assert any(name.startswith("visual.merger.") for name in changed)
-    assert "model.layers.0.mlp.up_proj.weight" in changed
+    frozen = tuple(vision + part for part in ("blocks.", "patch_embed.", "pos_embed."))
+    assert not any(name.startswith(frozen) for name in changed), changed
+    assert any(name.startswith(vision + "merger.") for name in changed)
+    assert language + "layers.0.mlp.up_proj.weight" in changed
 
 
 def test_the_eval_stage_runs_a_vision_language_model_and_a_layout_it_lacks_is_refused(
@@ -295,7 +320,9 @@ def picture_logprob_gap(trainer) -> float:
 
 
 @pytest.mark.timeout(600)
-def test_rl_steps_on_pictures_and_the_sync_carries_the_vision_tower(ray_cluster, rl_config, tiny_vl_dir, dots_file):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_rl_steps_on_pictures_and_the_sync_carries_the_vision_tower(ray_cluster, rl_config, vl_dirs, dots_file,
+                                                                     family):
     """GRPO steps on the picture prompts (2 FSDP2 ranks, a colocated engine): the engine's log-probs of
     what it sampled equal the trainer's given the pictures; after every weight, the vision tower's too, is
     perturbed and synced, they equal them again within 1e-4 (and differed before)."""
@@ -303,7 +330,7 @@ def test_rl_steps_on_pictures_and_the_sync_carries_the_vision_tower(ray_cluster,
 
     from rlsys.stages.rl_trainer import RLVRTrainer
 
-    cfg = rl_config(f"model.path={tiny_vl_dir}", f"data.train_files=[{dots_file}]", "eval=null",
+    cfg = rl_config(f"model.path={vl_dirs(family)}", f"data.train_files=[{dots_file}]", "eval=null",
                     "train.prompts_per_step=4", "algorithm.ppo_mini_batch_size=2", "rollout.max_new_tokens=4",
                     "reward.terms=[{name: arith}]")
     trainer = RLVRTrainer(cfg)

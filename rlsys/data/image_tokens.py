@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.models.vision import IMAGES_PER_PROMPT, is_vision_language
-from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
+from rlsys.models.vision_compat import allow_qwen_vl_without_torchvision
 
 IMAGE_TOKENS = "image_tokens"
 PIXELS = "pixel_values"
@@ -134,7 +134,7 @@ def image_expander_of(path: str, max_images: int = IMAGES_PER_PROMPT) -> ImageEx
     config = AutoConfig.from_pretrained(path)
     if not is_vision_language(config):
         return None
-    allow_qwen2_vl_without_torchvision()
+    allow_qwen_vl_without_torchvision()
     processor = AutoProcessor.from_pretrained(path)
     return ImageExpander(processor.image_processor, config.image_token_id, config.vision_config.spatial_merge_size,
                        max_images)

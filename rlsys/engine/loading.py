@@ -111,8 +111,9 @@ def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
     state = {name: tensor for name, tensor in get_model_state_dict(model).items() if name not in new}
     experts = {name for name in state if FUSED.match(name)} if family else set()
     stored = stored_tensors(path)
-    disk = {name: family.disk_name(lora.base_name(name)) if family else _stored_name(lora.base_name(name), stored)
-            for name in state if name not in experts}
+    model_type = model.config.model_type
+    disk = {name: family.disk_name(lora.base_name(name)) if family else
+            _stored_name(lora.base_name(name), stored, model_type) for name in state if name not in experts}
     missing = [name for name in disk if disk[name] not in stored and not _tied(model, name)]
     missing += [name for name in experts if family.expert_names(name, 0)[0] not in stored]
     if missing:
@@ -127,9 +128,9 @@ def _load_weights(model: nn.Module, path: str, new: set[str]) -> None:
             _load_experts(model, family, experts, reader)
 
 
-def _stored_name(name: str, stored) -> str:
+def _stored_name(name: str, stored, model_type: str) -> str:
     """`name` as the checkpoint stores it: itself, or a vision-language model's original name."""
-    return name if name in stored else checkpoint_name(name)
+    return name if name in stored else checkpoint_name(name, model_type)
 
 
 @torch.no_grad()

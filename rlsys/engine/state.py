@@ -80,7 +80,8 @@ def export_hf(weights: RankWeights, model_cfg: ModelConfig, out_dir: str, pp_ran
     model's `score` with one label."""
     os.makedirs(out_dir, exist_ok=True)
     shard_name = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
-    family = moe_family(weights.parts[0].config)
+    config = weights.parts[0].config
+    family = moe_family(config)
     tensors, adapters = {}, {}
     named = weights.full_tensors(list(weights.parameter_nbytes()))
     if model_cfg.lora.rank:
@@ -88,7 +89,7 @@ def export_hf(weights: RankWeights, model_cfg: ModelConfig, out_dir: str, pp_ran
     for name, tensor in named:
         if reward_head and name == "lm_head.weight":
             name = "score.weight"
-        name = checkpoint_name(name)
+        name = checkpoint_name(name, config.model_type)
         if writes_stage:  # an MoE model's experts under their names on disk, one tensor each
             for disk_name, disk_tensor in family.to_disk(name, tensor) if family else [(name, tensor)]:
                 split = disk_tensor.numel() < tensor.numel()  # a view: safetensors stores no shared memory

@@ -1,9 +1,10 @@
-"""Vision-language models (Qwen2-VL's family) in the trainer and the engines: which models are
-such, what their engines are told about images, how the trainer builds, names and runs them.
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) in the trainer and the engines: which
+models are such, what their engines are told about images, how the trainer builds, names and runs them.
 
 The trainer's module tree is transformers' (`model.visual.*`, `model.language_model.*`,
-`lm_head`); the checkpoint's names are the original ones (`visual.*`, `model.*`), which
-`checkpoint_name` maps to. vLLM's loader takes either, so the weight sync sends the module names.
+`lm_head`). Qwen2-VL's and Qwen2.5-VL's checkpoints keep their original names (`visual.*`,
+`model.*`), which `checkpoint_name` maps to; Qwen3-VL's store the module names. vLLM's loader
+takes either, so the weight sync sends the module names.
 """
 
 from __future__ import annotations
@@ -13,15 +14,22 @@ import types
 import torch
 from torch import nn
 
-from rlsys.models.vision_compat import allow_qwen2_vl_without_torchvision
+from rlsys.models.vision_compat import allow_qwen_vl_without_torchvision
 
 IMAGES_PER_PROMPT = 4
 """The pictures a prompt may hold, by default (`rollout.engine_kwargs.limit_mm_per_prompt` sets it)."""
 
-VL_FAMILIES = ("qwen2_vl",)
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Model types the trainer's vision-language path is built and tested for."""
 
+_ORIGINAL_NAMES = ("qwen2_vl", "qwen2_5_vl")
+"""Families whose checkpoints keep the names of before transformers' module tree (`checkpoint_name`)."""
+
 _CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+_TRAINED_WITH_FROZEN_VISION = ("merger.", "deepstack_merger_list.")
+"""The vision tower's parts that project its features into the language model, which train under
+`model.freeze_vision` (Qwen3-VL's deepstack mergers project features of earlier blocks)."""
 
 
 def is_vision_language(config) -> bool:
@@ -47,14 +55,16 @@ def model_class(config):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM
-    allow_qwen2_vl_without_torchvision()
+    allow_qwen_vl_without_torchvision()
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText
 
 
-def checkpoint_name(name: str) -> str:
-    """The name a vision-language model's weight has in its original checkpoint."""
+def checkpoint_name(name: str, model_type: str) -> str:
+    """The name a weight of a model of `model_type` has in its checkpoint."""
+    if model_type not in _ORIGINAL_NAMES:
+        return name
     for module_prefix, stored_prefix in _CHECKPOINT_PREFIXES:
         if name.startswith(module_prefix):
             return stored_prefix + name[len(module_prefix):]
@@ -66,11 +76,11 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
 
 
 def freeze_vision(model: nn.Module) -> None:
-    """Train the language model and the merger only: the vision tower's encoder (patch embedding
-    and blocks) keeps its weights, as VeRL's `freeze_vision_tower`."""
+    """Train the language model and the mergers only: the vision tower's encoder (patch and
+    position embeddings, blocks) keeps its weights."""
     tower = vision_tower(model)
     for name, param in tower.named_parameters():
-        if not name.startswith("merger."):
+        if not name.startswith(_TRAINED_WITH_FROZEN_VISION):
             param.requires_grad_(False)
 
 

@@ -37,7 +37,8 @@ from rlsys.parallel.dims import LayoutError
 
 log = logging.getLogger(__name__)
 
-TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "qwen2_vl_text")
+TP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "qwen2_vl_text",
+               "qwen2_5_vl_text", "qwen3_vl_text")
 """Model types (a vision-language model's: its language model's) whose module names and attention
 follow the plan below. A vision-language model's vision tower is not split: every tensor-parallel
 rank holds it whole (FSDP2 shards it over the data-parallel ranks) and runs it on the same pictures."""

@@ -15,7 +15,7 @@
 # the bf16 log-prob gap taken apart, FlashAttention and Triton attention in the engine; GRPO
 # colocated with sleep mode between rollouts, the log-prob gap after each sync in bf16, with fp32
 # logits and in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; held-out accuracy of
-# the SFT model; the weight sync's throughput),
+# the SFT model; the weight sync's throughput; a tiny vision-language model through SFT and GRPO),
 # then the training engine (fp32 and bf16 parity with one HF process, offload, CUDA IPC reads, throughput;
 # scripts/gpu_check.py), the memory of a 0.5B-shaped rank with and without offload, rank 0 of 7B layouts
 # at full size beside the planner's estimate, and the pretrain stage through Ray,
@@ -105,7 +105,21 @@ rl() {  # rl NAME [overrides]: GRPO on the arithmetic problems from the SFT mode
   VLLM_LOGGING_LEVEL=INFO "$py" -m rlsys.run rlvr --config examples/arith/rlvr.yaml "output_dir=$out/$name" \
     "model.path=$arith/sft" "data.train_files=[$arith/data/rl_train.parquet]" "eval.files=[$arith/data/test.parquet]" \
     train.val_every=0 train.save_every=0 "tracking.backends=[console,jsonl]" "${common[@]}" "$@" &&
-    "$py" - "$out/$name" <<'PY'
+    rl_summary "$out/$name"
+}
+vl() {  # vl FAMILY: the dots example (examples/vlm) with a tiny model of that family: SFT, then GRPO
+  local dir="$out/vlm_$1" stage
+  "$py" examples/vlm/prepare.py --out "$dir" --family "$1" >/dev/null || return 1
+  for stage in sft rlvr; do
+    "$py" -m rlsys.run "$stage" --config "examples/vlm/$stage.yaml" "output_dir=$dir/$stage" \
+      "model.path=$dir/$([ $stage = sft ] && echo tiny-vl-init || echo sft/hf_model)" \
+      "data.train_files=[$dir/data/${stage/rlvr/rl}_train.parquet]" "eval.files=[$dir/data/test.parquet]" \
+      train.save_every=0 "tracking.backends=[console,jsonl]" "${common[@]}" || return 1
+  done
+  rl_summary "$dir/rlvr"
+}
+rl_summary() {  # rl_summary DIR: an RL run's figures from its metrics.jsonl
+  "$py" - "$1" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
 gaps = [row["rollout/logprob_abs_diff"] for row in rows if "rollout/logprob_abs_diff" in row]
@@ -137,6 +151,7 @@ write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
     rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=16384
   check rl_fp32_head rl rl_fp32_head train.steps=5 model.fp32_lm_head=true
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --model "$out/qwen05b" "${common[@]}"
+  check vl vl "${VL_FAMILY:-qwen2_5_vl}"
   check eval_sft "$py" -m rlsys.run eval --config examples/arith/eval.yaml "output_dir=$out/eval" "model.path=$arith/sft" \
     "eval.files=[$arith/data/test.parquet]"
   check rl_fp32 rl rl_fp32 train.steps=5 parallel.mixed_precision=none rollout.dtype=float32

@@ -52,8 +52,9 @@ class ModelConfig:
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters (rank 0: none)."""
     freeze_vision: bool = False
-    """A vision-language model: keep its vision encoder (patch embedding and blocks) as loaded and train the
-    language model and the merger that projects image features into it (VeRL's `freeze_vision_tower`)."""
+    """A vision-language model: keep its vision encoder (patch and position embeddings, blocks) as loaded and
+    train the language model and the mergers that project image features into it (VeRL's
+    `freeze_vision_tower`)."""
     fp32_lm_head: bool = False
     """Compute the logits in fp32 from bf16 hidden states and weights, in the trainer and in the rollout
     engines (vLLM's `head_dtype`): removes the bf16 rounding of the logits from the engine/trainer log-prob gap

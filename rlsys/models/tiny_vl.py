@@ -90,8 +90,9 @@ def build_vl_model(spec: TinyVLSpec, tokenizer):
     else:  # the vision tower's width, and the merger's output: the language model's
         vision.update(hidden_size=spec.vision_embed_dim, intermediate_size=2 * spec.vision_embed_dim,
                       out_hidden_size=spec.hidden_size)
-    if spec.family == "qwen2_5_vl":  # the first blocks attend within windows of 2 x 2 tokens, the last to all
-        vision.update(window_size=4 * patch_size(spec), fullatt_block_indexes=[spec.vision_depth - 1])
+    if spec.family == "qwen2_5_vl":  # one more block first, attending within windows of one image token each
+        vision.update(depth=spec.vision_depth + 1, window_size=2 * patch_size(spec),
+                      fullatt_block_indexes=list(range(1, spec.vision_depth + 1)))
     if spec.family == "qwen3_vl":  # a learned position embedding of 4 x 4 patches; the first block feeds deepstack
         text.update(head_dim=head_dim)
         text["rope_parameters"]["mrope_interleaved"] = True

@@ -344,3 +344,54 @@ def test_rl_steps_on_pictures_and_the_sync_carries_the_vision_tower(ray_cluster,
         assert picture_logprob_gap(trainer) < 1e-4
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_lora_rl_on_pictures_adapts_the_language_model_and_syncs_its_adapters(ray_cluster, rl_config, vl_dirs,
+                                                                              dots_file, tmp_path):
+    """GRPO with LoRA adapters (every linear layer) on a Qwen2.5-VL, 2 FSDP2 ranks: the adapters go on
+    the language model alone, the vision tower stays as loaded; the engine, serving the synced adapters
+    over the base, gives the trainer's log-probs of picture prompts (perturbed adapters differ until
+    the next sync); the export is a merged model and a peft adapter that agree on a picture."""
+    import peft
+    import worker_probes as probes
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from test_rlvr import COIN
+
+    from rlsys.data.images import load_images
+    from rlsys.stages.rl_trainer import RLVRTrainer
+
+    model_dir = vl_dirs("qwen2_5_vl")  # rewarded by a coin: the tiny model counts no dots
+    cfg = rl_config(f"model.path={model_dir}", f"data.train_files=[{dots_file}]", "eval=null",
+                    "train.prompts_per_step=4", "algorithm.ppo_mini_batch_size=2", "rollout.max_new_tokens=4",
+                    f"reward.terms=[{{path: {COIN}}}]", "model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2")
+    trainer = RLVRTrainer(cfg)
+    try:
+        trainer.resume()  # the first adapters reach the engine
+        metrics = trainer.step(1)
+        assert metrics["rollout/logprob_abs_diff"] < 1e-4 and metrics["sync/mb"] < 0.1, metrics
+        adapters = trainer.train_group.on_each(probes.full_adapters)[0]
+        assert adapters and all(name.startswith("model.language_model.") for name in adapters)
+        assert any(tensor.abs().max() > 0 for name, tensor in adapters.items() if ".lora_B." in name)  # trained
+        trainer.train_group.on_each(probes.perturb_adapters, 0.05, cfg.seed)
+        assert picture_logprob_gap(trainer) > 1e-2
+        trainer.sync.run()
+        assert picture_logprob_gap(trainer) < 1e-4
+        trainer.train_group.run_all("export_hf", str(tmp_path / "hf_model"))
+    finally:
+        trainer.shutdown()
+    out = tmp_path / "hf_model"
+    before, after = load_file(f"{model_dir}/model.safetensors"), load_file(f"{out}/model.safetensors")
+    assert after.keys() == before.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before if name.startswith("visual."))
+    processor = AutoProcessor.from_pretrained(str(out))
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+    inputs = processor(text=[text], images=load_images([dots(3)]), return_tensors="pt")
+    load = lambda path: AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)  # noqa: E731
+    with torch.no_grad():
+        merged = load(str(out))(**inputs).logits
+        adapted = peft.PeftModel.from_pretrained(load(model_dir), str(out / "adapter"))(**inputs).logits
+        base = load(model_dir)(**inputs).logits
+    assert (merged - adapted).abs().max() < 1e-5 and (merged - base).abs().max() > 1e-3

@@ -21,9 +21,15 @@ import torch
 from torch import nn
 
 from rlsys.config.model import LoraConfig
+from rlsys.models.vision import is_vision_language
 
 ADAPTER = re.compile(r"\.lora_[AB]\.default\.weight$")
 _BASE = ".base_layer."
+
+
+VISION_TOWER = r".*visual\..*"
+"""A vision-language model's vision tower (`model.visual.*`), which gets no adapters: they go on the
+language model (VeRL's `exclude_modules: .*visual.*`), and the tower stays as loaded."""
 
 
 def inject(model: nn.Module, cfg: LoraConfig) -> None:
@@ -31,8 +37,9 @@ def inject(model: nn.Module, cfg: LoraConfig) -> None:
     import peft
 
     targets = cfg.target_modules if cfg.target_modules != ["all-linear"] else "all-linear"
+    exclude = VISION_TOWER if is_vision_language(model.config) else None
     peft.inject_adapter_in_model(peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                                                 target_modules=targets, bias="none"), model)
+                                                 target_modules=targets, exclude_modules=exclude, bias="none"), model)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
 

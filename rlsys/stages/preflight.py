@@ -19,7 +19,7 @@ from rlsys.config.rollout import EvalConfig
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.config.training import TrainConfig
 from rlsys.models.moe import moe_family, num_experts
-from rlsys.models.vision import VL_FAMILIES, is_vision_language
+from rlsys.models.vision import VL_FAMILIES, is_vision_language, model_class
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
@@ -287,9 +287,10 @@ def check_model_dir(model: ModelConfig, key: str):
 
 def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig, stage: str,
                            rl: RLJobConfig | None = None) -> None:
-    """What a vision-language model trains with so far (docs/vision.md): Qwen2-VL, the sft and rlvr
-    stages, data and tensor parallel, every weight; in RL, synchronous steps of the single-turn or
-    tool loop, without a critic or a teacher, with the trainer's processor settings."""
+    """What a vision-language model trains with so far (docs/vision.md): Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL, the sft and rlvr stages, data and tensor parallel, every weight or LoRA adapters on the
+    language model; in RL, synchronous steps of the single-turn or tool loop, without a critic or a
+    teacher, with the trainer's processor settings."""
     if not is_vision_language(config):
         if model.freeze_vision:
             raise ConfigError(f"model.freeze_vision: {model.path} has no vision tower")
@@ -299,7 +300,7 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
                           f"training is built for {', '.join(VL_FAMILIES)} (docs/vision.md)")
     refusals = {
         "stage": stage not in ("sft", "rlvr"), "parallel.pp": parallel.pp > 1, "parallel.cp": parallel.cp > 1,
-        "parallel.sequence_parallel": parallel.sequence_parallel, "model.lora.rank": model.lora.rank > 0,
+        "parallel.sequence_parallel": parallel.sequence_parallel,
     }
     if rl is not None:
         refusals.update({
@@ -312,8 +313,8 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
     for key, refused in refusals.items():
         if refused:
             raise ConfigError(f"{key}: not built yet for a vision-language model ({type(config).__name__}): it "
-                              "trains with the sft and rlvr stages on data- and tensor-parallel layouts, every "
-                              "weight, in synchronous RL with the single_turn or tool loop (docs/vision.md)")
+                              "trains with the sft and rlvr stages on data- and tensor-parallel layouts, in "
+                              "synchronous RL with the single_turn or tool loop (docs/vision.md)")
 
 
 def _refuse_random_init(model: ModelConfig) -> None:
@@ -369,13 +370,12 @@ def check_lora(model: ModelConfig, parallel: ParallelConfig, model_config: Pretr
     if moe_family(model_config):
         raise ConfigError(f"model.lora.rank: LoRA on MoE models ({model_config.model_type}) is not built yet")
     import torch
-    from transformers import AutoModelForCausalLM
 
     from rlsys.models.lora import inject
 
     with torch.device("meta"):
         try:
-            inject(AutoModelForCausalLM.from_config(model_config), model.lora)
+            inject(model_class(model_config).from_config(model_config), model.lora)
         except ValueError as err:
             raise ConfigError(f"model.lora.target_modules: {first_line(err)}") from None
 

@@ -356,9 +356,8 @@ def test_lora_rl_on_pictures_adapts_the_language_model_and_syncs_its_adapters(ra
     import peft
     import worker_probes as probes
     from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
     from test_rlvr import COIN
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from rlsys.data.images import load_images
     from rlsys.stages.rl_trainer import RLVRTrainer

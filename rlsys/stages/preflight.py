@@ -307,7 +307,6 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
             "algorithm.adv_estimator": rl.algorithm.adv_estimator == "gae",
             "algorithm.distill": rl.algorithm.distill is not None,
             "rollout.agent_loop": rl.rollout.agent_loop == "openai",
-            "train.async_mode": rl.train.async_mode != "off",
             "rollout.engine_kwargs.mm_processor_kwargs": "mm_processor_kwargs" in rl.rollout.engine_kwargs,
         })
     for key, refused in refusals.items():

@@ -7,6 +7,7 @@ Ray and model start-ups are the slow part of the suite, so every test shares the
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -31,12 +32,15 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def moe_model_dirs(tmp_path_factory) -> dict[str, str]:
-    """MoE models of the same shape, one per family: every layer's MLP is 8 experts, 2 a token."""
+    """MoE models of the same shape, one per family: every layer's MLP is 8 experts, 2 a token; and a
+    Qwen3-MoE whose first layer's MLP is dense (`qwen3_moe_dense_first`)."""
     from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 
-    return {family: write_tiny_model(str(tmp_path_factory.mktemp(family)), TinyModelSpec(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=105, num_experts=8, moe_type=family)) for family in ("qwen3_moe", "qwen2_moe", "mixtral")}
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=105, num_experts=8)
+    specs = {family: replace(spec, moe_type=family) for family in ("qwen3_moe", "qwen2_moe", "mixtral")}
+    specs["qwen3_moe_dense_first"] = replace(spec, mlp_only_layers=(0,))
+    return {name: write_tiny_model(str(tmp_path_factory.mktemp(name)), spec) for name, spec in specs.items()}
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ from rlsys.engine.schedule import lr_multiplier
 from rlsys.engine.state import RankState
 from rlsys.engine.weights import RankWeights
 from rlsys.models import lora
+from rlsys.models.moe import moe_layer_indices
 from rlsys.models.vision import image_inputs, vision_tower
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
@@ -118,19 +119,19 @@ class ModelEngine:
                 lambda step: lr_multiplier(step, optim.warmup_steps, self.spec.total_steps, optim.min_lr_ratio)))
 
     def _router_balance(self) -> RouterBalance | None:
-        """An MoE model's load-balancing loss over every MoE layer of this rank's parts (None
-        for a dense model), over the tokens of all data-, context- and tensor-parallel ranks."""
-        blocks = self.moe_blocks
-        if not blocks:
+        """An MoE model's load-balancing loss over its MoE layers (None for a dense model), over
+        the tokens of all data-, context- and tensor-parallel ranks. Every rank of an MoE model
+        has one, a pipeline stage without MoE layers too: the routers' collectives (metrics,
+        replay agreement) run on every stage."""
+        config = self.parts[0].config
+        layers = len(moe_layer_indices(config))
+        if not layers:
             return None
         coef = self.spec.model.router_aux_loss_coef
         if coef is None:
-            coef = getattr(self.parts[0].config, "router_aux_loss_coef", 0.0)
-        layers = torch.tensor(len(blocks), device=self.device)
-        if dist.get_world_size(self.pp_group) > 1:  # each pipeline stage holds some of the layers
-            dist.all_reduce(layers, group=self.pp_group)
-        balance = RouterBalance(coef, int(layers), self.mesh["token_ranks"].get_group())
-        for block in blocks:
+            coef = getattr(config, "router_aux_loss_coef", 0.0)
+        balance = RouterBalance(coef, layers, self.mesh["token_ranks"].get_group())
+        for block in self.moe_blocks:
             block.balance = balance
         return balance
 
@@ -302,7 +303,10 @@ class ModelEngine:
                 None if routing is None else routing[:, :seq.input_ids.shape[1]])
         rows = {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
         if record_routing:
-            recorded = take_recorded(self.moe_blocks, self.mesh["tp"].get_group())[:seq.input_ids.shape[0]]
+            batch_rows, width = seq.input_ids.shape
+            recorded = take_recorded(self.moe_blocks, self.mesh["tp"].get_group())[:batch_rows] if self.moe_blocks \
+                else torch.zeros(batch_rows, width, 0, self.parts[0].config.num_experts_per_tok, dtype=torch.int32,
+                                 device=self.device)  # a stage without MoE layers fills no column
             whole = whole_model_routing(recorded, self.moe_blocks, self.router.num_layers, self.pp_group)
             if any(stage.is_last for stage in self.parts):  # the rank whose rows are collected
                 rows[ROUTING_FIELD] = whole_positions(whole, seq, self.cp_group).to(torch.int16)

@@ -59,6 +59,8 @@ class TinyModelSpec:
     moe_intermediate_size: int = 64
     moe_type: str = "qwen3_moe"
     """qwen3_moe, qwen2_moe (with a shared expert as wide as one expert) or mixtral."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """A Qwen-MoE model's layers whose MLP is dense (the others' are mixtures)."""
     reward_head: bool = False
     """A reward model: the same body with a one-logit sequence-classification head in place of the LM head."""
     seed: int = 0
@@ -119,7 +121,8 @@ def _moe_config(spec: TinyModelSpec, common: dict):
     if spec.moe_type == "mixtral":
         return MixtralConfig(**{**common, "intermediate_size": spec.moe_intermediate_size},
                              num_local_experts=spec.num_experts, **experts)
-    experts.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size)
+    experts.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
+                   mlp_only_layers=list(spec.mlp_only_layers))
     if spec.moe_type == "qwen2_moe":
         return Qwen2MoeConfig(**common, shared_expert_intermediate_size=spec.moe_intermediate_size, **experts)
     if spec.moe_type == "qwen3_moe":

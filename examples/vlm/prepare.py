@@ -11,14 +11,15 @@ import json
 import os
 import sys
 
-from rlsys.models.tiny_vl import FAMILIES, TinyVLSpec, write_tiny_vl_model
+from rlsys.models.tiny_vl import TinyVLSpec, write_tiny_vl_model
+from rlsys.models.vision import VL_FAMILIES
 from rlsys.tasks.dots import write_splits
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/vlm")
-    parser.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
+    parser.add_argument("--family", choices=VL_FAMILIES, default="qwen2_vl")
     args = parser.parse_args()
     model_dir = os.path.join(args.out, "tiny-vl-init")
     written = written_family(model_dir)

@@ -303,14 +303,20 @@ class ModelEngine:
                 None if routing is None else routing[:, :seq.input_ids.shape[1]])
         rows = {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
         if record_routing:
-            batch_rows, width = seq.input_ids.shape
-            recorded = take_recorded(self.moe_blocks, self.mesh["tp"].get_group())[:batch_rows] if self.moe_blocks \
-                else torch.zeros(batch_rows, width, 0, self.parts[0].config.num_experts_per_tok, dtype=torch.int32,
-                                 device=self.device)  # a stage without MoE layers fills no column
-            whole = whole_model_routing(recorded, self.moe_blocks, self.router.num_layers, self.pp_group)
+            whole = whole_model_routing(self._stage_routing(seq), self.moe_blocks, self.router.num_layers,
+                                        self.pp_group)
             if any(stage.is_last for stage in self.parts):  # the rank whose rows are collected
                 rows[ROUTING_FIELD] = whole_positions(whole, seq, self.cp_group).to(torch.int16)
         return sums, rows
+
+    def _stage_routing(self, seq: RankSequence) -> torch.Tensor:
+        """The experts this pipeline stage's MoE layers routed `seq`'s rows to, [B, T, its layers, k]:
+        none for a stage of dense layers."""
+        rows, width = seq.input_ids.shape
+        if not self.moe_blocks:
+            top_k = self.parts[0].config.num_experts_per_tok
+            return torch.zeros(rows, width, 0, top_k, dtype=torch.int32, device=self.device)
+        return take_recorded(self.moe_blocks, self.mesh["tp"].get_group())[:rows]
 
     def _defer_gradient_reduction(self, defer: bool) -> None:
         """FSDP2 on a data-parallel mesh of one rank (there for bf16 mixed precision or tensor

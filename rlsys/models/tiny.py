@@ -60,7 +60,7 @@ class TinyModelSpec:
     moe_type: str = "qwen3_moe"
     """qwen3_moe, qwen2_moe (with a shared expert as wide as one expert) or mixtral."""
     mlp_only_layers: tuple[int, ...] = ()
-    """A Qwen-MoE model's layers whose MLP is dense (the others' are mixtures)."""
+    """A Qwen-MoE model's layers whose MLP is dense (the others' are mixtures); a Mixtral has none."""
     reward_head: bool = False
     """A reward model: the same body with a one-logit sequence-classification head in place of the LM head."""
     seed: int = 0

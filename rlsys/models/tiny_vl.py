@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.models.tiny import build_tokenizer
+from rlsys.models.vision import VL_FAMILIES
 from rlsys.models.vision_compat import allow_qwen_vl_without_torchvision
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
@@ -38,13 +39,10 @@ VL_CHAT_TEMPLATE = (
 """`rlsys.models.tiny.CHAT_TEMPLATE` for text content; a list of parts for text and images."""
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-
-
 @dataclass(frozen=True)
 class TinyVLSpec:
     family: str = "qwen2_vl"
-    """The model type: one of `FAMILIES`."""
+    """The model type: one of `rlsys.models.vision.VL_FAMILIES`."""
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -67,6 +65,7 @@ def build_vl_tokenizer():
 
 
 def patch_size(spec: TinyVLSpec) -> int:
+    """The side of the vision tower's patches, in pixels: Qwen3-VL's are 16, the others' 14."""
     return 16 if spec.family == "qwen3_vl" else 14
 
 
@@ -132,7 +131,7 @@ def write_tiny_vl_model(out_dir: str, spec: TinyVLSpec = TinyVLSpec()) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
+    parser.add_argument("--family", choices=VL_FAMILIES, default="qwen2_vl")
     args = parser.parse_args()
     print(write_tiny_vl_model(args.out, TinyVLSpec(family=args.family)))
 

@@ -39,6 +39,8 @@ def allow_qwen_vl_without_torchvision() -> None:
 
     sys.modules.setdefault("transformers.models.qwen2_vl.image_processing_qwen2_vl", image_processing_pil_qwen2_vl)
     for family, name in _PROCESSORS:
+        if importlib.util.find_spec(f"transformers.models.{family}") is None:
+            continue  # a transformers older than the family
         module = importlib.import_module(f"transformers.models.{family}.processing_{family}")
         _build_without_videos(getattr(module, name), _qwen3_video_settings if family == "qwen3_vl" else None)
 

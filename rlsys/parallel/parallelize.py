@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlsys.config.layout import ParallelConfig
+from rlsys.models.moe import moe_layer_indices
 from rlsys.parallel.context_parallel import apply_cp
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.expert_parallel import apply_ep, apply_moe_tp
@@ -26,8 +27,11 @@ log = logging.getLogger(__name__)
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel: ParallelConfig,
                 param_dtype: torch.dtype | None, value_head: bool = False) -> nn.Module:
-    """`model`'s MoE blocks (if any) become `MoEBlock`s first, whatever the layout."""
-    moe = install_moe_blocks(model) > 0
+    """`model`'s MoE blocks (if any) become `MoEBlock`s first, whatever the layout. Whether the
+    model is an MoE model is read from its config, not from the blocks this part holds: a pipeline
+    stage of dense layers builds the expert meshes (collectives over every rank) as the others do."""
+    install_moe_blocks(model)
+    moe = bool(moe_layer_indices(model.config))
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel, value_head)
         if moe:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.config.model import LoraConfig
+from rlsys.rollout.vllm_compat import lora_name_mapper
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,10 @@ def _register(worker, adapter_id: int, tensors: dict[str, torch.Tensor], spec: A
 
     manager = worker.model_runner.lora_manager
     helper = PEFTHelper.from_dict({"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": spec.target_modules})
-    served = manager._adapter_manager.model
-    renames = getattr(served, "hf_to_vllm_mapper", None)  # as vLLM's loader: a VL model's names differ from HF's
+    served = manager._adapter_manager.model  # a VL model names its layers unlike transformers: renamed
     model = LoRAModel.from_lora_tensors(adapter_id, tensors, helper, device="cpu",
                                         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-                                        weights_mapper=renames.get_rename_mapper() if renames else None,
+                                        weights_mapper=lora_name_mapper(served),
                                         skip_prefixes=getattr(served, "lora_skip_prefixes", None))
     if previous is not None:
         manager.remove_adapter(previous)

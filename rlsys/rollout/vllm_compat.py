@@ -16,6 +16,9 @@ vLLM build is 0.26; the rollout code runs on both. What 0.26 lacks:
 - returning an MoE model's routing (`enable_return_routed_experts`, R3): 0.26's GPU model runner
   records it; 0.32 records it in its V2 model runner only (`routing_runner_env`), which needs
   Triton, so neither records it on CPU.
+- the renames vLLM's LoRA loader applies to an adapter's names (a vision-language model's):
+  `get_rename_mapper` of the model's `hf_to_vllm_mapper` from 0.29, `get_unstacked_mapper` in
+  0.25-0.28 (`lora_name_mapper`).
 """
 
 from __future__ import annotations
@@ -87,3 +90,16 @@ def loaded_parameters(names: set[str]) -> set[str]:
     fused-MoE layer reports its experts' weights under the layer, not under its `routed_experts`."""
     return names | {name.replace(".experts.", ".experts.routed_experts.", 1) for name in names
                     if ".experts." in name and ".experts.routed_experts." not in name}
+
+
+def lora_name_mapper(model):
+    """The mapper vLLM's LoRA loader renames an adapter's weights with for `model` (a vLLM model),
+    as its own loader does: the model's renames without its stacking (`q_proj` stays `q_proj`);
+    None where the model names its modules as transformers does."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return None
+    for method in ("get_rename_mapper", "get_unstacked_mapper"):  # 0.29 on; 0.25-0.28
+        if hasattr(mapper, method):
+            return getattr(mapper, method)()
+    return mapper

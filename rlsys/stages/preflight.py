@@ -289,8 +289,8 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
                            rl: RLJobConfig | None = None) -> None:
     """What a vision-language model trains with so far (docs/vision.md): Qwen2-VL, Qwen2.5-VL and
     Qwen3-VL, the sft and rlvr stages, data and tensor parallel, every weight or LoRA adapters on the
-    language model; in RL, synchronous steps of the single-turn or tool loop, without a critic or a
-    teacher, with the trainer's processor settings."""
+    language model; in RL, the single-turn or tool loop, without a critic or a teacher, with the
+    trainer's processor settings."""
     if not is_vision_language(config):
         if model.freeze_vision:
             raise ConfigError(f"model.freeze_vision: {model.path} has no vision tower")
@@ -312,8 +312,8 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
     for key, refused in refusals.items():
         if refused:
             raise ConfigError(f"{key}: not built yet for a vision-language model ({type(config).__name__}): it "
-                              "trains with the sft and rlvr stages on data- and tensor-parallel layouts, in "
-                              "synchronous RL with the single_turn or tool loop (docs/vision.md)")
+                              "trains with the sft and rlvr stages on data- and tensor-parallel layouts, in RL "
+                              "with the single_turn or tool loop (docs/vision.md)")
 
 
 def _refuse_random_init(model: ModelConfig) -> None:

@@ -292,7 +292,7 @@ def test_the_eval_stage_runs_a_vision_language_model_and_a_layout_it_lacks_is_re
     assert code == 2 and len(err.splitlines()) == 1 and "parallel.cp: not built yet for a vision-language" in err, err
 
 
-@pytest.mark.parametrize("override", ["algorithm.adv_estimator=gae",
+@pytest.mark.parametrize("override", [
                                       "rollout.agent_loop=openai", "rollout.engine_kwargs={mm_processor_kwargs: {}}"])
 def test_what_vision_language_rl_lacks_is_refused_before_anything_starts(tiny_vl_dir, dots_file, override):
     from rlsys.config.loader import ConfigError, load_config
@@ -308,8 +308,9 @@ def test_what_vision_language_rl_lacks_is_refused_before_anything_starts(tiny_vl
 ASYNC = ["train.async_mode=one_step", "rollout.placement=separate"]
 
 
-@pytest.mark.parametrize("overrides", [["model.lora.rank=8"], ASYNC], ids=["lora", "async"])
-def test_lora_and_asynchronous_vision_language_rl_pass_preflight(vl_dirs, dots_file, overrides):
+@pytest.mark.parametrize("overrides", [["model.lora.rank=8"], ASYNC, ["algorithm.adv_estimator=gae"]],
+                         ids=["lora", "async", "critic"])
+def test_lora_asynchronous_and_critic_vision_language_rl_pass_preflight(vl_dirs, dots_file, overrides):
     from rlsys.config.loader import load_config
     from rlsys.config.schema import RLJobConfig
     from rlsys.stages.preflight import check_rl_job
@@ -459,3 +460,33 @@ def test_asynchronous_rl_on_pictures_and_a_rollout_in_flight_under_new_weights(r
                 assert (trainer_logprobs - engine_logprobs).abs().max() < 1e-4, (row, version)
     assert all(row["async/staleness_max"] <= 1 for row in rows) and rows[-1]["async/staleness_1_share"] > 0
     assert rows[-1]["actor/grad_norm"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_ppo_critic_reads_the_pictures(ray_cluster, rl_config, vl_dirs, dots_file):
+    """PPO with a critic (GAE) on picture prompts: the critic, a value head on the vision-language
+    model, trains, and after 2 steps its values of prompts whose text is the same and whose pictures
+    differ (1 to 4 dots) differ: the pictures reach its forward."""
+    from test_rlvr import COIN
+
+    from rlsys.data.batching import collate_rollouts
+    from rlsys.stages.rl_trainer import RLVRTrainer
+
+    cfg = rl_config(f"model.path={vl_dirs('qwen2_vl')}", f"data.train_files=[{dots_file}]", "eval=null",
+                    "train.prompts_per_step=4", "algorithm.ppo_mini_batch_size=2", "rollout.max_new_tokens=4",
+                    f"reward.terms=[{{path: {COIN}}}]", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-2",
+                    "critic.warmup_steps=0")
+    trainer = RLVRTrainer(cfg)
+    try:
+        rows = [trainer.step(step) for step in (1, 2)]
+        prompts = trainer.prompts
+        assert len({tuple(p.ids) for p in prompts}) == 1  # one text, four pictures
+        prompt_ids, pixels = trainer.expander.expand_prompts([(p.ids, p.images) for p in prompts])
+        batch = collate_rollouts(prompt_ids, [[5, 6]] * len(prompts), trainer.tokenizer.pad_token_id,
+                                 prompt_pixels=pixels)
+        values = torch.cat(trainer.train_group.run_data_parallel("compute_values", batch))
+    finally:
+        trainer.shutdown()
+    assert all(row["critic/grad_norm"] > 0 for row in rows)
+    first_response = values[:, len(prompt_ids[0])]
+    assert (first_response - first_response[0]).abs().max() > 1e-4, first_response

@@ -48,7 +48,8 @@ def load_parallel_model(model_cfg: ModelConfig, dims: ParallelDims, mesh: Device
                 if model_cfg.freeze_vision:
                     freeze_vision(model)
             if value_head:
-                model.lm_head = nn.Linear(config.hidden_size, 1, bias=False, dtype=DTYPES[model_cfg.dtype])
+                model.lm_head = nn.Linear(config.get_text_config().hidden_size, 1, bias=False,
+                                          dtype=DTYPES[model_cfg.dtype])
             if model_cfg.lora.rank:
                 lora.inject(model, model_cfg.lora)
             return model

@@ -289,7 +289,7 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
                            rl: RLJobConfig | None = None) -> None:
     """What a vision-language model trains with so far (docs/vision.md): Qwen2-VL, Qwen2.5-VL and
     Qwen3-VL, the sft and rlvr stages, data and tensor parallel, every weight or LoRA adapters on the
-    language model; in RL, the single-turn or tool loop, without a critic or a teacher, with the
+    language model; in RL, the single-turn or tool loop, a critic too, without a teacher, with the
     trainer's processor settings."""
     if not is_vision_language(config):
         if model.freeze_vision:
@@ -304,7 +304,6 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
     }
     if rl is not None:
         refusals.update({
-            "algorithm.adv_estimator": rl.algorithm.adv_estimator == "gae",
             "algorithm.distill": rl.algorithm.distill is not None,
             "rollout.agent_loop": rl.rollout.agent_loop == "openai",
             "rollout.engine_kwargs.mm_processor_kwargs": "mm_processor_kwargs" in rl.rollout.engine_kwargs,

@@ -25,8 +25,6 @@ from rlsys.models.vision import is_vision_language
 
 ADAPTER = re.compile(r"\.lora_[AB]\.default\.weight$")
 _BASE = ".base_layer."
-
-
 VISION_TOWER = r".*visual\..*"
 """A vision-language model's vision tower (`model.visual.*`), which gets no adapters: they go on the
 language model (VeRL's `exclude_modules: .*visual.*`), and the tower stays as loaded."""

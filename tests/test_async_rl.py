@@ -48,30 +48,42 @@ def test_a_rollout_in_flight_goes_on_under_new_weights(ray_cluster, async_config
     cfg = async_config()
     trainer = RLVRTrainer(cfg)
     try:
-        prompts = [(i, trainer.prompts[i].ids, {}) for i in range(8)]
-        sampling = trainer.rollout_group.sampling(max_new_tokens=120)
-        ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
-        time.sleep(0.5)
-        trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
-        trainer.sync.run(version=1)
-        samples = trainer.rollout_group.wait([ref], [0])[0].unpack({i: ids for i, ids, _ in prompts})
-        batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                 trainer.tokenizer.pad_token_id)
-        new = trainer._logprobs(batch)
-        trainer.train_group.on_each(probes.perturb_parameters, -0.05, cfg.seed)  # back to version 0's weights
-        old = trainer._logprobs(batch)
+        samples, prompt_ids, old, new = sample_across_a_sync(trainer, range(8), cfg.seed)
     finally:
         trainer.shutdown()
-    both = [s for s in samples if set(s.versions) == {0, 1}]
-    assert both, "the sync landed after every response had finished"
-    for row, sample in enumerate(samples):
+    assert_each_token_scored_by_its_weights(samples, prompt_ids, old, new)
+
+
+def sample_across_a_sync(trainer: RLVRTrainer, indices, seed: int):
+    """Two long responses to each of the prompts at `indices`, sampled while perturbed weights are
+    synced as version 1; each sample's prompt ids as the trainer reads them; the trainer's log-probs
+    of the samples under version 0's and under version 1's weights (the policy is left at version 0's)."""
+    prompts = [(i, trainer.prompts[i].ids, trainer.prompts[i].row) for i in indices]
+    sampling = trainer.rollout_group.sampling(max_new_tokens=120)
+    ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
+    time.sleep(0.5)
+    trainer.train_group.on_each(probes.perturb_parameters, 0.05, seed)
+    trainer.sync.run(version=1)
+    samples = trainer.rollout_group.wait([ref], [0])[0].unpack({i: ids for i, ids, _ in prompts})
+    prompt_ids, pixels = trainer._prompts_with_pictures(samples)
+    batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], trainer.tokenizer.pad_token_id,
+                             prompt_pixels=pixels)
+    new = trainer._logprobs(batch)
+    trainer.train_group.on_each(probes.perturb_parameters, -0.05, seed)  # back to version 0's weights
+    return samples, prompt_ids, trainer._logprobs(batch), new
+
+
+def assert_each_token_scored_by_its_weights(samples, prompt_ids, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Some samples hold tokens of both versions, version 0's first; the engine's log-prob of each
+    token equals the trainer's under its version's weights within 1e-4."""
+    assert any(set(s.versions) == {0, 1} for s in samples), "the sync landed after every response had finished"
+    for row, (ids, sample) in enumerate(zip(prompt_ids, samples)):
         assert len(sample.versions) == len(sample.response_ids) == len(sample.logprobs)
         assert sample.versions == sorted(sample.versions)  # version 0, then version 1
-        start = len(sample.prompt_ids)
         for version, reference in ((0, old), (1, new)):
             tokens = [t for t, v in enumerate(sample.versions) if v == version]
             if tokens:
-                trainer_logprobs = reference[row, [start + t for t in tokens]]
+                trainer_logprobs = reference[row, [len(ids) + t for t in tokens]]
                 engine_logprobs = torch.tensor([sample.logprobs[t] for t in tokens])
                 assert (trainer_logprobs - engine_logprobs).abs().max() < 1e-4, (row, version)
 

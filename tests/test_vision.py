@@ -415,16 +415,13 @@ def test_lora_rl_on_pictures_adapts_the_language_model_and_syncs_its_adapters(ra
 def test_asynchronous_rl_on_pictures_and_a_rollout_in_flight_under_new_weights(ray_cluster, rl_config, vl_dirs,
                                                                                dots_file):
     """`full` asynchronous RL on a Qwen3-VL, an engine of its own: weights, the vision tower's included,
-    arrive while picture prompts are being sampled; each response keeps its tokens, those after the sync say version
-    1, and the engine's log-prob of every token equals the trainer's under that token's weights (the
-    engine recomputed the pictures' features and the KV cache of the requests in flight). Then 3 steps
-    from the stream train on pictures within the staleness bound."""
-    import time
-
-    import worker_probes as probes
+    arrive while picture prompts are being sampled; each response keeps its tokens, those after the
+    sync say version 1, and the engine's log-prob of every token equals the trainer's under that
+    token's weights (the engine recomputed the pictures' features and the KV cache of the requests in
+    flight). Then 3 steps from the stream train on pictures within the staleness bound."""
+    from test_async_rl import assert_each_token_scored_by_its_weights, sample_across_a_sync
     from test_rlvr import COIN
 
-    from rlsys.data.batching import collate_rollouts
     from rlsys.stages.rl_trainer import RLVRTrainer
 
     cfg = rl_config(f"model.path={vl_dirs('qwen3_vl')}", f"data.train_files=[{dots_file}]", "eval=null",
@@ -433,31 +430,12 @@ def test_asynchronous_rl_on_pictures_and_a_rollout_in_flight_under_new_weights(r
                     "rollout.placement=separate", "parallel.dp_shard=1", "ray.cpus_per_worker=1")
     trainer = RLVRTrainer(cfg)
     try:
-        prompts = [(i, p.ids, p.row) for i, p in enumerate(trainer.prompts)]
-        sampling = trainer.rollout_group.sampling(max_new_tokens=120)
-        ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
-        time.sleep(0.5)
-        trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
-        trainer.sync.run(version=1)
-        samples = trainer.rollout_group.wait([ref], [0])[0].unpack({i: ids for i, ids, _ in prompts})
-        prompt_ids, pixels = trainer._prompts_with_pictures(samples)
-        batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], trainer.tokenizer.pad_token_id,
-                                 prompt_pixels=pixels)
-        new = trainer._logprobs(batch)
-        trainer.train_group.on_each(probes.perturb_parameters, -0.05, cfg.seed)  # back to version 0's weights
-        old = trainer._logprobs(batch)
+        samples, prompt_ids, old, new = sample_across_a_sync(trainer, range(len(trainer.prompts)), cfg.seed)
         trainer.sync.run(version=0)
         rows = [trainer.step(step) for step in range(1, 4)]
     finally:
         trainer.shutdown()
-    assert any(set(s.versions) == {0, 1} for s in samples), "the sync landed after every response had finished"
-    for row, (ids, sample) in enumerate(zip(prompt_ids, samples)):
-        for version, reference in ((0, old), (1, new)):
-            tokens = [t for t, v in enumerate(sample.versions) if v == version]
-            if tokens:
-                trainer_logprobs = reference[row, [len(ids) + t for t in tokens]]
-                engine_logprobs = torch.tensor([sample.logprobs[t] for t in tokens])
-                assert (trainer_logprobs - engine_logprobs).abs().max() < 1e-4, (row, version)
+    assert_each_token_scored_by_its_weights(samples, prompt_ids, old, new)
     assert all(row["async/staleness_max"] <= 1 for row in rows) and rows[-1]["async/staleness_1_share"] > 0
     assert rows[-1]["actor/grad_norm"] > 0
 

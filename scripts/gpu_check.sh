@@ -112,7 +112,7 @@ vl() {  # vl FAMILY: the dots example (examples/vlm) with a tiny model of that f
   "$py" examples/vlm/prepare.py --out "$dir" --family "$1" >/dev/null || return 1
   for stage in sft rlvr; do
     "$py" -m rlsys.run "$stage" --config "examples/vlm/$stage.yaml" "output_dir=$dir/$stage" \
-      "model.path=$dir/$([ $stage = sft ] && echo tiny-vl-init || echo sft/hf_model)" \
+      "model.path=$dir/$(if [ "$stage" = sft ]; then echo tiny-vl-init; else echo sft/hf_model; fi)" \
       "data.train_files=[$dir/data/${stage/rlvr/rl}_train.parquet]" "eval.files=[$dir/data/test.parquet]" \
       train.save_every=0 "tracking.backends=[console,jsonl]" "${common[@]}" || return 1
   done

@@ -64,14 +64,26 @@ def build_vl_tokenizer():
     return tokenizer
 
 
+def _classes(family: str) -> tuple[type, type, type]:
+    """transformers' config, model and processor classes of `family`."""
+    import transformers
+
+    return {
+        "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
+                     transformers.Qwen2VLProcessor),
+        "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+                       transformers.Qwen2_5_VLProcessor),
+        "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration,
+                     transformers.Qwen3VLProcessor),
+    }[family]
+
+
 def patch_size(spec: TinyVLSpec) -> int:
     """The side of the vision tower's patches, in pixels: Qwen3-VL's are 16, the others' 14."""
     return 16 if spec.family == "qwen3_vl" else 14
 
 
 def build_vl_model(spec: TinyVLSpec, tokenizer):
-    import transformers
-
     head_dim = spec.hidden_size // spec.num_attention_heads
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     pairs = head_dim // 2  # mrope splits the rotary pairs 1 : 1.5 : 1.5 over time, height and width
@@ -96,11 +108,7 @@ def build_vl_model(spec: TinyVLSpec, tokenizer):
         text.update(head_dim=head_dim)
         text["rope_parameters"]["mrope_interleaved"] = True
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
-    config_class, model_class = {
-        "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
-        "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
-        "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
-    }[spec.family]
+    config_class, model_class, _ = _classes(spec.family)
     config = config_class(
         text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
         vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END], tie_word_embeddings=False)
@@ -111,7 +119,6 @@ def build_vl_model(spec: TinyVLSpec, tokenizer):
 def write_tiny_vl_model(out_dir: str, spec: TinyVLSpec = TinyVLSpec()) -> str:
     """Write a randomly initialised tiny Qwen-VL model, its tokenizer and its processor to `out_dir`."""
     allow_qwen_vl_without_torchvision()
-    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_vl_tokenizer()
@@ -121,8 +128,7 @@ def write_tiny_vl_model(out_dir: str, spec: TinyVLSpec = TinyVLSpec()) -> str:
     pixels = (4 * patch_size(spec)) ** 2
     images = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels, patch_size=patch_size(spec),
                                       temporal_patch_size=2, merge_size=2)
-    processor = {"qwen2_vl": transformers.Qwen2VLProcessor, "qwen2_5_vl": transformers.Qwen2_5_VLProcessor,
-                 "qwen3_vl": transformers.Qwen3VLProcessor}[spec.family]
+    *_, processor = _classes(spec.family)
     model.save_pretrained(out_dir)
     processor(image_processor=images, tokenizer=tokenizer, chat_template=VL_CHAT_TEMPLATE).save_pretrained(out_dir)
     return out_dir

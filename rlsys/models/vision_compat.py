@@ -25,11 +25,19 @@ import importlib.util
 import inspect
 import sys
 
-_PROCESSORS = (("qwen2_vl", "Qwen2VLProcessor"), ("qwen2_5_vl", "Qwen2_5_VLProcessor"),
-               ("qwen3_vl", "Qwen3VLProcessor"))
-"""transformers' module (under `transformers.models`) and class of each family's processor."""
-
 _PATCH_SETTINGS = ("patch_size", "temporal_patch_size", "merge_size")
+
+
+def _qwen3_video_settings(image_processor):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    return Qwen3VLVideoProcessor(**{name: getattr(image_processor, name) for name in _PATCH_SETTINGS})
+
+
+_PROCESSORS = (("qwen2_vl", "Qwen2VLProcessor", None), ("qwen2_5_vl", "Qwen2_5_VLProcessor", None),
+               ("qwen3_vl", "Qwen3VLProcessor", _qwen3_video_settings))
+"""transformers' module (under `transformers.models`) and class of each family's processor, and what
+gives its stand-in video processor the sizes vLLM reads (None: none are read)."""
 
 
 def allow_qwen_vl_without_torchvision() -> None:
@@ -38,11 +46,11 @@ def allow_qwen_vl_without_torchvision() -> None:
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl
 
     sys.modules.setdefault("transformers.models.qwen2_vl.image_processing_qwen2_vl", image_processing_pil_qwen2_vl)
-    for family, name in _PROCESSORS:
+    for family, name, video_settings in _PROCESSORS:
         if importlib.util.find_spec(f"transformers.models.{family}") is None:
             continue  # a transformers older than the family
         module = importlib.import_module(f"transformers.models.{family}.processing_{family}")
-        _build_without_videos(getattr(module, name), _qwen3_video_settings if family == "qwen3_vl" else None)
+        _build_without_videos(getattr(module, name), video_settings)
 
 
 def _build_without_videos(processor: type, video_settings=None) -> None:
@@ -56,12 +64,6 @@ def _build_without_videos(processor: type, video_settings=None) -> None:
         self.video_processor = NoVideos(video_settings(image_processor) if video_settings else None)
 
     processor.__init__ = images_and_text
-
-
-def _qwen3_video_settings(image_processor):
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    return Qwen3VLVideoProcessor(**{name: getattr(image_processor, name) for name in _PATCH_SETTINGS})
 
 
 class NoVideos:

@@ -121,7 +121,6 @@ def test_bad_input_exits_2_with_one_line_before_ray_starts(bad_inputs, tiny_mode
         (f"model.path={bad_inputs / 'tied'}", "parallel.pp=2"): "parallel.pp: the model ties its input and output",
         ("parallel.cp=2", "parallel.tp=2"): "parallel.cp: tp x cp = 4 does not divide the model's attention heads",
         "parallel.sequence_parallel=true": "parallel.sequence_parallel: needs parallel.tp > 1",
-        (f"model.path={bad_inputs / 'tied'}", "parallel.tp=2"): "parallel.tp: the model ties its input and output",
         "ray.cpus_per_worker=64": "ray.cpus_per_worker: 1 worker x 64 CPUs",
     }
     argvs = [base + ([override] if isinstance(override, str) else list(override)) for override in cases]

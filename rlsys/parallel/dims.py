@@ -116,9 +116,6 @@ class ParallelDims:
                                ("intermediate size", model_config.intermediate_size)):
                 if size % self.tp:
                     raise LayoutError(f"parallel.tp: {self.tp} does not divide the model's {what} ({size})")
-            if getattr(model_config, "tie_word_embeddings", False):
-                raise LayoutError("parallel.tp: the model ties its input and output embeddings, which tensor "
-                                  "parallelism shards along different dimensions; use an untied model")
         if self.cp > 1:
             heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
             for what, size in (("attention heads", heads), ("key/value heads", kv_heads)):

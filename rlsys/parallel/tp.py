@@ -6,8 +6,11 @@ columns, o and down by input rows, so each attention and each MLP needs one
 all-reduce. The embedding is split by vocabulary rows, the LM head by
 vocabulary columns, unevenly where tp does not divide the vocabulary (DTensor's
 uneven shards: the first ranks hold one row more), so checkpoints, exports and
-the weight sync see the model's own shapes. HF attention reshapes with `view(..., -1, head_dim)`, so
-each rank runs its own heads without patching the model.
+the weight sync see the model's own shapes. Both split their [vocab, hidden]
+weight by rows (Shard(0)), so an LM head tied to the embedding (SmolLM2, Qwen2.5's
+small models) stays one parameter: its gradient sums the two uses, as in one process.
+HF attention reshapes with `view(..., -1, head_dim)`, so each rank runs its own heads
+without patching the model.
 
 Sequence parallel (optional) keeps the norms and the residual stream split
 along the sequence between the tensor-parallel ranks: the all-reduces become
@@ -60,7 +63,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     top = top_plan(residual, sequence_parallel, loss_parallel, value_head, decoder)
     # a pipeline stage lacks the embedding, the final norm or the LM head, and most blocks
     present = {name: style for name, style in top.items() if _has_module(model, name)}
+    tied = _tied_lm_head(model, decoder)
     parallelize_module(model, tp_mesh, present)
+    if tied:  # parallelize_module gave each module a DTensor of its own: the same rows, tied again
+        model.lm_head.weight = model.get_submodule(f"{decoder}.embed_tokens").weight
     for block in model.get_submodule(decoder).layers:
         if block is not None:
             parallelize_module(block, tp_mesh, block_plan(block, residual, sequence_parallel))
@@ -84,6 +90,11 @@ def top_plan(residual, sequence_parallel: bool, loss_parallel: bool, value_head:
     if sequence_parallel:
         top[f"{decoder}.norm"] = SequenceParallel()
     return top
+
+
+def _tied_lm_head(model: nn.Module, decoder: str) -> bool:
+    return (_has_module(model, "lm_head") and _has_module(model, f"{decoder}.embed_tokens")
+            and model.lm_head.weight is model.get_submodule(f"{decoder}.embed_tokens").weight)
 
 
 def _has_module(model: nn.Module, name: str) -> bool:

@@ -18,9 +18,7 @@ fixed conversation is refused when the loop starts.
 
 from __future__ import annotations
 
-from rlsys.data.examples import chat_ids
-
-_CONVERSATION = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+from rlsys.data.examples import PROBE_CONVERSATION, chat_ids, turn_end_ids
 
 
 class TemplateError(ValueError):
@@ -30,12 +28,11 @@ class TemplateError(ValueError):
 class ChatTurns:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.conversation_ids = chat_ids(_CONVERSATION, tokenizer, add_generation_prompt=False)
-        before = chat_ids(_CONVERSATION[:1], tokenizer, add_generation_prompt=True)
-        content = tokenizer(_CONVERSATION[1]["content"], add_special_tokens=False)["input_ids"]
-        if self.conversation_ids[:len(before) + len(content)] != before + content:
+        self.conversation_ids = chat_ids(PROBE_CONVERSATION, tokenizer, add_generation_prompt=False)
+        turn_end = turn_end_ids(tokenizer)
+        if turn_end is None:
             raise TemplateError("the chat template does not render an assistant turn after its generation prompt")
-        self.turn_end = self.conversation_ids[len(before) + len(content):]
+        self.turn_end = turn_end
         """The template's tokens after an assistant turn's content (`<|im_end|>`, a newline)."""
 
     def after_turn(self, sampled_ids: list[int]) -> list[int]:
@@ -46,7 +43,7 @@ class ChatTurns:
 
     def next_turn(self, messages: list[dict]) -> list[int]:
         """Tokens of `messages` (tool or user turns) and the next assistant generation prompt."""
-        ids = chat_ids(_CONVERSATION + messages, self.tokenizer, add_generation_prompt=True)
+        ids = chat_ids(PROBE_CONVERSATION + messages, self.tokenizer, add_generation_prompt=True)
         if ids[:len(self.conversation_ids)] != self.conversation_ids:
             raise TemplateError("the chat template renders a conversation with a tool turn appended differently "
                                 "from the conversation before it (not append-only)")

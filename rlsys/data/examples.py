@@ -83,14 +83,17 @@ def _plain_example(prompt: str, response: str, tokenizer) -> Example:
 
 
 def _chat_example(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> Example:
-    """Targets are the assistant turns, found by rendering each conversation prefix (with the
-    `tools` schemas, as the agent loop's prompts render them).
+    """Targets are the assistant turns up to their end-of-turn token, found by rendering each
+    conversation prefix (with the `tools` schemas, as the agent loop's prompts render them). What the
+    template writes after that token (ChatML's newline after `<|im_end|>`) is not a target: the
+    engine stops at the end-of-turn token and never samples it.
 
     Relies on the chat template rendering a prefix of the conversation as a
     prefix of the full text, which holds for the usual templates.
     """
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("conversation has no assistant turn")
+    after_end = (turn_end_ids(tokenizer) or [])[1:]
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
@@ -101,9 +104,28 @@ def _chat_example(messages: list[dict], tokenizer, tools: list[dict] | None = No
         upto = chat_ids(messages[: i + 1], tokenizer, False, tools)
         if upto[: len(ids)] != ids:
             raise ValueError("chat template does not render conversation prefixes as prefixes")
-        mask.extend([int(message["role"] == "assistant")] * (len(upto) - len(ids)))
+        turn = [int(message["role"] == "assistant")] * (len(upto) - len(ids))
+        if turn and turn[0] and after_end and upto[len(upto) - len(after_end):] == after_end:
+            turn[len(turn) - len(after_end):] = [0] * len(after_end)
+        mask.extend(turn)
         ids = upto
     return Example(ids, mask)
+
+
+PROBE_CONVERSATION = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+"""A fixed two-turn conversation whose renderings show what a chat template writes around a turn."""
+
+
+def turn_end_ids(tokenizer) -> list[int] | None:
+    """The template's tokens after an assistant turn's content: its end-of-turn token, then what it
+    writes after it (ChatML's newline after `<|im_end|>`). None for a template that does not render
+    an assistant turn after its generation prompt."""
+    conversation = chat_ids(PROBE_CONVERSATION, tokenizer, add_generation_prompt=False)
+    before = chat_ids(PROBE_CONVERSATION[:1], tokenizer, add_generation_prompt=True)
+    content = tokenizer(PROBE_CONVERSATION[1]["content"], add_special_tokens=False)["input_ids"]
+    if conversation[:len(before) + len(content)] != before + content:
+        return None
+    return conversation[len(before) + len(content):]
 
 
 def chat_ids(messages: list[dict], tokenizer, add_generation_prompt: bool, tools: list[dict] | None = None

@@ -107,6 +107,7 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
         (("train.replay=runs/here", "output_dir=runs/here", "train.async_mode=full", "rollout.placement=separate"),
          "train.replay: runs/here is this run's own schedule"),
         ("rollout.block_size=48", "rollout.block_size: 48 tokens; on CPU a multiple of 32"),
+        ("rollout.temperature=3", "rollout.temperature: Input should be less than or equal to 2 (got 3)"),
         ("rollout.agent_loop=tool", "rollout.agent_loop: the tool loop calls tools; give tools.names"),
         ("rollout.agent_loop=nope.py:Loop", "rollout.agent_loop: file not found"),
         ("rollout.agent_loop=openai", "rollout.agent_loop: the openai loop runs an agent harness; give "

@@ -29,7 +29,7 @@ class JudgeConfig:
     A verdict that does not parse scores 0 and counts in reward/errors."""
     max_new_tokens: int = Field(default=64, gt=0)
     """Tokens of one verdict."""
-    temperature: float = Field(default=0.0, ge=0)
+    temperature: float = Field(default=0.0, ge=0, le=2)
     """The judge's sampling temperature (0: greedy)."""
 
 

@@ -52,8 +52,8 @@ class EvalConfig:
     max_response_tokens: int | None = Field(default=None, gt=0)
     """Tokens of a whole response with a multi-turn loop (empty: max_new_tokens; in RL validation,
     rollout.max_response_tokens)."""
-    temperature: float = Field(default=0.0, ge=0)
-    """Sampling temperature (0 is greedy)."""
+    temperature: float = Field(default=0.0, ge=0, le=2)
+    """Sampling temperature (0 is greedy; vLLM takes at most 2)."""
     limit: int = Field(default=0, ge=0)
     """Evaluate only the first N rows (0: all)."""
     agent_loop: str | None = None
@@ -111,8 +111,8 @@ class RolloutConfig:
     """GPUs per engine with placement=separate (0 on CPU)."""
     n: int = Field(default=4, gt=0)
     """Responses sampled per prompt (the GRPO group size)."""
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature."""
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    """Sampling temperature (vLLM takes at most 2)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"

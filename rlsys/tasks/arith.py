@@ -9,13 +9,13 @@ turn and must answer `19`. Test problems never appear in any training file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
 from dataclasses import dataclass
 
 from rlsys.rewards.registry import register_reward
+from rlsys.tasks.files import write_jsonl, write_parquet
 
 DATA_SOURCE = "arith"
 _INTEGER = re.compile(r"-?\d+")
@@ -100,32 +100,17 @@ def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
     rng = random.Random(spec.seed + 1)
     corpus = [p for _ in range(spec.pretrain_passes) for p in rng.sample(train, len(train))]
     files = {
-        "pretrain": _write_jsonl(out_dir, "pretrain.jsonl", pretrain_rows(corpus, spec.equations_per_document)),
-        "sft": _write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train)),
-        "rl_train": _write_parquet(out_dir, "rl_train.parquet", rl_rows(train, "train")),
-        "preferences": _write_jsonl(out_dir, "preferences.jsonl", preference_rows(train, rng)),
-        "test": _write_parquet(out_dir, "test.parquet", rl_rows(test, "test")),
+        "pretrain": write_jsonl(out_dir, "pretrain.jsonl", pretrain_rows(corpus, spec.equations_per_document)),
+        "sft": write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train)),
+        "rl_train": write_parquet(out_dir, "rl_train.parquet", rl_rows(train, "train")),
+        "preferences": write_jsonl(out_dir, "preferences.jsonl", preference_rows(train, rng)),
+        "test": write_parquet(out_dir, "test.parquet", rl_rows(test, "test")),
     }
     return files
 
 
 def _chat(problem: Problem) -> list[dict]:
     return [{"role": "user", "content": problem.question}]
-
-
-def _write_jsonl(out_dir: str, name: str, rows: list[dict]) -> str:
-    path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    return path
-
-
-def _write_parquet(out_dir: str, name: str, rows: list[dict]) -> str:
-    path = os.path.join(out_dir, name)
-    import datasets
-
-    datasets.Dataset.from_list(rows).to_parquet(path)
-    return path
 
 
 def main(argv: list[str] | None = None) -> None:

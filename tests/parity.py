@@ -16,14 +16,15 @@ from rlsys.data.packing import pack_rows
 
 MICRO_BATCH = 3
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
-def parity_batches(tiny_model_dir: str, arith_files: dict[str, str]):
+def parity_batches(tiny_model_dir: str, arith_files: dict[str, str], max_seq_len: int = 32):
     """12 SFT rows, and an RL mini-batch of 4 GRPO groups: 3 responses (those of 3 SFT rows) to
     one prompt each, per-row advantages on the response tokens, old and reference log-probs
     nearby. Of every 3 SFT rows (a micro-batch), two are cut to 5 tokens, every one a target (as
     in pretraining), so that packing lays them into one row; each RL micro-batch is one group,
-    whose prompt packing lays out once."""
+    whose prompt packing lays out once. `max_seq_len` must hold a templated problem (a real
+    model's template adds a system prompt)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    examples, _ = load_sft_examples(DataConfig(train_files=[arith_files["sft"]], max_seq_len=32), tokenizer)
+    examples, _ = load_sft_examples(DataConfig(train_files=[arith_files["sft"]], max_seq_len=max_seq_len), tokenizer)
     sft = collate(examples[:12], tokenizer.pad_token_id)
     short = torch.arange(12) % 3 != 0
     sft["input_ids"][short, 5:] = tokenizer.pad_token_id

@@ -50,7 +50,7 @@ def engine(tool_caller, tool_pool, calculator_tools):
     tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=2.0)
     harnesses = {"openai": OpenAILoop.bind(calculator_agent, 60.0), "edits": OpenAILoop.bind(editing_agent, 60.0),
                  "completions": OpenAILoop.bind(completions_agent, 60.0),
-                 "failing": OpenAILoop.bind(failing_agent, 1.0)}
+                 "failing": OpenAILoop.bind(failing_agent, 5.0)}
     return RolloutWorker(tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0, num_threads=2,
                          loops={"tool": ToolLoop, **harnesses}, tools=tools, tool_client=tool_pool.client(),
                          tool_schemas=[s.schema for s in calculator_tools])
@@ -76,6 +76,13 @@ def test_trajectories_travel_with_their_routing():
 
 def test_a_trajectory_is_the_prompt_the_sampled_turns_and_the_tool_turns_exactly(engine, tool_caller,
                                                                                 calculator_tools):
+    assert_tool_trajectories(engine, tool_caller, calculator_tools, "tool")
+
+
+def assert_tool_trajectories(engine, model_dir: str, calculator_tools, loop: str) -> None:
+    """4 samples of the calculator question through `loop`: at least 3 call the calculator, and
+    each of those is the prompt, the sampled call, the template's tool turn and the answer, with
+    exact masks; the engine's log-prob of every sampled token is `model_dir`'s."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = engine.tokenizer
@@ -84,11 +91,11 @@ def test_a_trajectory_is_the_prompt_the_sampled_turns_and_the_tool_turns_exactly
                                            add_generation_prompt=True)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=100, max_response_tokens=200)
-    columns = asyncio.run(engine.rollout([(0, prompt_ids, {})], "tool", 4, sampling, seed=5))
+    columns = asyncio.run(engine.rollout([(0, prompt_ids, {})], loop, 4, sampling, seed=5))
     trajectories = columns.unpack({0: prompt_ids})
 
     turns = ChatTurns(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(tool_caller, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     multi_turn = [t for t in trajectories if t.num_turns > 1]
     assert len(multi_turn) >= 3, [t.text for t in trajectories]
     for trajectory in multi_turn:
@@ -104,17 +111,18 @@ def test_a_trajectory_is_the_prompt_the_sampled_turns_and_the_tool_turns_exactly
                                                      - len(expected_observation)))
         assert (trajectory.tool_calls, trajectory.tool_errors, trajectory.num_turns) == (1, 0, 2)
         assert trajectory.reward_info["final_turn"] == "408"
-        _assert_engine_logprobs(model, trajectory)
+        assert_engine_logprobs(model, trajectory)
 
 
-def _assert_engine_logprobs(model, trajectory) -> None:
-    """The engine's log-prob of every sampled token, in every turn, is the model's."""
+def assert_engine_logprobs(model, trajectory, temperature: float = 1.0) -> None:
+    """The engine's log-prob of every sampled token, in every turn, is the model's (at the sampling
+    temperature)."""
     from rlsys.algorithms.lm_loss import logprobs_of_labels
 
     prompt_ids = trajectory.prompt_ids
     ids = torch.tensor([prompt_ids + trajectory.response_ids])
     with torch.no_grad():
-        reference = logprobs_of_labels(model(input_ids=ids).logits, ids)[0, len(prompt_ids) - 1:]
+        reference = logprobs_of_labels(model(input_ids=ids).logits / temperature, ids)[0, len(prompt_ids) - 1:]
     sampled = torch.tensor(trajectory.response_mask).bool()
     assert len(trajectory.logprobs) == int(sampled.sum())
     assert (reference[sampled] - torch.tensor(trajectory.logprobs)).abs().max() < 1e-4
@@ -255,7 +263,7 @@ def test_openai_harness_with_tools_gives_token_exact_trajectories_in_64_concurre
     multi_turn = [t for t in trajectories if t.num_turns == 2]
     assert len(multi_turn) >= 32, [t.text for t in trajectories]
     for trajectory in trajectories:
-        _assert_engine_logprobs(model, trajectory)
+        assert_engine_logprobs(model, trajectory)
     for trajectory in multi_turn:
         first_turn = _first_run(trajectory.response_mask, 1)
         call_ids = trajectory.response_ids[:first_turn]
@@ -302,8 +310,9 @@ def test_openai_completions_endpoint_records_the_prompt_tokens(engine):
 
 
 def test_failing_harnesses_drop_their_samples_and_say_why(engine):
-    """A harness that raises, hangs past its time (1 s here), returns neither a string nor a dict,
-    or never calls the endpoint makes no trajectory; the others of the batch are unaffected."""
+    """A harness that raises, hangs past its time (5 s here: a first call through a new endpoint took
+    over 1 s on a loaded machine), returns neither a string nor a dict, or never calls the endpoint
+    makes no trajectory; the others of the batch are unaffected."""
     messages, prompt_ids = _question(engine.tokenizer)
     modes = ["raise", "hang", "bad_return", "silent", "fine"]
     rows = [(i, prompt_ids, {"prompt": messages, "extra_info": {"mode": mode}}) for i, mode in enumerate(modes)]

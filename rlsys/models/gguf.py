@@ -28,7 +28,8 @@ DONE_MARKER = "gguf_source.json"
 
 
 class GGUFError(ValueError):
-    """A GGUF file that cannot become a Hugging Face directory (missing, or an architecture transformers lacks)."""
+    """A GGUF file that cannot become a Hugging Face directory (missing, not GGUF, of an architecture
+    transformers cannot read), or a directory that holds another conversion."""
 
 
 def smollm2_gguf() -> str:
@@ -98,6 +99,11 @@ def convert(path: str, out_dir: str, num_layers: int | None = None) -> str:
     kept as it is. Returns `out_dir`."""
     marker = os.path.join(out_dir, DONE_MARKER)
     if os.path.isfile(marker):
+        with open(marker) as f:
+            done = json.load(f)
+        if done["gguf"] != os.path.basename(path) or (num_layers is not None and done["layers"] != num_layers):
+            raise GGUFError(f"{out_dir} holds {done['gguf']} with {done['layers']} layers; remove it to convert "
+                            f"{os.path.basename(path)}{f' with {num_layers} layers' if num_layers else ''}")
         return out_dir
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: no such file")

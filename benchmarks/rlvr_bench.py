@@ -46,11 +46,12 @@ def bench_config(args, extra: list[str] = ()) -> RLJobConfig:
     return load_config(RLJobConfig, None, overrides)
 
 
-def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None
+def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None, export: str | None = None
                 ) -> tuple[list[dict], list, list[list[tuple]], list[dict[str, tuple[int, float]]]]:
     """Run the steps; returns their metrics, the first step's prompts, the arguments of each
     step's rollout calls (RolloutGroup.rollout), and with a `bare` engine its replay of each
-    step's calls right after the step (`PausedEngine.replay_paired`)."""
+    step's calls right after the step (`PausedEngine.replay_paired`). `export`: write the final
+    policy there as a Hugging Face directory."""
     from rlsys.actors.cluster import ensure_ray
     from rlsys.stages.rl_trainer import RLVRTrainer
 
@@ -72,6 +73,8 @@ def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None
             if bare is not None:
                 replays.append(bare.replay_paired(calls_by_step[-1], paused_first=step % 2 == 0))
         prompts = [(i, trainer.prompts[i].ids) for i in range(cfg.train.prompts_per_step)]
+        if export:
+            trainer.train_group.run_all("export_hf", export)
     finally:
         trainer.shutdown()
     return rows, prompts, calls_by_step, replays

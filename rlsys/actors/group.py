@@ -32,10 +32,11 @@ class ActorGroup:
         """Start `method` with the same arguments on every actor; returns their object refs."""
         return [self.submit(index, method, *args, **kwargs) for index in range(len(self.actors))]
 
-    def wait(self, refs: list, indices: list[int] | None = None) -> list:
-        """The results of calls on the actors at `indices` (default: one call per actor, in order)."""
+    def wait(self, refs: list, indices: list[int] | None = None, straggler_timeout_s: float | None = None) -> list:
+        """The results of calls on the actors at `indices` (default: one call per actor, in order);
+        `straggler_timeout_s` replaces the group's for this wait."""
         names = self.names if indices is None else [self.names[i] for i in indices]
-        return wait_all(refs, names, self.straggler_timeout_s)
+        return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s)
 
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Call `method` with the same arguments on every actor; results in actor order."""

@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.actors.cluster import actor_name, check_resources, spawn, wait_placed
 from rlsys.actors.group import ActorGroup
-from rlsys.actors.train_worker import TrainWorker, TrainWorkerSpec
+from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
 from rlsys.data.batching import Batch, split_rows
 
@@ -39,7 +39,10 @@ class TrainGroup(ActorGroup):
                 for rank in range(world_size)
             ]
             master_addr, master_port = self.wait([self.submit(0, "master_address")], [0])[0]
-            placement = self.run_all("setup", master_addr, master_port)
+            # Building the engines is start-up: one rank may finish its last collective of it
+            # seconds before another on a busy machine, so its wait has the rendezvous's limit.
+            placement = self.wait(self.submit_all("setup", master_addr, master_port),
+                                  straggler_timeout_s=max(spec.collective_timeout_s, RENDEZVOUS_TIMEOUT_S))
             self.dp_ranks = [dp_rank for dp_rank, _ in placement]
             self.collected = sorted((dp_rank, rank) for rank, (dp_rank, collected) in enumerate(placement)
                                     if collected)

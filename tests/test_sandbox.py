@@ -428,3 +428,19 @@ def test_the_python_tool_answers_with_what_the_program_printed():
     assert asyncio.run(run("print(2**100)")) == str(2**100) + "\n"
     failed = asyncio.run(run("1/0"))
     assert "ZeroDivisionError" in failed and failed.endswith("[error]")
+
+
+def test_a_python_environment_reached_through_a_symbolic_link(tmp_path):
+    """A venv that is a link to another directory (as conda and shared-venv setups make): the run
+    finds its interpreter through the link, and sees nothing of the link's directory but the link."""
+    linked = tmp_path / "linked-env"
+    linked.symlink_to(os.path.realpath(sys.prefix))
+    (tmp_path / "secret.txt").write_text("host")
+    code = (f"import os, sys\nprint(sys.prefix, *os.listdir({str(tmp_path)!r}))\n"
+            f"try:\n    open({str(tmp_path / 'secret.txt')!r})\nexcept OSError as err:\n    print(type(err).__name__)")
+    probe = f"import json\nfrom rlsys.sandbox.local import run_python\nprint(json.dumps(run_python({code!r}).__dict__))"
+    done = subprocess.run([str(linked / "bin" / os.path.basename(sys.executable)), "-c", probe],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert (result["status"], result["stdout"]) == ("ok", f"{linked} linked-env\nFileNotFoundError\n"), result

@@ -260,10 +260,12 @@ def _collect_unix_garbage() -> None:
 
 
 def _readable() -> list[str]:
-    """What a run may read: the system's directories and this Python's (its install, the venv)."""
+    """What a run may read: the system's directories and this Python's (its install, the venv), each
+    also by its resolved path: an environment reached through a symbolic link (as conda and shared
+    venvs are) is reproduced as the link, which needs what it points to."""
     system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin"]
     python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    return system + sorted(python)
+    return system + sorted(python | {os.path.realpath(path) for path in python})
 
 
 def _user_processes() -> int:

@@ -126,6 +126,11 @@ def _joins_a_cluster() -> bool:
     return bool(os.environ.get("RAY_ADDRESS")) or (ray.is_initialized() and len(ray.nodes()) > 1)
 
 
+def largest_node_cpus() -> float:
+    """The most CPUs one node of the cluster has: all that a single engine can take."""
+    return max(_node_resources("CPU", None), default=0)
+
+
 def _node_resources(resource: str, local_cpus: int | None) -> list[float]:
     if ray.is_initialized():
         return [n["Resources"].get(resource, 0) for n in ray.nodes() if n["Alive"]]

@@ -24,16 +24,17 @@ class RolloutGroup(ActorGroup):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
-                 adapter: AdapterSpec | None = None, fp32_head: bool = False, return_routing: bool = False):
+                 adapter: AdapterSpec | None = None, fp32_head: bool = False, return_routing: bool = False,
+                 cpus_key: str = "rollout.cpus_per_engine"):
         """Placed by `place_engines` (colocated: in the training ranks' bundles; separate: their own).
         `loops`: the agent loops the engines run, by name; `tool_client` (`ToolPool.client()`) the
         tool workers their loops call; `adapter`: the engines serve the policy's LoRA adapter over the
         base model, which they load once and keep (no memory release); `fp32_head`: the engines compute logits
-        in fp32 (`model.fp32_lm_head`); `return_routing`: trajectories carry their MoE routing (R3)."""
+        in fp32 (`model.fp32_lm_head`); `return_routing`: trajectories carry their MoE routing (R3);
+        `cpus_key`: the setting that gave the engines their CPUs, named when they do not fit."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
-        self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines",
-                                       "rollout.cpus_per_engine")
+        self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines", cpus_key)
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
         actor_cls = ray.remote(RolloutWorker)
         try:

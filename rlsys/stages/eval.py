@@ -102,15 +102,16 @@ def eval_agents(cfg: EvalConfig, tools: ToolsConfig) -> AgentSetup:
 
 def evaluate_model(model_path: str, evaluator: Evaluator, agents: AgentSetup, output_dir: str, cpus: float,
                    gpus: float) -> dict:
-    """Evaluate the model directory with an engine of its own (`cpus` CPUs, `gpus` GPUs), its agent
-    loop and tools, and write eval_results.jsonl and eval_summary.json to output_dir."""
+    """Evaluate the model directory with an engine of its own (`cpus` CPUs, from `ray.cpus_per_worker`;
+    `gpus` GPUs), its agent loop and tools, and write eval_results.jsonl and eval_summary.json to output_dir."""
     engine = RolloutConfig(num_engines=1, placement="separate", cpus_per_engine=cpus, gpus_per_engine=gpus,
                            engine_memory_gib=evaluator.cfg.engine_memory_gib)
     tools = agents.start_tools()
     rollout = None
     try:
         rollout = RolloutGroup(model_path, engine, evaluator.seed, None, cpus, loops=agents.loops, tools=agents.tools,
-                               tool_client=tools.client() if tools else None, tool_schemas=agents.schemas)
+                               tool_client=tools.client() if tools else None, tool_schemas=agents.schemas,
+                               cpus_key="ray.cpus_per_worker")
         summary, rows = evaluator.run(rollout)
     finally:
         for group in (rollout, tools):

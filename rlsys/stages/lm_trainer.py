@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Literal
 
+from rlsys.actors.cluster import largest_node_cpus
 from rlsys.actors.phases import set_phase
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
@@ -69,7 +70,8 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         from rlsys.stages.eval import evaluate_model
 
         set_phase(f"{stage}: eval")
-        cpus = cfg.ray.cpus_per_worker * ParallelDims.of(cfg.parallel).world_size
+        # the training ranks are gone: the engine takes their CPUs, as many as one node has
+        cpus = min(cfg.ray.cpus_per_worker * ParallelDims.of(cfg.parallel).world_size, largest_node_cpus())
         summary["eval"] = evaluate_model(run.hf_dir, evaluator, agents, cfg.output_dir, cpus, cfg.ray.gpus_per_worker)
     summary["time_s"] = round(time.time() - started, 1)
     finish_run(cfg.output_dir, summary)

@@ -144,6 +144,7 @@ def check_eval_job(cfg: EvalJobConfig) -> None:
     _refuse_random_init(cfg.model)
     check_model_dir(cfg.model, "model.path")
     _check_eval(cfg.eval)
+    _check_training_resources(cfg.ray, 1)  # the engine takes ray.cpus_per_worker CPUs
 
 
 def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:

@@ -16,6 +16,7 @@ import ray
 import torch
 import worker_probes as probes
 
+from rlsys.actors.failures import WorkerFailure
 from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.config.training import TrackingConfig
@@ -260,13 +261,21 @@ def sampled_batch(trainer: RLVRTrainer) -> dict[str, torch.Tensor]:
                             trainer.tokenizer.pad_token_id)
 
 
+def engine_length(trainer: RLVRTrainer) -> int:
+    return trainer.rollout_group.on_each(lambda worker: worker.llm.llm_engine.model_config.max_model_len)[0]
+
+
 def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
     """One policy update raises the log-prob of positive-advantage responses
-    and lowers it for negative ones: the reward signal reaches the policy."""
+    and lowers it for negative ones: the reward signal reaches the policy. The engine is built for
+    the run's longest sequence (training or validation prompt, plus the response budget), not the
+    model's context."""
     cfg = rl_config("algorithm.kl_coef=0", "algorithm.ppo_mini_batch_size=0", "algorithm.ppo_epochs=1",
                     "optim.lr=1e-3", "optim.max_grad_norm=0")
     trainer = RLVRTrainer(cfg)
     try:
+        longest = max(len(p.ids) for p in [*trainer.prompts, *trainer.evaluator.prompts])
+        assert engine_length(trainer) == longest + cfg.rollout.response_budget < 256
         batch = sampled_batch(trainer)
         advantages = torch.tensor([1.0, -1.0] * 8)
         batch["advantages"] = advantages.unsqueeze(1) * batch["loss_mask"]
@@ -365,6 +374,15 @@ def test_restart_after_a_dead_rank_reproduces_the_metrics(straight_rl, tmp_path)
             assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-5), (step, name)
 
 
+def test_an_engine_that_cannot_start_says_why(ray_cluster, rl_config):
+    """The error a rollout engine's constructor raised (here vLLM refusing an argument) is in the
+    failure that reports its death (the CLI's one line), not only in the engine's log."""
+    cfg = rl_config("rollout.engine_kwargs={no_such_arg: 1}", "eval=null")
+    with pytest.raises(WorkerFailure, match=r"^rollout worker 0 \(rlsys/rollout/0\) died \(TypeError: EngineArgs"
+                                            r"\.__init__\(\) got an unexpected keyword argument 'no_such_arg'\)"):
+        RLVRTrainer(cfg)
+
+
 def test_an_openai_client_harness_is_trained_on_and_its_failures_are_dropped(ray_cluster, rl_config):
     """`rollout.agent_loop: openai`: the harness (tests/assets/openai_harness.py) answers through the
     engine's endpoint; what it recorded is what the trainer computes log-probs of (the engine's equal
@@ -374,6 +392,7 @@ def test_an_openai_client_harness_is_trained_on_and_its_failures_are_dropped(ray
                     "eval=null", "algorithm.kl_coef=0", "reward.terms=[{name: arith}]")
     trainer = RLVRTrainer(cfg)
     try:
+        assert engine_length(trainer) == 256  # a harness writes the requests: the model's context
         failing = sum(sum(map(ord, trainer.prompts[i].messages[-1]["content"])) % 4 == 0
                       for i in copy.deepcopy(trainer.sampler).next_indices())
         step = trainer.step(1)

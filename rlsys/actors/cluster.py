@@ -191,6 +191,14 @@ def spawn(actor_cls, role: str, index: int, *args, timeout_s: float = 30.0, env:
     return actor
 
 
+def log_file_of(name: str) -> str | None:
+    """The log file of the actor rlsys/<role>/<index> (None when actors log to the console)."""
+    parts = name.split("/")
+    if not _log_dir or verbose() or len(parts) != 3:
+        return None
+    return os.path.join(_log_dir, f"{parts[1]}-{parts[2]}.log")
+
+
 def name_of(actor_id: str | None) -> str | None:
     return _actor_names.get(actor_id or "")
 

@@ -9,14 +9,18 @@ with one line and exit code 3; any other error stays a bug with its traceback.
 
 from __future__ import annotations
 
+import os
+import re
+
 import ray
 
-from rlsys.actors.cluster import name_of
+from rlsys.actors.cluster import log_file_of, name_of
 from rlsys.actors.phases import current_phase
 
 # Messages of torch.distributed errors that mean a peer is gone or a collective hung.
 _COMMUNICATION_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
                          "timed out", "Timed out", "Broken pipe", "NCCL error")
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*:")
 _GRACE_S = 5.0
 """After the first failure, how long to wait for the other calls: a dead rank's own error
 arrives within this, so the report names the rank that died, not a peer that lost it."""
@@ -78,7 +82,9 @@ def _as_failure(errors: list[tuple[Exception, str | None]]) -> Exception:
     died, which may not be the one called (an argument of the call came from it)."""
     for err, called in errors:
         if isinstance(err, ray.exceptions.RayActorError):
-            return WorkerFailure(name_of(err.actor_id) or called or "a worker", "died", current_phase())
+            worker = name_of(err.actor_id) or called or "a worker"
+            cause = _cause_of_death(err, worker)
+            return WorkerFailure(worker, f"died ({cause})" if cause else "died", current_phase())
     for err, called in errors:
         text = str(err)
         if isinstance(err, ray.exceptions.RayTaskError) and any(m in text for m in _COMMUNICATION_ERRORS):
@@ -87,6 +93,25 @@ def _as_failure(errors: list[tuple[Exception, str | None]]) -> Exception:
             reason = "timed out in a collective" if timed_out else "lost its peers"
             return WorkerFailure(worker, f"{reason} ({_last_line(text)})", current_phase())
     return errors[0][0]
+
+
+def _cause_of_death(err: ray.exceptions.RayActorError, worker: str) -> str:
+    """What killed an actor, where it can be told: the error its constructor raised (an engine that
+    could not start), else during set-up the last error its log holds (a process that exited while
+    building its engine); empty otherwise (a process killed from outside names no cause)."""
+    if err.actor_init_failed:
+        return _last_line(err.error_msg)
+    return last_error_line(log_file_of(worker)) if current_phase().endswith("setup") else ""
+
+
+def last_error_line(path: str | None) -> str:
+    """The last line of the log at `path` that names an exception (`SomethingError: ...`); empty when none."""
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, errors="replace") as f:
+        lines = f.readlines()[-200:]
+    errors = [line.strip() for line in lines if _EXCEPTION_LINE.match(line.strip())]
+    return errors[-1][:200] if errors else ""
 
 
 def _last_line(text: str) -> str:

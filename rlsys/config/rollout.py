@@ -136,7 +136,12 @@ class RolloutConfig:
     """Extra stop strings (the tokenizer's EOS always stops). As in VeRL, the reward sees the response's tokens
     decoded, so the text ends with the stop string: the tokens trained on."""
     engine_memory_gib: float = Field(default=0.5, gt=0)
-    """KV-cache memory per engine, in GiB."""
+    """KV-cache memory per engine, in GiB. It must hold one sequence of max_model_len tokens (checked before
+    the run starts)."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """Longest sequence an engine takes; empty: the run's longest prompt (training and validation) plus a whole
+    response's budget, as VeRL sets it (the model's context for the openai loop, whose harness writes the
+    requests, and for a loop of your own)."""
     block_size: int | None = Field(default=None, gt=0)
     """KV-cache block size in tokens (empty: vLLM's default, 128 on CPU). The prefix cache reuses whole
     blocks only, so a multi-turn loop continues from its cached turns with smaller blocks (a multiple of 32

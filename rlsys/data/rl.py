@@ -32,6 +32,8 @@ class Prompt:
     renders them in its own chat template."""
     images: list | None = None
     """A vision-language prompt's pictures (PIL images), in the order its image tokens come."""
+    engine_tokens: int = 0
+    """The prompt's length in an engine: `ids` with each picture's token expanded to its count."""
 
     @property
     def row(self) -> dict:
@@ -93,6 +95,7 @@ def to_prompt(row: dict, tokenizer, max_tokens: int | None = None, tools: list[d
         extra_info=to_python(row.get("extra_info")),
         messages=messages,
         images=images or None,
+        engine_tokens=length,
     )
 
 

@@ -40,6 +40,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         enforce_eager=not on_gpu,
         kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
         **({"gpu_memory_utilization": free_memory_fraction()} if on_gpu else {}),
+        max_model_len=cfg.max_model_len,
         block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,

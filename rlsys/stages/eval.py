@@ -27,6 +27,7 @@ from rlsys.data.tokenizer import load_tokenizer
 from rlsys.models.vision import IMAGES_PER_PROMPT
 from rlsys.rewards.loading import eval_term
 from rlsys.rewards.scoring import reward_inputs
+from rlsys.rollout.engine_length import check_kv_budget, run_length
 from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
 from rlsys.stages.preflight import check_eval_job
 from rlsys.stages.run_dir import prepare_run_dir, write_summary
@@ -49,6 +50,16 @@ class Evaluator:
                                                 expander=image_expander_of(model_path, max_images))
         self.rewards = RewardPool(RewardConfig(terms=[eval_term(cfg.reward)], timeout_s=reward_timeout_s),
                                     role="val_reward")
+
+    @property
+    def engine_length(self) -> int | None:
+        """The longest sequence the split asks of an engine (None: a harness-driven loop's, the model's context)."""
+        return run_length((prompt.engine_tokens for prompt in self.prompts), self.response_tokens, self.loop)
+
+    def check_engine(self, model_path: str, on_gpu: bool) -> None:
+        """The split's own engine (the eval stage's, an SFT run's evaluation) holds one of its sequences."""
+        check_kv_budget(model_path, self.engine_length, self.cfg.engine_memory_gib, "auto", on_gpu, None,
+                        "eval.engine_memory_gib", "eval.max_new_tokens")
 
     def run(self, rollout: RolloutGroup) -> tuple[dict, list[dict]]:
         """Accuracy and reward errors on the split, and one result row per prompt."""
@@ -82,6 +93,7 @@ def run_eval(cfg: EvalJobConfig) -> dict:
     agents.check_template(tokenizer)
     evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
                           tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
+    evaluator.check_engine(cfg.model.path, on_gpu=cfg.ray.gpus_per_worker > 0)
     prepare_run_dir(cfg, "eval")
     ensure_ray(cfg.ray)
     summary = evaluate_model(cfg.model.path, evaluator, agents, cfg.output_dir, cfg.ray.cpus_per_worker,
@@ -105,7 +117,7 @@ def evaluate_model(model_path: str, evaluator: Evaluator, agents: AgentSetup, ou
     """Evaluate the model directory with an engine of its own (`cpus` CPUs, from `ray.cpus_per_worker`;
     `gpus` GPUs), its agent loop and tools, and write eval_results.jsonl and eval_summary.json to output_dir."""
     engine = RolloutConfig(num_engines=1, placement="separate", cpus_per_engine=cpus, gpus_per_engine=gpus,
-                           engine_memory_gib=evaluator.cfg.engine_memory_gib)
+                           engine_memory_gib=evaluator.cfg.engine_memory_gib, max_model_len=evaluator.engine_length)
     tools = agents.start_tools()
     rollout = None
     try:

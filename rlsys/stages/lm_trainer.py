@@ -59,6 +59,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         agents.check_template(tokenizer)
         evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, loop=evaluator_loop(cfg.eval),
                               tools=agents.schemas, response_tokens=cfg.eval.max_response_tokens)
+        evaluator.check_engine(cfg.model.path, on_gpu=cfg.ray.gpus_per_worker > 0)
     log.info("%s: %d training %s (%d rows skipped)", stage, len(examples), "pairs" if stage == "rm" else "sequences",
              row_stats.skipped)
     run = run_stage(cfg, stage, lambda checkpoints: LMSession(cfg, stage, examples, sampler,

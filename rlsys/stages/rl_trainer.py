@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoConfig
@@ -54,6 +54,7 @@ from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
+from rlsys.rollout.engine_length import check_kv_budget, run_length
 from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.eval import Evaluator
@@ -81,6 +82,8 @@ class RLData:
     agents: AgentSetup
     expander: ImageExpander | None = None
     """A vision-language model's processor: the trainer's rows carry the prompts' pictures expanded."""
+    engine_length: int | None = None
+    """The rollout engines' max_model_len (None: the model's context)."""
 
 
 def load_rl_data(cfg: RLJobConfig) -> RLData:
@@ -99,7 +102,24 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
                           loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
                           response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget,
                           max_images=max_images) if cfg.eval else None
-    return RLData(tokenizer, prompts, evaluator, agents, expander)
+    length = _engine_length(cfg, prompts, evaluator)
+    shortened_by = "rollout.max_model_len" if cfg.rollout.max_model_len or not length else "rollout.max_response_tokens"
+    check_kv_budget(cfg.model.path, length, cfg.rollout.engine_memory_gib, cfg.rollout.dtype,
+                    cfg.ray.gpus_per_worker > 0 or cfg.rollout.gpus_per_engine > 0, cfg.rollout.block_size,
+                    "rollout.engine_memory_gib", shortened_by, cfg.rollout.tensor_parallel_size)
+    return RLData(tokenizer, prompts, evaluator, agents, expander, length)
+
+
+def _engine_length(cfg: RLJobConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:
+    """The rollout engines' length: as configured, else the longest sequence of the training prompts
+    and of the validation split, which the same engines answer."""
+    configured = cfg.rollout.engine_kwargs.get("max_model_len") or cfg.rollout.max_model_len
+    if configured:
+        return configured
+    lengths = [run_length((p.engine_tokens for p in prompts), cfg.rollout.response_budget, cfg.rollout.agent_loop)]
+    if evaluator is not None:
+        lengths.append(evaluator.engine_length)
+    return None if None in lengths else max(lengths)
 
 
 def _loops(cfg: RLJobConfig) -> dict[str, str]:
@@ -136,7 +156,8 @@ class RLVRTrainer:
             train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, _colocated_engines(cfg))
             self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
             self._start_served_models(engine_gpus)
-            self.rollout_group = RolloutGroup(cfg.model.path, cfg.rollout, cfg.seed, self.train_group.placement,
+            self.rollout_group = RolloutGroup(cfg.model.path, replace(cfg.rollout, max_model_len=data.engine_length),
+                                              cfg.seed, self.train_group.placement,
                                               cfg.ray.cpus_per_worker * self.train_group.dims.world_size,
                                               gpu_share=engine_gpus, loops=self.agents.loops, tools=cfg.tools,
                                               tool_client=self.tools.client() if self.tools else None,

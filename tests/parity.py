@@ -3,11 +3,13 @@ what a training group's loss, gradients and log-probs must equal in any layout."
 
 from __future__ import annotations
 
+import pytest
 import torch
 import worker_probes as probes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlsys.algorithms.lm_loss import logprobs_of_labels
+from rlsys.algorithms.actor_loss import actor_loss
+from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
 from rlsys.config.rl import AlgorithmConfig
 from rlsys.config.training import DataConfig
 from rlsys.data.batching import collate, collate_rollouts, micro_batches, num_targets
@@ -113,3 +115,19 @@ def assert_gradients_match(got: dict, expected: dict) -> None:
     for name, ref in expected.items():
         relative = (got[name] - ref).norm() / ref.norm()
         assert relative < 1e-5, f"{name}: relative gradient error {relative:.2e}"
+
+
+def assert_layout_matches_single_process(cfg, model_dir: str, sft, rl, counts, logprob_tolerance: float = 1e-5
+                                         ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The layout of `cfg` gives one process's SFT loss and gradients, RL-loss gradients and
+    log-probs on the same batches. Returns the reference SFT gradients and each rank's local
+    parameter shapes, for a test's checks of how the layout holds them."""
+    sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
+    _, rl_grads = reference_gradients(model_dir, rl, actor_loss(counts, ALGO))
+    [(metrics, got_sft), (_, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts)
+    assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
+    assert_gradients_match(got_sft, sft_grads)
+    assert_gradients_match(got_rl, rl_grads)
+    expected = reference_logprobs(model_dir, sft) * sft["attention_mask"]
+    assert (logprobs * sft["attention_mask"] - expected).abs().max() < logprob_tolerance
+    return sft_grads, local_shapes

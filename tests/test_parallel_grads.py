@@ -15,7 +15,7 @@ from parity import (
     ALGO,
     MICRO_BATCH,
     assert_gradients_match,
-    layout_run,
+    assert_layout_matches_single_process,
     parity_batches,
     reference_gradients,
     reference_logprobs,
@@ -72,16 +72,7 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
     sft, rl, counts = batches
     model_dir = four_layer_model_dir if layout.startswith("pp") else tiny_model_dir
     cfg = sft_config(*LAYOUTS[layout], f"train.micro_batch_size={MICRO_BATCH}", f"model.path={model_dir}")
-    sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
-    _, rl_grads = reference_gradients(model_dir, rl, actor_loss(counts, ALGO))
-
-    [(metrics, got_sft), (_, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts)
-
-    assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
-    assert_gradients_match(got_sft, sft_grads)
-    assert_gradients_match(got_rl, rl_grads)
-    expected = reference_logprobs(model_dir, sft) * sft["attention_mask"]
-    assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
+    sft_grads, local_shapes = assert_layout_matches_single_process(cfg, model_dir, sft, rl, counts)
     shards = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp  # FSDP2 shards over dp_shard x cp
     q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
     assert local_shapes[0]["model.layers.0.self_attn.q_proj.weight"][0] == q_rows // shards  # sharded, not copied

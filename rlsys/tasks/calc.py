@@ -17,7 +17,6 @@ calculator's schema (`tools`), which the chat template renders as the tool loop'
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 
 import rlsys.tools  # noqa: F401  (registers the calculator)
 from rlsys.rewards.registry import register_reward
+from rlsys.tasks.files import splits_command
 
 DATA_SOURCE = "calc"
 _INTEGER = re.compile(r"-?\d+")
@@ -98,11 +98,7 @@ def write_splits(out_dir: str, spec: CalcSpec = CalcSpec()) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    for name, path in write_splits(args.out).items():
-        print(f"{name:9s} {path}")
+    splits_command(write_splits, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ something to sharpen, and held-out lists never appear in any training file.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import re
 from dataclasses import dataclass
 
 from rlsys.rewards.registry import register_reward
-from rlsys.tasks.files import write_jsonl, write_parquet
+from rlsys.tasks.files import splits_command, write_jsonl, write_parquet
 
 DATA_SOURCE = "extremes"
 _INTEGER = re.compile(r"-?\d+")
@@ -98,11 +97,7 @@ def write_splits(out_dir: str, spec: ExtremesSpec = ExtremesSpec()) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    for name, path in write_splits(args.out).items():
-        print(f"{name:9s} {path}")
+    splits_command(write_splits, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from collections.abc import Callable
 
 
 def write_jsonl(out_dir: str, name: str, rows: list[dict]) -> str:
@@ -19,3 +21,11 @@ def write_parquet(out_dir: str, name: str, rows: list[dict]) -> str:
     path = os.path.join(out_dir, name)
     datasets.Dataset.from_list(rows).to_parquet(path)
     return path
+
+
+def splits_command(write_splits: Callable[[str], dict[str, str]], doc: str, argv: list[str] | None = None) -> None:
+    """A task's command line: `--out DIR`, then the path of each split written there."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    for name, path in write_splits(parser.parse_args(argv).out).items():
+        print(f"{name:9s} {path}")

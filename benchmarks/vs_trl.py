@@ -237,7 +237,8 @@ def main() -> None:
         print(f"{'floor, ' + name + ' fwd/bwd':<34}{generate_s + fwd_bwd:>8.3f}{'':>13}"
               f"{(generate_s + fwd_bwd) / floor:>9.2f}   (generate {generate_s:.3f} + fwd/bwd {fwd_bwd:.3f})")
     if trl:
-        print(f"{'TRL GRPOTrainer (1 process)':<34}{trl.step_s:>8.3f}{trl.response_tokens:>13.0f}{trl.step_s / floor:>9.2f}")
+        print(f"{'TRL GRPOTrainer (1 process)':<34}{trl.step_s:>8.3f}{trl.response_tokens:>13.0f}"
+              f"{trl.step_s / floor:>9.2f}")
     print(f"{'rlsys rlvr':<34}{rlsys.step_s:>8.3f}{rlsys.response_tokens:>13.0f}{rlsys.step_s / floor:>9.2f}   "
           + " ".join(f"{p} {phases[f'time/{p}_s']:.3f}" for p in ("generate", "reward", "old_logprob", "update", "sync")
                      if f"time/{p}_s" in phases))

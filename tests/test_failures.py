@@ -71,7 +71,8 @@ def wait_for(path: str, process: subprocess.Popen, timeout_s: float = TIMEOUT_S)
     deadline = time.monotonic() + timeout_s
     while not os.path.isdir(path):
         if process.poll() is not None:
-            raise AssertionError(f"run ended (exit {process.returncode}) before {path}:\n{process.stderr.read()[-3000:]}")
+            stderr = process.stderr.read()[-3000:]
+            raise AssertionError(f"run ended (exit {process.returncode}) before {path}:\n{stderr}")
         assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
         time.sleep(0.2)
 

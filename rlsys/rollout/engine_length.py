@@ -32,11 +32,11 @@ def run_length(prompt_lengths: Iterable[int], response_tokens: int, loop: str) -
 
 def check_kv_budget(model_path: str, length: int | None, memory_gib: float, dtype: str, on_gpu: bool,
                     block_size: int | None, memory_key: str, length_key: str, tensor_parallel_size: int = 1) -> None:
-    """Refuse, naming `memory_key` and `length_key` (what shortens the sequence), an engine whose KV cache (`memory_gib` for each
-    of its `tensor_parallel_size` ranks, which split the key/value heads) cannot hold one sequence of
-    `length` tokens (None: the model's context), as vLLM would refuse it at start. Only models whose
-    every layer attends over the whole sequence are judged here; vLLM judges the others (sliding
-    windows, linear or latent attention)."""
+    """Refuse, naming `memory_key` and `length_key` (what shortens the sequence), an engine whose KV
+    cache (`memory_gib` for each of its `tensor_parallel_size` ranks, which split the key/value heads)
+    cannot hold one sequence of `length` tokens (None: the model's context), as vLLM would refuse it at
+    start. Only models whose every layer attends over the whole sequence are judged here; vLLM judges
+    the others (sliding windows, linear or latent attention)."""
     from transformers import AutoConfig
 
     text = AutoConfig.from_pretrained(model_path).get_text_config()

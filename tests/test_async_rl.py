@@ -45,7 +45,7 @@ def test_a_rollout_in_flight_goes_on_under_new_weights(ray_cluster, async_config
     """Weights arrive while long responses are being sampled: each response keeps every token it
     sampled, the tokens after the sync say version 1, and the engine's log-prob of every token
     equals the trainer's under the weights of that token's version."""
-    cfg = async_config()
+    cfg = async_config(f"rollout.max_model_len={LONG_RESPONSE + 64}")  # the run's own budget is 6 tokens
     trainer = RLVRTrainer(cfg)
     try:
         samples, prompt_ids, old, new = sample_across_a_sync(trainer, range(8), cfg.seed)
@@ -54,12 +54,16 @@ def test_a_rollout_in_flight_goes_on_under_new_weights(ray_cluster, async_config
     assert_each_token_scored_by_its_weights(samples, prompt_ids, old, new)
 
 
+LONG_RESPONSE = 120
+"""Tokens `sample_across_a_sync` asks for: its trainer's engines must be built for them (rollout.max_model_len)."""
+
+
 def sample_across_a_sync(trainer: RLVRTrainer, indices, seed: int):
     """Two long responses to each of the prompts at `indices`, sampled while perturbed weights are
     synced as version 1; each sample's prompt ids as the trainer reads them; the trainer's log-probs
     of the samples under version 0's and under version 1's weights (the policy is left at version 0's)."""
     prompts = [(i, trainer.prompts[i].ids, trainer.prompts[i].row) for i in indices]
-    sampling = trainer.rollout_group.sampling(max_new_tokens=120)
+    sampling = trainer.rollout_group.sampling(max_new_tokens=LONG_RESPONSE)
     ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
     time.sleep(0.5)
     trainer.train_group.on_each(probes.perturb_parameters, 0.05, seed)

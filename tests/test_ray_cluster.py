@@ -68,25 +68,29 @@ def head(tmp_path_factory):
     token = (Path.home() / ".ray" / "auth_token")
     dashboard = f"http://127.0.0.1:{ports['dashboard']}"
     deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, (logs / "head.log").read_text()[-3000:]
-        try:
-            get(f"{dashboard}/api/version", token.read_text().strip())
-            break
-        except (OSError, urllib.error.URLError):
-            assert time.monotonic() < deadline, "the dashboard did not come up"
+    nodes = [process]
+    try:  # the nodes go with the fixture, also when it fails to bring them up
+        while True:
+            assert process.poll() is None, (logs / "head.log").read_text()[-3000:]
+            try:
+                get(f"{dashboard}/api/version", token.read_text().strip())
+                break
+            except (OSError, urllib.error.URLError):
+                assert time.monotonic() < deadline, "the dashboard did not come up"
+                time.sleep(1)
+        worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
+                             f"--dashboard-agent-listen-port={free_port()}"], env, logs / "worker.log")
+        nodes.insert(0, worker)
+        while alive_nodes(dashboard, token.read_text().strip()) < 2:
+            assert worker.poll() is None, (logs / "worker.log").read_text()[-3000:]
+            assert time.monotonic() < deadline + 120, "the worker node did not join"
             time.sleep(1)
-    worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
-                         f"--dashboard-agent-listen-port={free_port()}"], env, logs / "worker.log")
-    while alive_nodes(dashboard, token.read_text().strip()) < 2:
-        assert worker.poll() is None, (logs / "worker.log").read_text()[-3000:]
-        assert time.monotonic() < deadline + 120, "the worker node did not join"
-        time.sleep(1)
-    yield {"dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
-           "token": token.read_text().strip(), "env": env}
-    for node in (worker, process):
-        node.terminate()
-        node.wait(timeout=60)
+        yield {"dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+               "token": token.read_text().strip(), "env": env}
+    finally:
+        for node in nodes:
+            node.terminate()
+            node.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

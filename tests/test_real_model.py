@@ -147,10 +147,9 @@ def test_grpo_on_the_real_model_samples_what_the_trainer_scores_and_exports(ray_
     the export loads in transformers with its head still tied, and vLLM serving it generates what
     transformers generates."""
     raw = real_rl_raw(smollm2_cut_dir, extremes_files, str(tmp_path / "run"))
-    if lora_rank:  # on one rank: LoRA under FSDP2 is test_lora's
+    if lora_rank:
         raw["model"]["lora"] = {"rank": lora_rank, "alpha": 16.0}
         raw["optim"]["lr"] = 1e-3
-        raw["parallel"]["dp_shard"] = 1
     cfg = build_config(RLJobConfig, raw)
     run_rlvr(cfg)
     rows = metrics(cfg.output_dir)

@@ -419,7 +419,7 @@ def test_asynchronous_rl_on_pictures_and_a_rollout_in_flight_under_new_weights(r
     sync say version 1, and the engine's log-prob of every token equals the trainer's under that
     token's weights (the engine recomputed the pictures' features and the KV cache of the requests in
     flight). Then 3 steps from the stream train on pictures within the staleness bound."""
-    from test_async_rl import assert_each_token_scored_by_its_weights, sample_across_a_sync
+    from test_async_rl import LONG_RESPONSE, assert_each_token_scored_by_its_weights, sample_across_a_sync
     from test_rlvr import COIN
 
     from rlsys.stages.rl_trainer import RLVRTrainer
@@ -427,7 +427,8 @@ def test_asynchronous_rl_on_pictures_and_a_rollout_in_flight_under_new_weights(r
     cfg = rl_config(f"model.path={vl_dirs('qwen3_vl')}", f"data.train_files=[{dots_file}]", "eval=null",
                     "train.prompts_per_step=2", "algorithm.ppo_mini_batch_size=2", "rollout.max_new_tokens=4",
                     f"reward.terms=[{{path: {COIN}}}]", "train.async_mode=full", "train.max_staleness=1",
-                    "rollout.placement=separate", "parallel.dp_shard=1", "ray.cpus_per_worker=1")
+                    "rollout.placement=separate", "parallel.dp_shard=1", "ray.cpus_per_worker=1",
+                    f"rollout.max_model_len={LONG_RESPONSE + 256}")  # the long responses, after the pictures
     trainer = RLVRTrainer(cfg)
     try:
         samples, prompt_ids, old, new = sample_across_a_sync(trainer, range(len(trainer.prompts)), cfg.seed)

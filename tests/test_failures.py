@@ -129,13 +129,18 @@ def test_bad_input_exits_2_with_one_line_before_ray_starts(bad_inputs, tiny_mode
     }
     argvs = [base + ([override] if isinstance(override, str) else list(override)) for override in cases]
     # the eval stage's engine takes ray.cpus_per_worker CPUs: its refusal names that key
-    eval_argv = ["eval", "--config", "examples/arith/eval.yaml", f"model.path={tiny_model_dir}",
-                 f"output_dir={bad_inputs / 'eval'}", f"eval.files=[{arith_files['test']}]", "ray.cpus_per_worker=64"]
+    argvs.append(["eval", "--config", "examples/arith/eval.yaml", f"model.path={tiny_model_dir}",
+                  f"output_dir={bad_inputs / 'eval'}", f"eval.files=[{arith_files['test']}]", "ray.cpus_per_worker=64"])
     cases[("eval", "ray.cpus_per_worker=64")] = "ray.cpus_per_worker: 1 worker x 64 CPUs"
-    result = subprocess.run([sys.executable, "-c", CHECKER, json.dumps([*argvs, eval_argv])], capture_output=True,
+    # held-out preference pairs are the rm stage's
+    argvs.append(["sft", "--config", "examples/arith/sft.yaml", f"model.path={tiny_model_dir}",
+                  f"output_dir={bad_inputs / 'sft'}", f"data.train_files=[{arith_files['sft']}]",
+                  f"data.val_files=[{arith_files['preferences']}]"])
+    cases[("sft", "data.val_files")] = "data.val_files: held-out preference pairs are scored by the rm stage"
+    result = subprocess.run([sys.executable, "-c", CHECKER, json.dumps(argvs)], capture_output=True,
                             text=True, timeout=TIMEOUT_S, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
-    for argv, (override, expected), (code, stderr, ray_started) in zip([*argvs, eval_argv], cases.items(),
+    for argv, (override, expected), (code, stderr, ray_started) in zip(argvs, cases.items(),
                                                                        json.loads(result.stdout)):
         lines = stderr.strip().splitlines()
         assert code == 2 and len(lines) == 1 and expected in lines[0], (override, stderr)

@@ -5,6 +5,7 @@ transformers and vLLM score alike; a pipeline chains SFT -> RM -> RL."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 
@@ -82,14 +83,22 @@ def test_rm_stage_trains_and_exports_a_sequence_classifier(ray_cluster, sft_conf
     from rlsys.rewards.model_terms import Exchange, reward_model_text
     from rlsys.stages.lm_trainer import run_lm_training
 
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(open(arith_files["preferences"]).readlines()[:16]))
-    cfg = sft_config(f"data.train_files=[{pairs}]", "train.steps=40", "train.global_batch_size=16",
-                     "train.micro_batch_size=4", "optim.lr=5e-3")
+    lines = open(arith_files["preferences"]).readlines()
+    pairs, scored = tmp_path / "pairs.jsonl", tmp_path / "scored.jsonl"
+    pairs.write_text("".join(lines[:16]))
+    scored.write_text("".join(lines[:15]))  # the first 14 are scored: 7 on each rank
+    cfg = sft_config(f"data.train_files=[{pairs}]", f"data.val_files=[{scored}]", "train.steps=40",
+                     "train.val_every=20", "train.global_batch_size=16", "train.micro_batch_size=4", "optim.lr=5e-3")
     summary = run_lm_training(cfg, "rm")
     rows = [json.loads(line) for line in open(os.path.join(cfg.output_dir, "metrics.jsonl"))]
-    accuracy = [row["rm/accuracy"] for row in rows]
+    accuracy = [row["rm/accuracy"] for row in rows if "rm/accuracy" in row]
     assert accuracy[0] < 0.75 and min(accuracy[-3:]) >= 0.9, accuracy
+    validated = {row["step"]: row for row in rows if "val/rm_accuracy" in row}
+    assert sorted(validated) == [0, 20, 40]
+    # the zero head scores every response 0: no pair ranked, Bradley-Terry's loss log 2
+    assert validated[0]["val/rm_accuracy"] == 0 and validated[0]["val/loss"] == pytest.approx(math.log(2))
+    assert validated[40]["val/rm_accuracy"] >= 0.9 and validated[40]["val/rm_margin"] > 0
+    assert summary["val_rm_accuracy_after"] == validated[40]["val/rm_accuracy"]
 
     exported = summary["hf_model"]
     config = json.load(open(os.path.join(exported, "config.json")))

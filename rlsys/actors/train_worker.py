@@ -159,6 +159,13 @@ class TrainWorker:
         return {**metrics, **self.policy.optimizer_step()}, rows
 
     @releases_freed_memory
+    def evaluate(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """`loss_fn`'s metrics over the shard without grad or a step (held-out data), summed over
+        the data-parallel ranks."""
+        metrics, _ = self.policy.forward_backward(shard, loss_fn, forward_only=True)
+        return metrics
+
+    @releases_freed_memory
     def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor | None:
         """Per-token log-probs [B, T] at the sampling temperature, aligned with input_ids
         (column 0 is 0), without grad (None on a pipeline stage before the last)."""

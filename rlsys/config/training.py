@@ -34,6 +34,9 @@ class DataConfig:
     """Reward-model training (`rm`): the preferred response's column (a string), beside `prompt_key`."""
     rejected_key: str = "rejected"
     """Reward-model training (`rm`): the other response's column (a string)."""
+    val_files: list[str] = Field(default_factory=list)
+    """Reward-model training (`rm`): held-out preference pairs, scored before training, every
+    `train.val_every` steps and at the end (`val/rm_accuracy`, `val/loss`, `val/rm_margin`)."""
 
 
 @dataclass(config=STRICT)
@@ -88,6 +91,8 @@ class TrainConfig(LoopConfig):
     Under context parallel, each rank's share of the sequences. Under pipeline parallel, the number of
     equal micro-batches each shard is split into: as many as the budget needs, at least
     parallel.pp_microbatches."""
+    val_every: int = Field(default=0, ge=0)
+    """Reward-model training (`rm`): score `data.val_files` every N steps (0: before and after training only)."""
 
 
 @dataclass(config=STRICT)

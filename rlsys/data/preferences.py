@@ -10,10 +10,12 @@ from rlsys.data.examples import Example, chat_messages, conversation_text
 from rlsys.data.files import RowStats, convert_rows
 
 
-def load_preference_pairs(cfg: DataConfig, tokenizer) -> tuple[list[tuple[Example, Example]], RowStats]:
-    """The (chosen, rejected) examples of every row; a row with a response over max_seq_len
-    tokens, or whose responses are equal, is skipped and counted."""
-    return convert_rows(cfg.train_files, lambda row: preference_pair(row, cfg, tokenizer), "preference data")
+def load_preference_pairs(cfg: DataConfig, tokenizer, files: list[str] | None = None
+                          ) -> tuple[list[tuple[Example, Example]], RowStats]:
+    """The (chosen, rejected) examples of every row of `files` (default: the training files); a row
+    with a response over max_seq_len tokens, or whose responses are equal, is skipped and counted."""
+    return convert_rows(cfg.train_files if files is None else files, lambda row: preference_pair(row, cfg, tokenizer),
+                        "preference data")
 
 
 def preference_pair(row: dict, cfg: DataConfig, tokenizer) -> tuple[Example, Example]:

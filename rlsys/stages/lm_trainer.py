@@ -47,6 +47,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
     expander = image_expander_of(cfg.model.path) if stage == "sft" else None
     examples, row_stats = load_units(cfg, stage, tokenizer, expander)
+    held_out = load_held_out_pairs(cfg, tokenizer) if stage == "rm" else []
     try:
         sampler = EpochSampler(len(examples), cfg.train.global_batch_size, cfg.seed)
     except ValueError as err:
@@ -62,11 +63,14 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
         evaluator.check_engine(cfg.model.path, on_gpu=cfg.ray.gpus_per_worker > 0)
     log.info("%s: %d training %s (%d rows skipped)", stage, len(examples), "pairs" if stage == "rm" else "sequences",
              row_stats.skipped)
-    run = run_stage(cfg, stage, lambda checkpoints: LMSession(cfg, stage, examples, sampler,
-                                                              tokenizer.pad_token_id, checkpoints, expander))
+    run = run_stage(cfg, stage, lambda checkpoints: LMSession(cfg, stage, examples, sampler, tokenizer.pad_token_id,
+                                                              checkpoints, expander, held_out))
     summary = {"stage": stage, "steps": cfg.train.steps, "resumed_from_step": run.start_step,
                "final_loss": run.last.get("train/loss"), "restarts": run.restarts,
                "skipped_rows": row_stats.skipped, "hf_model": run.hf_dir}
+    if held_out:
+        summary["val_rm_accuracy_before"] = run.initial.get("val/rm_accuracy")
+        summary["val_rm_accuracy_after"] = run.last.get("val/rm_accuracy")
     if evaluator is not None:
         from rlsys.stages.eval import evaluate_model
 
@@ -90,14 +94,29 @@ def load_units(cfg: TrainJobConfig, stage: Stage, tokenizer, expander: ImageExpa
     return [(example,) for example in examples], stats
 
 
+def load_held_out_pairs(cfg: TrainJobConfig, tokenizer) -> list[Unit]:
+    """`data.val_files`' preference pairs, as many as split evenly over the data-parallel ranks (a
+    pair stays on one rank, and every rank runs as many forwards)."""
+    if not cfg.data.val_files:
+        return []
+    pairs, _ = load_preference_pairs(cfg.data, tokenizer, cfg.data.val_files)
+    dp = ParallelDims.of(cfg.parallel).dp_size
+    kept = pairs[:len(pairs) - len(pairs) % dp]
+    if not kept:
+        raise DataError(f"data.val_files: {len(pairs)} usable pairs, fewer than the {dp} data-parallel ranks")
+    log.info("rm: %d held-out pairs (%d left out to split evenly over %d ranks)", len(kept), len(pairs) - len(kept), dp)
+    return kept
+
+
 class LMSession:
     """One attempt of a pretrain, SFT or reward-model stage (`run_stage`): the training group over
-    the examples."""
+    the examples, and (rm) the held-out pairs it scores."""
 
     def __init__(self, cfg: TrainJobConfig, stage: Stage, examples: list[Unit], sampler: EpochSampler,
-                 pad_id: int, checkpoints: CheckpointDir, expander: ImageExpander | None = None):
+                 pad_id: int, checkpoints: CheckpointDir, expander: ImageExpander | None = None,
+                 held_out: list[Unit] | None = None):
         self.cfg, self.stage, self.examples, self.sampler, self.pad_id = cfg, stage, examples, sampler, pad_id
-        self.expander = expander
+        self.expander, self.held_out = expander, held_out or []
         self.checkpoints = checkpoints
         rows = len(examples[0])  # a micro-batch of micro_batch_size units
         self.group = TrainGroup(build_worker_spec(cfg, rows * cfg.train.micro_batch_size, cfg.train.steps,
@@ -108,11 +127,21 @@ class LMSession:
         return restore_training_state(self.checkpoints, self.group, self.sampler) if resume else 0
 
     def initial_metrics(self) -> dict[str, float]:
-        return {}
+        return self.validate(0)
 
     def step(self, step: int) -> dict[str, float]:
         set_phase(f"{self.stage} step {step}: train")
-        return train_step(self.group, self.examples, self.sampler, self.pad_id, self.expander)
+        metrics = train_step(self.group, self.examples, self.sampler, self.pad_id, self.expander)
+        every = self.cfg.train.val_every
+        if step == self.cfg.train.steps or (every and step % every == 0):
+            metrics.update(self.validate(step))
+        return metrics
+
+    def validate(self, step: int) -> dict[str, float]:
+        if not self.held_out:
+            return {}
+        set_phase(f"{self.stage} step {step}: validate")
+        return score_pairs(self.group, self.held_out, self.cfg.train.global_batch_size, self.pad_id)
 
     def save(self, step: int) -> None:
         save_training_state(self.checkpoints, step, self.group, self.sampler)
@@ -122,6 +151,19 @@ class LMSession:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+def score_pairs(group: TrainGroup, pairs: list[Unit], pairs_per_batch: int, pad_id: int) -> dict[str, float]:
+    """Bradley-Terry's loss, pair accuracy and mean margin over held-out `pairs` (a multiple of the
+    data-parallel size), in batches of at most `pairs_per_batch` pairs, without a step."""
+    loss_fn = bradley_terry_loss(len(pairs))
+    totals: dict[str, float] = {}
+    for start in range(0, len(pairs), pairs_per_batch):
+        batch = collate([example for pair in pairs[start:start + pairs_per_batch] for example in pair], pad_id)
+        metrics = group.run_data_parallel("evaluate", batch, loss_fn=loss_fn)[0]
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return {"val/loss": totals["loss"], "val/rm_accuracy": totals["rm/accuracy"], "val/rm_margin": totals["rm/margin"]}
 
 
 def train_step(group: TrainGroup, examples: list[Unit], sampler: EpochSampler, pad_id: int,

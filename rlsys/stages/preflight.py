@@ -39,6 +39,9 @@ def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
     check_train_batch(cfg.train, dims.dp_size)
     if stage == "rm":
         _check_reward_model_job(cfg)
+    elif cfg.data.val_files:
+        raise ConfigError(f"data.val_files: held-out preference pairs are scored by the rm stage; the {stage} stage "
+                          "evaluates with eval.files")
     if cfg.eval is not None:
         _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, dims.world_size)
@@ -54,11 +57,13 @@ def _check_reward_model_job(cfg: TrainJobConfig) -> None:
                                              "context parallel"),
         "train.micro_batch_tokens": (cfg.train.micro_batch_tokens, "the rm stage's micro-batches are "
                                                                    "train.micro_batch_size pairs"),
-        "eval": (cfg.eval, "the rm stage generates nothing to evaluate; its pair accuracy is logged as rm/accuracy"),
+        "eval": (cfg.eval, "the rm stage generates nothing to evaluate; give held-out pairs as data.val_files"),
     }
     for key, (given, why) in refusals.items():
         if given:
             raise ConfigError(f"{key}: {why}")
+    if cfg.data.val_files:
+        _check_files(cfg.data.val_files, "data.val_files")
 
 
 def check_rl_job(cfg: RLJobConfig) -> None:

@@ -94,7 +94,8 @@ def rl_rows(problems: list[Problem], split: str) -> list[dict]:
 
 
 def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
-    """Write pretrain/SFT/RL train files, reward-model preference pairs and the RL-schema test split."""
+    """Write pretrain/SFT/RL train files, reward-model preference pairs (training problems' and, held
+    out, the test problems') and the RL-schema test split."""
     os.makedirs(out_dir, exist_ok=True)
     train, test = split_problems(spec)
     rng = random.Random(spec.seed + 1)
@@ -105,6 +106,8 @@ def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
         "rl_train": write_parquet(out_dir, "rl_train.parquet", rl_rows(train, "train")),
         "preferences": write_jsonl(out_dir, "preferences.jsonl", preference_rows(train, rng)),
         "test": write_parquet(out_dir, "test.parquet", rl_rows(test, "test")),
+        "preferences_test": write_jsonl(out_dir, "preferences_test.jsonl",
+                                        preference_rows(test, random.Random(spec.seed + 2))),
     }
     return files
 

@@ -137,6 +137,10 @@ def test_bad_input_exits_2_with_one_line_before_ray_starts(bad_inputs, tiny_mode
                   f"output_dir={bad_inputs / 'sft'}", f"data.train_files=[{arith_files['sft']}]",
                   f"data.val_files=[{arith_files['preferences']}]"])
     cases[("sft", "data.val_files")] = "data.val_files: held-out preference pairs are scored by the rm stage"
+    argvs.append(["rm", "--config", "examples/arith/sft.yaml", f"model.path={tiny_model_dir}",
+                  f"output_dir={bad_inputs / 'rm'}", f"data.train_files=[{arith_files['preferences']}]", "eval=null",
+                  "train.val_every=5"])
+    cases[("rm", "train.val_every")] = "train.val_every: it scores data.val_files, which is empty"
     result = subprocess.run([sys.executable, "-c", CHECKER, json.dumps(argvs)], capture_output=True,
                             text=True, timeout=TIMEOUT_S, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -39,8 +39,9 @@ def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
     check_train_batch(cfg.train, dims.dp_size)
     if stage == "rm":
         _check_reward_model_job(cfg)
-    elif cfg.data.val_files:
-        raise ConfigError(f"data.val_files: held-out preference pairs are scored by the rm stage; the {stage} stage "
+    elif cfg.data.val_files or cfg.train.val_every:
+        key = "data.val_files" if cfg.data.val_files else "train.val_every"
+        raise ConfigError(f"{key}: held-out preference pairs are scored by the rm stage; the {stage} stage "
                           "evaluates with eval.files")
     if cfg.eval is not None:
         _check_eval(cfg.eval)
@@ -58,6 +59,7 @@ def _check_reward_model_job(cfg: TrainJobConfig) -> None:
         "train.micro_batch_tokens": (cfg.train.micro_batch_tokens, "the rm stage's micro-batches are "
                                                                    "train.micro_batch_size pairs"),
         "eval": (cfg.eval, "the rm stage generates nothing to evaluate; give held-out pairs as data.val_files"),
+        "train.val_every": (cfg.train.val_every and not cfg.data.val_files, "it scores data.val_files, which is empty"),
     }
     for key, (given, why) in refusals.items():
         if given:

@@ -9,22 +9,26 @@ import worker_probes as probes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.algorithms.actor_loss import actor_loss
+from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
-from rlsys.config.rl import AlgorithmConfig
+from rlsys.config.rl import AlgorithmConfig, DistillConfig
 from rlsys.config.training import DataConfig
 from rlsys.data.batching import collate, collate_rollouts, micro_batches, num_targets
 from rlsys.data.examples import load_sft_examples
 from rlsys.data.packing import pack_rows
 
 MICRO_BATCH = 3
-ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
+ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1,
+                       distill=DistillConfig(teacher="(its top-k tokens in the batch)", top_k=4, coef=0.5))
+
+
 def parity_batches(tiny_model_dir: str, arith_files: dict[str, str], max_seq_len: int = 32):
     """12 SFT rows, and an RL mini-batch of 4 GRPO groups: 3 responses (those of 3 SFT rows) to
     one prompt each, per-row advantages on the response tokens, old and reference log-probs
-    nearby. Of every 3 SFT rows (a micro-batch), two are cut to 5 tokens, every one a target (as
-    in pretraining), so that packing lays them into one row; each RL micro-batch is one group,
-    whose prompt packing lays out once. `max_seq_len` must hold a templated problem (a real
-    model's template adds a system prompt)."""
+    nearby, a teacher's top-4 tokens a position. Of every 3 SFT rows (a micro-batch), two are cut
+    to 5 tokens, every one a target (as in pretraining), so that packing lays them into one row;
+    each RL micro-batch is one group, whose prompt packing lays out once. `max_seq_len` must hold a
+    templated problem (a real model's template adds a system prompt)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     examples, _ = load_sft_examples(DataConfig(train_files=[arith_files["sft"]], max_seq_len=max_seq_len), tokenizer)
     sft = collate(examples[:12], tokenizer.pad_token_id)
@@ -44,6 +48,9 @@ def parity_batches(tiny_model_dir: str, arith_files: dict[str, str], max_seq_len
     noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
     rl.update(advantages=torch.randn(12, 1, generator=generator) * rl["loss_mask"],
               old_logprobs=logprobs + noise(), ref_logprobs=logprobs + noise())
+    vocab = len(tokenizer)
+    teacher = torch.randn(*logprobs.shape, vocab, generator=generator).mul(3).log_softmax(-1)
+    rl[TOP_LOGPROBS], rl[TOP_IDS] = teacher.topk(ALGO.distill.top_k, dim=-1)  # distillation's dense term
     counts = {"tokens": num_targets(rl), "sequences": 12}
     return sft, rl, counts
 

@@ -515,6 +515,46 @@ def test_distillation_reverse_kl_by_hand():
     assert advantages[1, 2] == 2.0 and advantages[0, 1] == -0.5
 
 
+def test_top_k_distillation_loss_is_the_teachers_forward_kl_over_its_top_k():
+    """The actor loss with the teacher's top-k tokens adds coef x sum_j p_t(j) (log p_t(j) - log pi(j))
+    at each response token, at temperature 1 whatever the rollout's: over the whole vocabulary (k = V)
+    it is the exact KL(teacher || pi), and its gradient is coef x (pi - p_t) / tokens on the logits.
+    Off the mask (the prompt, padding) the teacher's fields are never read."""
+    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
+    from rlsys.config.rl import DistillConfig
+
+    vocab, k = 7, 7
+    logits = torch.randn(2, 5, vocab, requires_grad=True)
+    ids = torch.randint(0, vocab, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32)
+    teacher = torch.randn(2, 5, vocab).log_softmax(-1)
+    top_logprobs, top_ids = teacher.topk(k, dim=-1)
+    top_logprobs = torch.where(mask.bool()[..., None], top_logprobs, torch.nan)  # garbage off the mask
+    batch = {"input_ids": ids, "loss_mask": mask, "advantages": torch.zeros(2, 5),
+             TOP_IDS: top_ids, TOP_LOGPROBS: top_logprobs}
+    algo = AlgorithmConfig(distill=DistillConfig(teacher="t", top_k=k, coef=0.5))
+    out = actor_loss({"tokens": 5, "sequences": 2, "horizon": 4}, algo, temperature=0.7)(logits, batch)
+    policy = logits[:, :-1].log_softmax(-1)
+    exact = (teacher[:, 1:].exp() * (teacher[:, 1:] - policy)).sum(-1)
+    on = mask[:, 1:].bool()
+    assert out.loss.item() == pytest.approx(0.5 * exact[on].sum().item() / 5, abs=1e-5)
+    assert out.metrics["distill/top_k_kl"].item() == pytest.approx(exact[on].mean().item(), abs=1e-5)
+    assert out.metrics["distill/teacher_top_k_mass"].item() == pytest.approx(1.0, abs=1e-5)
+    out.loss.backward()
+    expected = 0.5 * (policy.exp() - teacher[:, 1:].exp()) * on[..., None] / 5
+    assert torch.allclose(logits.grad[:, :-1], expected, atol=1e-6)
+    assert (logits.grad[:, -1] == 0).all()
+
+    # k = 2 of 7: only the teacher's two likeliest tokens, neither side renormalised
+    top2, ids2 = teacher.topk(2, dim=-1)
+    out2 = actor_loss({"tokens": 5, "sequences": 2, "horizon": 4}, algo)(
+        logits.detach(), {**batch, TOP_IDS: ids2, TOP_LOGPROBS: top2})
+    kl2 = (top2[:, 1:].exp() * (top2[:, 1:] - policy.detach().gather(-1, ids2[:, 1:]))).sum(-1)
+    assert out2.metrics["distill/top_k_kl"].item() == pytest.approx(kl2[on].mean().item(), abs=1e-5)
+    assert out2.metrics["distill/teacher_top_k_mass"].item() < 1
+
+
 def test_bradley_terry_by_hand():
     """Rows pair up (chosen, rejected); a row's score is its value at the one token its loss mask
     marks; the loss is -log sigmoid(chosen - rejected), summed and divided by the step's pairs."""

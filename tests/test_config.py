@@ -99,6 +99,9 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
          "rollout.top_p: below 1 the engine's log-probs"),
         (("algorithm.filter_groups=true", "rollout.n=1"), "algorithm.filter_groups: needs groups of rollout.n >= 2"),
         ("algorithm.router_replay=r2", "algorithm.router_replay: the model has no MoE layers to replay"),
+        (("algorithm.distill.teacher=MODEL", "algorithm.distill.top_k=4", "algorithm.distill.mode=penalty"),
+         "algorithm.distill.top_k: the top-k KL is a loss term; mode: penalty puts"),
+        ("algorithm.distill.top_k=21", "algorithm.distill.top_k: Input should be less than or equal to 20"),
         ("critic.warmup_steps=3", "critic.warmup_steps: there is no critic unless"),
         ("train.async_mode=one_step", "train.async_mode: one_step generates while the trainer updates"),
         ("train.replay=runs/none", "train.replay: a synchronous run repeats itself without a schedule"),
@@ -119,7 +122,8 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
 def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, override, expected):
     code, err = run_cli(capsys, "rlvr", "--config", RL_CONFIG, f"model.path={tiny_model_dir}",
                         f"data.train_files=[{arith_files['rl_train']}]", f"eval.files=[{arith_files['test']}]",
-                        *(override if isinstance(override, tuple) else (override,)))
+                        *(o.replace("MODEL", tiny_model_dir)
+                          for o in (override if isinstance(override, tuple) else (override,))))
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
 
 

@@ -57,7 +57,8 @@ def test_reward_model_scores_equal_transformers_forward(reward_model_dir):
 
 def test_teacher_logprobs_equal_transformers_forward(tiny_model_dir):
     """vLLM's prompt log-probs of prompt + response, from the response's first token: the causal
-    LM's log-softmax at each position, taken at the next token."""
+    LM's log-softmax at each position, taken at the next token; with top-k, that position's k
+    likeliest tokens in order and their log-probs."""
     from transformers import AutoModelForCausalLM
 
     from rlsys.actors.served_models import ServedModelWorker
@@ -65,15 +66,19 @@ def test_teacher_logprobs_equal_transformers_forward(tiny_model_dir):
     sequences = [([5, 17, 23, 9, 40, 41], 3), ([8, 8, 30, 2, 61], 2)]
     worker = ServedModelWorker(tiny_model_dir, SERVING, seed=0, num_threads=2, pooling=False)
     try:
-        served = worker.token_logprobs(sequences)
+        served, top = worker.token_logprobs(sequences), worker.token_logprobs(sequences, top_k=3)
     finally:
         worker.shutdown()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    for (ids, start), got in zip(sequences, served):
+    for (ids, start), got, got_top in zip(sequences, served, top):
         with torch.no_grad():
             logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
         expected = [logprobs[i - 1, ids[i]].item() for i in range(start, len(ids))]
-        assert got == pytest.approx(expected, abs=1e-4)
+        assert got.sampled == pytest.approx(expected, abs=1e-4) and not got.top_ids
+        assert got_top.sampled == pytest.approx(expected, abs=1e-4)
+        values, indices = logprobs[start - 1:len(ids) - 1].topk(3, dim=-1)
+        assert got_top.top_ids == indices.tolist()
+        assert torch.tensor(got_top.top_logprobs) == pytest.approx(values, abs=1e-4)
 
 
 def test_a_verdict_parses_by_regex_or_by_function_and_fails_otherwise(tmp_path):
@@ -131,16 +136,9 @@ def test_distillation_with_a_reward_model_and_a_judge_in_the_loop(rl_config, tin
     random scores to the size of the teacher's signal). The random judge's verdicts rarely hold a
     digit: the others count in reward/errors and the run goes on. A teacher held by the training
     group instead of an engine gives step 1 the same log-probs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from rlsys.stages.rl_trainer import load_rl_data, run_rlvr
 
-    teacher = str(tmp_path / "teacher")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(teacher)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(teacher)
+    teacher = _sharper_teacher(tiny_model_dir, str(tmp_path / "teacher"))
     template = tmp_path / "judge.txt"
     template.write_text("Question: {prompt}\nAnswer: {response}\nTruth: {ground_truth}\nScore 0-9:")
     cfg = rl_config(
@@ -173,6 +171,50 @@ def test_distillation_with_a_reward_model_and_a_judge_in_the_loop(rl_config, tin
     first = json.loads(open(os.path.join(in_trainer.output_dir, "metrics.jsonl")).readline())
     for name in ("distill/reverse_kl", "distill/teacher_logprob_mean", "distill/policy_logprob_mean"):
         assert first[name] == pytest.approx(rows[0][name], abs=1e-5), name
+
+
+def test_top_k_distillation_pulls_the_policy_and_a_teacher_in_the_trainer_agrees(rl_config, tiny_model_dir,
+                                                                                 tmp_path, ray_cluster):
+    """Distillation alone (no reward term) with the teacher's top 8 tokens a position: the loss's
+    KL over them falls and the policy's mass on them grows, and so does the exact KL(policy ||
+    teacher) of the first response token over the whole vocabulary. The teacher held by the training
+    group (2 FSDP2 ranks) gives step 1 the same top-k KL as its vLLM engine."""
+    from rlsys.stages.rl_trainer import load_rl_data, run_rlvr
+
+    teacher = _sharper_teacher(tiny_model_dir, str(tmp_path / "teacher"))
+    cfg = rl_config(
+        "train.steps=10", "train.val_every=0", "train.save_every=0", "eval=null", "algorithm.kl_coef=0",
+        "algorithm.ppo_epochs=1", "algorithm.ppo_mini_batch_size=0", "rollout.temperature=1.0", "reward.terms=[]",
+        f"algorithm.distill.teacher={teacher}", "algorithm.distill.top_k=8",
+        "algorithm.distill.serving.engine_memory_gib=0.1", "optim.lr=1e-2", "optim.warmup_steps=0")
+    run_rlvr(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.output_dir, "metrics.jsonl"))]
+    kls, masses = ([row[f"distill/{name}"] for row in rows] for name in ("top_k_kl", "policy_top_k_mass"))
+    assert kls[-1] < 0.85 * kls[0] and masses[-1] > 1.5 * masses[0], (kls, masses)  # its mass onto the teacher's
+    assert all(0 < row["distill/teacher_top_k_mass"] <= 1 for row in rows)
+    prompts = [p.text for p in load_rl_data(cfg).prompts[:16]]
+    before, after = (_first_token_kl(policy, teacher, prompts)
+                     for policy in (tiny_model_dir, os.path.join(cfg.output_dir, "hf_model")))
+    assert after < 0.85 * before, (before, after)
+
+    in_trainer = replace(cfg, output_dir=str(tmp_path / "in_trainer"), train=replace(cfg.train, steps=1),
+                         algorithm=replace(cfg.algorithm, distill=replace(cfg.algorithm.distill, source="trainer")))
+    run_rlvr(in_trainer)
+    first = json.loads(open(os.path.join(in_trainer.output_dir, "metrics.jsonl")).readline())
+    for name in ("distill/top_k_kl", "distill/teacher_top_k_mass", "distill/reverse_kl"):
+        assert first[name] == pytest.approx(rows[0][name], abs=1e-5), name
+
+
+def _sharper_teacher(policy: str, out: str) -> str:
+    """A teacher with the policy's tokenizer and a far more peaked distribution: its LM head 8x."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(out)
+    return out
 
 
 def _first_token_kl(policy: str, teacher: str, prompts: list[str]) -> float:

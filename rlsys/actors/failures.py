@@ -5,17 +5,24 @@ as soon as a call fails instead of waiting for the survivors (they may be
 blocked in a collective with the dead rank). A failure becomes `WorkerFailure`,
 which the trainers answer with a restart (`train.max_restarts`) or the CLI
 with one line and exit code 3; any other error stays a bug with its traceback.
+A dead worker outside the training group is first replaced alone where the
+run allows it (`WorkerReplacements`, `rlsys.actors.group.ActorGroup.wait_replacing`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
+from dataclasses import dataclass
 
 import ray
 
 from rlsys.actors.cluster import log_file_of, name_of
 from rlsys.actors.phases import current_phase
+
+log = logging.getLogger(__name__)
 
 # Messages of torch.distributed errors that mean a peer is gone or a collective hung.
 _COMMUNICATION_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
@@ -30,9 +37,27 @@ class WorkerFailure(RuntimeError):
     resume_hint: str = ""
     """What a re-run will do (set by `rlsys.stages.restarts` when no restart is left)."""
 
-    def __init__(self, worker: str, reason: str, phase: str):
-        self.worker, self.reason, self.phase = worker, reason, phase
+    def __init__(self, worker: str, reason: str, phase: str, actor_id: str | None = None):
+        """`actor_id`: the dead actor's, where known (a name outlives the actor a replacement succeeds)."""
+        self.worker, self.reason, self.phase, self.actor_id = worker, reason, phase, actor_id
         super().__init__(f"{describe(worker)} {reason} during {phase}")
+
+
+class WorkerReplacements:
+    """How many dead workers a run may still replace in place (`train.max_worker_restarts`),
+    shared by its groups of rollout engines, reward workers and served-model engines. A training
+    rank is never replaced this way: its death restarts the run from a checkpoint."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def allow(self, failure: WorkerFailure) -> bool:
+        """Count one replacement for `failure`, or False when none is left."""
+        if self.used >= self.limit:
+            return False
+        self.used += 1
+        log.warning("%s; replacing it (%d of %d worker restarts)", failure, self.used, self.limit)
+        return True
 
 
 def describe(name: str) -> str:
@@ -44,21 +69,37 @@ def describe(name: str) -> str:
     return f"{parts[1]} {what} {parts[2]} ({name})"
 
 
-def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: float | None = None) -> list:
+@dataclass(frozen=True)
+class CallLimit:
+    """How long a call may run before its worker counts as hung, and the setting that says so."""
+
+    seconds: float
+    key: str
+
+
+def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: float | None = None,
+             limit: CallLimit | None = None) -> list:
     """`ray.get(refs)`, but a failed call ends the wait early, as a WorkerFailure when a
     worker died or lost its peers. With `straggler_timeout_s`, a call still running that
     long after another call of the same group returned is a hang (a rank stopped after
-    its last collective leaves no peer waiting to time out); `names` (the actor of each
-    call) lets the report name the worker."""
+    its last collective leaves no peer waiting to time out); with `limit`, so is a call still
+    running that long after the wait began. `names` (the actor of each call) lets the report
+    name the worker."""
     results: dict[int, object] = {}
     errors: list[Exception] = []
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
+    deadline = time.monotonic() + limit.seconds if limit else None
     while pending and not errors:
-        timeout = straggler_timeout_s if results else None
+        timeouts = [straggler_timeout_s if results else None,
+                    max(0.0, deadline - time.monotonic()) if deadline is not None else None]
+        timeout = min((t for t in timeouts if t is not None), default=None)
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
             worker = names[index[pending[0]]] if names else "a worker"
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WorkerFailure(worker, f"did not answer within {limit.seconds:g} s ({limit.key})",
+                                    current_phase())
             raise WorkerFailure(worker, f"did not answer within {timeout:g} s of its peers", current_phase())
         _collect(done, index, results, errors)
     if errors:
@@ -84,7 +125,7 @@ def _as_failure(errors: list[tuple[Exception, str | None]]) -> Exception:
         if isinstance(err, ray.exceptions.RayActorError):
             worker = name_of(err.actor_id) or called or "a worker"
             cause = _cause_of_death(err, worker)
-            return WorkerFailure(worker, f"died ({cause})" if cause else "died", current_phase())
+            return WorkerFailure(worker, f"died ({cause})" if cause else "died", current_phase(), err.actor_id)
     for err, called in errors:
         text = str(err)
         if isinstance(err, ray.exceptions.RayTaskError) and any(m in text for m in _COMMUNICATION_ERRORS):

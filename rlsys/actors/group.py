@@ -1,14 +1,21 @@
 """What every group of rlsys actors shares: its actors and their dashboard names, calls on
 one actor or on all of them, waits that turn a dead actor into a `WorkerFailure`, and the
-shutdown. The training and rollout groups add their placement and their own calls."""
+shutdown. The training and rollout groups add their placement and their own calls.
+
+A group that can build one of its actors again (`_spawn`) replaces a dead one in place: a new
+actor under the same name, with the same arguments and placement, brought to the group's state
+by `restore` (a rollout engine: the current weights), its unfinished calls sent again
+(`wait_replacing`), as far as the run's `WorkerReplacements` allow. An actor whose call runs past
+the group's `call_limit` is hung, and replaced the same way."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from rlsys.actors.cluster import shut_down
-from rlsys.actors.failures import wait_all
+from rlsys.actors.cluster import kill_named, shut_down
+from rlsys.actors.failures import CallLimit, WorkerFailure, WorkerReplacements, wait_all
 from rlsys.actors.phases import call
 
 
@@ -17,16 +24,39 @@ def contiguous_shares(items: list, parts: int) -> list[list]:
     return [items[i * len(items) // parts:(i + 1) * len(items) // parts] for i in range(parts)]
 
 
+@dataclass
+class Call:
+    """A call started on actor `index` of a group, with what it takes to send it again."""
+
+    index: int
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    ref: Any = None
+    actor: Any = None
+    """The actor it went to."""
+
+
 class ActorGroup:
     def __init__(self, names: list[str], straggler_timeout_s: float | None = None):
         self.names = names
         self.actors: list = []
         self.straggler_timeout_s = straggler_timeout_s
         """A call still running this long after another call of the group returned is a hang."""
+        self.replacements: WorkerReplacements | None = None
+        """The run's budget of dead workers to replace; None: a death fails the call."""
+        self.restore: Callable[[int], None] | None = None
+        """Brings a replacement actor (its index) to the state of the others before it takes calls."""
+        self.call_limit: CallLimit | None = None
+        """A call running longer than this is a hung actor: a failure, replaced as a death is."""
 
     def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
         """Start `method` on actor `index`; returns its object ref."""
         return call(getattr(self.actors[index], method), *args, **kwargs)
+
+    def submit_call(self, index: int, method: str, *args: Any, **kwargs: Any) -> Call:
+        """Start `method` on actor `index`; the call, for `wait_replacing`."""
+        return Call(index, method, args, kwargs, self.submit(index, method, *args, **kwargs), self.actors[index])
 
     def submit_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Start `method` with the same arguments on every actor; returns their object refs."""
@@ -36,7 +66,45 @@ class ActorGroup:
         """The results of calls on the actors at `indices` (default: one call per actor, in order);
         `straggler_timeout_s` replaces the group's for this wait."""
         names = self.names if indices is None else [self.names[i] for i in indices]
-        return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s)
+        return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s, self.call_limit)
+
+    def wait_replacing(self, calls: list[Call]) -> list:
+        """The results of `calls`, in order. A call whose actor died is sent again to the actor that
+        replaces it (`replace_dead`); the others' results are kept."""
+        while True:
+            try:
+                return self.wait([c.ref for c in calls], [c.index for c in calls])
+            except WorkerFailure as failure:
+                index = self.replace_dead(failure)
+                for c in calls:
+                    if c.index == index and c.actor is not self.actors[index]:
+                        c.ref, c.actor = self.submit(index, c.method, *c.args, **c.kwargs), self.actors[index]
+
+    def replace_dead(self, failure: Exception) -> int:
+        """Replace the actor a `WorkerFailure` names, if it is one of this group's and the run allows
+        one more replacement; its index. A failure of an actor already replaced (a call sent to it
+        before) replaces nothing. Any other error goes on up."""
+        if not isinstance(failure, WorkerFailure) or failure.worker not in self.names:
+            raise failure
+        index = self.names.index(failure.worker)
+        if failure.actor_id is not None and failure.actor_id != self.actors[index]._actor_id.hex():
+            return index
+        if self.replacements is None or not self.replacements.allow(failure):
+            raise failure
+        self.replace(index)
+        return index
+
+    def replace(self, index: int) -> None:
+        """A new actor in place of actor `index` (killed first, if it still runs), ready and restored."""
+        kill_named([self.actors[index]], [self.names[index]])
+        self.actors[index] = self._spawn(index)
+        wait_all([self.actors[index].__ray_ready__.remote()], [self.names[index]])  # starting has no call limit
+        if self.restore is not None:
+            self.restore(index)
+
+    def _spawn(self, index: int):
+        """Create actor `index` (groups that can replace their actors build them here)."""
+        raise NotImplementedError(f"{type(self).__name__} does not replace its actors")
 
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Call `method` with the same arguments on every actor; results in actor order."""

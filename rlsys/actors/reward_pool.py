@@ -1,7 +1,7 @@
 """The reward actors: a pool of Ray actors that score a stage's responses off the driver
 (`rlsys.rewards.scoring`), each call under a time limit (a worker stuck past its batch's limit is
-replaced), and the engines of the terms a model scores (`ModelTerm`: a reward model or a judge),
-all called at once."""
+replaced and its items fail; a worker that died is replaced and its items sent again), and the
+engines of the terms a model scores (`ModelTerm`: a reward model or a judge), all called at once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import ray
 
 from rlsys.actors.cluster import actor_name, kill_named, spawn
-from rlsys.actors.failures import wait_all
+from rlsys.actors.failures import WorkerFailure, WorkerReplacements, wait_all
 from rlsys.actors.phases import call
 from rlsys.actors.reward_worker import RewardWorker
 from rlsys.actors.served_models import ServedModelGroup
@@ -85,9 +85,10 @@ class ModelTerm:
 
 
 class RewardPool:
-    def __init__(self, cfg: RewardConfig, role: str = "reward"):
+    def __init__(self, cfg: RewardConfig, role: str = "reward", replacements: WorkerReplacements | None = None):
         """`role` names the actors in the dashboard (rlsys/<role>/<i>; a model term's engines
-        rlsys/<role>_model<j>/<i>). A model term's engines start with `start_models`."""
+        rlsys/<role>_model<j>/<i>). A model term's engines start with `start_models`. `replacements`:
+        the run's budget of dead workers to replace (None: a death fails the call)."""
         self.cfg = cfg
         self.names = [actor_name(role, i) for i in range(cfg.num_workers)]
         self.role = role
@@ -97,11 +98,13 @@ class RewardPool:
         self.terms = self.function_terms + [m.term for m in self.model_terms]
         self._workers: list = []
         self._logged_failure = False
+        self.replacements = replacements
 
     def start_models(self, seed: int, **placement) -> None:
         """Start the model terms' engines (`ServedModelGroup`'s placement arguments)."""
         for j, term in enumerate(self.model_terms):
             term.start(f"{self.role}_model{j}", seed, **placement)
+            term.engines.replacements = self.replacements
 
     def score(self, items: list[RewardInput], exchanges: list[Exchange] | None = None
               ) -> tuple[list[ScoredSample], dict[str, float]]:
@@ -114,22 +117,36 @@ class RewardPool:
         return scored, self.metrics(scored)
 
     def _score_functions(self, items: list[RewardInput]) -> list[ScoredSample]:
+        """Each worker scores every len(workers)-th item. A worker past its batch's time limit is
+        replaced and its items fail; a worker that died is replaced and its items sent again, as
+        the run's `replacements` allow."""
         workers = self._pool()
         chunks = [items[i::len(workers)] for i in range(len(workers))]
-        refs = [call(w.score, chunk, self.cfg.timeout_s) for w, chunk in zip(workers, chunks)]
         # Backstop for a call the in-actor alarm cannot interrupt (e.g. stuck in C code).
         limit = self.cfg.timeout_s * (len(self.function_terms) * max(map(len, chunks)) + 1) + 30
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
-        finished = dict(zip(done, wait_all(done, [self.names[refs.index(r)] for r in done])))
+        pending = {index: self._submit_chunk(index, chunk) for index, chunk in enumerate(chunks)}
         scored: list[ScoredSample] = [None] * len(items)
-        for index, ref in enumerate(refs):
-            if ref in finished:
-                results = finished[ref]
-            else:
-                results = [all_failed(self.function_terms, "reward worker timed out")] * len(chunks[index])
-                self._replace_worker(index)
-            scored[index::len(workers)] = results
+        while pending:
+            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=limit)
+            for index, ref in list(pending.items()):
+                del pending[index]
+                if ref not in done:
+                    results = [all_failed(self.function_terms, "reward worker timed out")] * len(chunks[index])
+                    self._replace_worker(index)
+                else:
+                    try:
+                        [results] = wait_all([ref], [self.names[index]])
+                    except WorkerFailure as failure:
+                        if self.replacements is None or not self.replacements.allow(failure):
+                            raise
+                        self._replace_worker(index)
+                        pending[index] = self._submit_chunk(index, chunks[index])
+                        continue
+                scored[index::len(workers)] = results
         return scored
+
+    def _submit_chunk(self, index: int, chunk: list[RewardInput]):
+        return call(self._workers[index].score, chunk, self.cfg.timeout_s)
 
     def _pool(self) -> list:
         """Long-lived reward actors (no CPU reserved: they run between the trainer's phases)."""

@@ -7,6 +7,7 @@ import ray
 
 from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.engine_placement import place_engines
+from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ActorGroup, contiguous_shares
 from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.agents.loop import AgentLoop
@@ -35,33 +36,38 @@ class RolloutGroup(ActorGroup):
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
         self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines", cpus_key)
+        self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
-        actor_cls = ray.remote(RolloutWorker)
+        self.seed = seed
+        self._args = (self.placement.threads, self.releases_memory, loops, tools, tool_client, tool_schemas, adapter,
+                      fp32_head, return_routing)
+        self.model_path = model_path
         try:
-            self.actors = [
-                spawn(actor_cls, "rollout", i, model_path, cfg, seed + i, self.placement.threads,
-                      self.releases_memory, loops, tools, tool_client, tool_schemas, adapter, fp32_head, return_routing,
-                      env=ENGINE_ENV, num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
-                      scheduling_strategy=self.placement.strategy(i))
-                for i in range(cfg.num_engines)
-            ]
+            self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
             self.wait([engine.__ray_ready__.remote() for engine in self.actors])
         except BaseException:
             self.shutdown()
             raise
+
+    def _spawn(self, index: int):
+        return spawn(ray.remote(RolloutWorker), "rollout", index, self.model_path, self.cfg, self.seed + index,
+                     *self._args, env=ENGINE_ENV,
+                     num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
+                     scheduling_strategy=self.placement.strategy(index))
 
     def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                 seed: int, version: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:
         """`n` trajectories of each (prompt_index, prompt_ids, row) by the agent loop `loop`,
         the prompts split across engines in contiguous shares; returns them in prompt order, with the
         slowest engine's rollout and engine-step seconds. With `version`, every engine must hold the
-        weights (or adapter) of that version."""
+        weights (or adapter) of that version. An engine that dies is replaced (`wait_replacing`) and
+        its share generated again with the same seeds."""
         engines = len(self.actors)
         shares = contiguous_shares(prompts, engines)
         busy = [i for i in range(engines) if shares[i]]
-        refs = [self.submit(i, "rollout", shares[i], loop, n, sampling, seed, version) for i in busy]
+        calls = [self.submit_call(i, "rollout", shares[i], loop, n, sampling, seed, version) for i in busy]
         prompt_ids = {index: ids for index, ids, _ in prompts}
-        results = self.wait(refs, busy)
+        results = self.wait_replacing(calls)
         stats = {name: max(result.stats.get(name, 0.0) for result in results) for name in ("rollout_s", "engine_s")}
         return [t for result in results for t in result.unpack(prompt_ids)], stats
 
@@ -76,7 +82,7 @@ class RolloutGroup(ActorGroup):
         """The trainer's turn: colocated engines free their weights (and KV cache, on GPU); the
         bytes freed (None when the engines keep their memory)."""
         if self.releases_memory:
-            return sum(self.run_all("release_memory"))
+            return sum(self.wait_replacing([self.submit_call(i, "release_memory") for i in range(len(self.actors))]))
         return None
 
     def shutdown(self) -> None:

@@ -3,7 +3,8 @@ reward model, write a judge's verdicts, or give a teacher's log-prob of every re
 
 A `ServedModelGroup` is started with the run when a config names a model (a reward term's
 `model`, `algorithm.distill.teacher`), placed as the rollout engines are (`place_engines`), and
-shut down with the run; a dead engine fails the step with one line, as a rollout engine does.
+shut down with the run; a dead engine is replaced and its share of the call sent again, as a
+rollout engine is (`ActorGroup.wait_replacing`).
 Each call's items are split across the engines in contiguous shares."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import ray
 
 from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.engine_placement import place_engines
-from rlsys.actors.group import ActorGroup, contiguous_shares
+from rlsys.actors.failures import CallLimit
+from rlsys.actors.group import ActorGroup, Call, contiguous_shares
+from rlsys.algorithms.distill import TeacherTokens
 from rlsys.config.rollout import ServingConfig
 from rlsys.console import redirect_actor_output
 from rlsys.rewards.model_terms import Exchange, reward_model_text
@@ -45,17 +48,18 @@ class ServedModelWorker:
                   for i in range(len(requests))]
         return [out.outputs[0].text for out in self.llm.generate(prompts, params, use_tqdm=False)]
 
-    def token_logprobs(self, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
+    def token_logprobs(self, sequences: list[tuple[list[int], int]], top_k: int = 0) -> list[TeacherTokens]:
         """For each (token ids, start), the model's log-prob of every token from `start` on, each
-        given the tokens before it (vLLM's prompt log-probs: one forward, nothing sampled that counts;
-        flat and not detokenised, which keeps the per-token Python work small)."""
+        given the tokens before it, and with `top_k` its k most likely tokens there and their
+        log-probs (vLLM's prompt log-probs: one forward, nothing sampled that counts; flat and not
+        detokenised, which keeps the per-token Python work small)."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False,
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, temperature=1.0, detokenize=False,
                                 flat_logprobs=True)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in sequences], params,
                                     use_tqdm=False)
-        return [_prompt_token_logprobs(out.prompt_logprobs, ids, start)
+        return [_prompt_token_logprobs(out.prompt_logprobs, ids, start, top_k)
                 for (ids, start), out in zip(sequences, outputs)]
 
     def _user_turn(self, text: str) -> str:
@@ -71,16 +75,20 @@ class ServedModelWorker:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _prompt_token_logprobs(flat, ids: list[int], start: int) -> list[float]:
-    """The log-prob of each prompt token from `start` on, out of vLLM's FlatLogprobs (with
-    prompt_logprobs=0 a position holds its own token only; the first position holds none)."""
-    values = []
+def _prompt_token_logprobs(flat, ids: list[int], start: int, top_k: int) -> TeacherTokens:
+    """The log-prob of each prompt token from `start` on, and its position's top-k tokens, out of
+    vLLM's FlatLogprobs: a position holds its own token, then the k most likely in rank order
+    (the first position holds none)."""
+    tokens = TeacherTokens([])
     for position in range(start, len(ids)):
         first = flat.start_indices[position]
-        if flat.token_ids[first] != ids[position]:
+        if flat.token_ids[first] != ids[position] or flat.end_indices[position] - first != 1 + top_k:
             raise RuntimeError(f"prompt log-probs out of step with the tokens at position {position}")
-        values.append(flat.logprobs[first])
-    return values
+        tokens.sampled.append(flat.logprobs[first])
+        if top_k:
+            tokens.top_ids.append(flat.token_ids[first + 1:first + 1 + top_k])
+            tokens.top_logprobs.append(flat.logprobs[first + 1:first + 1 + top_k])
+    return tokens
 
 
 class ServedModelGroup(ActorGroup):
@@ -90,25 +98,29 @@ class ServedModelGroup(ActorGroup):
         super().__init__([actor_name(role, i) for i in range(cfg.num_engines)])
         self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, f"{role} engines",
                                        f"{key}.cpus_per_engine")
-        actor_cls = ray.remote(ServedModelWorker)
+        self.call_limit = CallLimit(cfg.timeout_s, f"{key}.timeout_s")
+        self.role, self.model_path, self.cfg, self.seed, self.pooling = role, model_path, cfg, seed, pooling
         try:
-            self.actors = [spawn(actor_cls, role, i, model_path, cfg, seed + i, self.placement.threads, pooling,
-                                 num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
-                                 scheduling_strategy=self.placement.strategy(i))
-                           for i in range(cfg.num_engines)]
+            self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
             self.wait([actor.__ray_ready__.remote() for actor in self.actors])
         except BaseException:
             self.shutdown()
             raise
 
-    def submit_split(self, method: str, items: list, *args) -> list:
+    def _spawn(self, index: int):
+        return spawn(ray.remote(ServedModelWorker), self.role, index, self.model_path, self.cfg, self.seed + index,
+                     self.placement.threads, self.pooling, num_cpus=self.placement.num_cpus,
+                     num_gpus=self.placement.num_gpus, scheduling_strategy=self.placement.strategy(index))
+
+    def submit_split(self, method: str, items: list, *args) -> list[Call]:
         """Start `method` on contiguous shares of `items`, one per engine; `gather` joins the results."""
         shares = contiguous_shares(items, len(self.actors))
-        return [(i, self.submit(i, method, share, *args)) for i, share in enumerate(shares) if share]
+        return [self.submit_call(i, method, share, *args) for i, share in enumerate(shares) if share]
 
-    def gather(self, pending: list) -> list:
-        indices, refs = [i for i, _ in pending], [ref for _, ref in pending]
-        return [value for share in self.wait(refs, indices) for value in share]
+    def gather(self, pending: list[Call]) -> list:
+        """The results of `submit_split`, in item order; an engine that died is replaced and its share
+        sent again."""
+        return [value for share in self.wait_replacing(pending) for value in share]
 
     def shutdown(self) -> None:
         super().shutdown()

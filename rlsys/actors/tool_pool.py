@@ -5,7 +5,9 @@ Every tool worker builds every configured tool. A trajectory's calls all go to o
 row's `create_kwargs`) and, when the trajectory ends, asks each instance for its reward and
 releases it. A call that raises or runs past `tools.timeout_s` answers with an error text,
 as a malformed call does: the model sees it, the loop counts it, the trajectory goes on. A
-worker that dies is restarted by Ray; a call in flight when it dies answers with an error.
+worker that dies is restarted by Ray, and a call in flight when it died is sent once more to
+the restarted worker (a tool instance it held is created again there on that call); a call
+that kills its worker again answers with an error.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class ToolClient:
                 self.timeout_s + _MARGIN_S)
         except asyncio.TimeoutError:
             text = f"Error: the {name} call did not finish within {self.timeout_s:g} s"
-        except ray.exceptions.RayError as err:  # the worker died mid-call; Ray restarts it
+        except ray.exceptions.RayError as err:  # the worker died during the call and its retry
             text = f"Error: the {name} tool's worker failed ({type(err).__name__})"
         return ToolResult(text, True, time.perf_counter() - started)
 
@@ -112,7 +114,7 @@ class ToolPool:
         """`role` names the workers in the dashboard (rlsys/<role>/<i>)."""
         self.names = [actor_name(role, i) for i in range(num_workers)]
         self.timeout_s = timeout_s
-        actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=256)(ToolWorker)
+        actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=1, max_concurrency=256)(ToolWorker)
         self.workers = [spawn(actor_cls, role, i, specs) for i in range(num_workers)]
 
     def client(self) -> ToolClient:

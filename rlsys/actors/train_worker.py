@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from rlsys.algorithms.lm_loss import token_logprobs
+from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
+from rlsys.algorithms.lm_loss import token_logprobs, top_k_logprobs
 from rlsys.algorithms.value_loss import token_values
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import LoraConfig, ModelConfig
@@ -189,11 +190,15 @@ class TrainWorker:
         return rows.get("logprobs"), metrics
 
     @releases_freed_memory
-    def compute_teacher_logprobs(self, shard: Batch) -> torch.Tensor | None:
+    def compute_teacher_logprobs(self, shard: Batch, top_k: int = 0) -> dict[str, torch.Tensor]:
         """The teacher's log-probs [B, T] of the batch's tokens (its own distribution, temperature 1),
-        aligned as `compute_logprobs`'."""
-        _, rows = self.teacher.forward_backward(without_routing(shard), token_logprobs(1.0), forward_only=True)
-        return rows.get("logprobs")
+        aligned as `compute_logprobs`' ("logprobs"); with `top_k`, its k most likely tokens at each
+        position and their log-probs, [B, T, k] (the batch's TOP_IDS, TOP_LOGPROBS)."""
+        loss_fn = top_k_logprobs(top_k) if top_k else token_logprobs(1.0)
+        _, rows = self.teacher.forward_backward(without_routing(shard), loss_fn, forward_only=True)
+        if "top_ids" in rows:
+            rows[TOP_IDS], rows[TOP_LOGPROBS] = rows.pop("top_ids"), rows.pop("top_logprobs")
+        return rows
 
     @releases_freed_memory
     def compute_logprobs_and_routing(self, shard: Batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:

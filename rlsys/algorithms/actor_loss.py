@@ -13,8 +13,16 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from rlsys.algorithms.aggregation import aggregate, aggregates_per_sequence, masked, token_share
+from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS, top_k_forward_kl
 from rlsys.algorithms.kl import kl_penalty
-from rlsys.algorithms.lm_loss import LossOutput, entropy_from_logits, logprobs_of_labels, sampling_logits, token_level
+from rlsys.algorithms.lm_loss import (
+    LossOutput,
+    entropy_from_logits,
+    logprobs_at,
+    logprobs_of_labels,
+    sampling_logits,
+    token_level,
+)
 from rlsys.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss
 from rlsys.algorithms.rollout_correction import correction_factors
 from rlsys.config.rl import AlgorithmConfig
@@ -45,7 +53,7 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
                  counts: dict[str, int], algo: AlgorithmConfig, temperature: float, with_logprobs: bool
                  ) -> LossOutput:
     micro = {k: v.to(logits.device) for k, v in micro.items()}
-    logits = sampling_logits(logits, temperature)
+    model_logits, logits = logits, sampling_logits(logits, temperature)
     logprobs = logprobs_of_labels(logits, micro["input_ids"])
     mask = micro["loss_mask"][:, 1:]
     current = logprobs.detach()
@@ -62,6 +70,10 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
     if algo.kl_coef > 0:
         kl = kl_penalty(logprobs, masked(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
         per_token = per_token + algo.kl_coef * kl
+    distill_metrics = {}
+    if TOP_IDS in micro:
+        distilled, distill_metrics = _top_k_distillation(model_logits, micro, mask, counts)
+        per_token = per_token + algo.distill.coef * distilled
     loss = aggregate(per_token, mask, loss_agg, counts)
     with torch.no_grad():
         moved = current - old_logprobs  # how far this update's policy is from the old one on these tokens
@@ -79,4 +91,20 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
         if terms.clipped_lower is not None:
             metrics["actor/clip_frac_lower"] = token_share(terms.clipped_lower, mask, counts)
         metrics.update({name: token_share(values, mask, counts) for name, values in is_metrics.items()})
+        metrics.update(distill_metrics)
     return LossOutput(loss, metrics, rows={"logprobs": F.pad(current, (1, 0))} if with_logprobs else {})
+
+
+def _top_k_distillation(logits: torch.Tensor, micro: Batch, mask: torch.Tensor, counts: dict[str, int]
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token KL from the teacher to the policy (at temperature 1, the teacher's) over the
+    teacher's top-k tokens, [B, T-1], and its metrics: the KL, and the probability mass the
+    teacher and the policy put on those k tokens."""
+    policy = logprobs_at(logits, micro[TOP_IDS])
+    teacher = micro[TOP_LOGPROBS][:, 1:]
+    kl = top_k_forward_kl(policy, masked(teacher, mask.unsqueeze(-1)))
+    with torch.no_grad():
+        metrics = {"distill/top_k_kl": token_share(kl, mask, counts),
+                   "distill/teacher_top_k_mass": token_share(teacher.exp().sum(-1), mask, counts),
+                   "distill/policy_top_k_mass": token_share(policy.exp().sum(-1), mask, counts)}
+    return masked(kl, mask), metrics

@@ -58,6 +58,20 @@ def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return logits.gather(-1, labels[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs [B, T-1, k] of the k tokens ids[:, t] under logits[:, t-1], fp32 (as
+    `logprobs_of_labels`, for k candidate tokens a position). Vocabulary-sharded logits take one
+    sharded nll_loss per candidate."""
+    ids = ids[:, 1:]
+    if isinstance(logits, DTensor):
+        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).flatten(0, 1)
+        columns = [-F.nll_loss(logprobs, ids[..., j].flatten(), reduction="none").full_tensor()
+                   for j in range(ids.shape[-1])]
+        return torch.stack(columns, -1).view(ids.shape)
+    logits = logits[:, :-1].float()
+    return logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
 def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The logits the engine sampled from: divided by the sampling temperature, as vLLM does
     (and VeRL's trainer), so log-probs, ratios and entropy are those of the sampling policy.
@@ -103,3 +117,22 @@ def token_logprobs(temperature: float = 1.0) -> LossFn:
 def _token_logprobs(logits: torch.Tensor, micro: Batch, *, temperature: float) -> LossOutput:
     logprobs = logprobs_of_labels(sampling_logits(logits, temperature), micro["input_ids"].to(logits.device))
     return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})
+
+
+def top_k_logprobs(k: int) -> LossFn:
+    """Forward only, at temperature 1: per-token log-probs [B, T] as `token_logprobs`, and at each
+    position the k most likely tokens and their log-probs, [B, T, k] ("top_ids", "top_logprobs",
+    column 0 zero: nothing predicts the first token)."""
+    return token_level(partial(_top_k_logprobs, k=k))
+
+
+def _top_k_logprobs(logits: torch.Tensor, micro: Batch, *, k: int) -> LossOutput:
+    labels = micro["input_ids"].to(logits.device)
+    if isinstance(logits, DTensor):  # the whole vocabulary on every rank: top-k crosses the shards
+        logits = logits.full_tensor()
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    sampled = logprobs.gather(-1, labels[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return LossOutput(None, rows={"logprobs": F.pad(sampled, (1, 0)),
+                                  "top_ids": F.pad(top_ids, (0, 0, 1, 0)),
+                                  "top_logprobs": F.pad(top_logprobs, (0, 0, 1, 0))})

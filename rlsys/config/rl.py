@@ -133,7 +133,7 @@ class DistillConfig:
     teacher: str = ""
     """The teacher's HF model directory; its tokenizer must be the policy's."""
     coef: float = Field(default=1.0, gt=0)
-    """Weight of the reverse KL."""
+    """Weight of the distillation signal: the sampled token's reverse KL, or with top_k the top-k KL."""
     source: Literal["engine", "trainer"] = "engine"
     """engine: the teacher served by vLLM engines (`serving`), its log-probs vLLM's prompt log-probs;
     trainer: a frozen copy in the training group, in the policy's layout (each rank holds its shard
@@ -143,6 +143,12 @@ class DistillConfig:
     estimator's advantages of the reward terms when there are any (prime-rl's and Thinking Machines'
     on-policy distillation); penalty: each token's reward loses coef x the reverse KL before the
     advantage estimator, as a KL penalty toward the teacher."""
+    top_k: int = Field(default=0, ge=0, le=20)
+    """0: the sampled-token signal of `mode`. k > 0: instead, the teacher's k most likely tokens at
+    every response position and a loss term coef x KL(teacher || policy) over them (VeRL's top-k
+    forward KL: the sum over the k of the teacher's probability times its log-prob minus the
+    policy's), dense where one sampled token says little; `mode` stays advantage. At most 20, the
+    log-probs a vLLM engine gives a position."""
     serving: ServingConfig = Field(default_factory=lambda: ServingConfig())
     """The engines that serve the teacher (source: engine)."""
 

@@ -90,6 +90,9 @@ class ServingConfig:
     """KV-cache memory per engine, in GiB."""
     max_model_len: int | None = Field(default=None, gt=0)
     """Longest sequence an engine takes (empty: the model's context length)."""
+    timeout_s: float = Field(default=3600.0, gt=0)
+    """A call to an engine (its share of a step's scoring) running longer than this is a hung engine:
+    killed and replaced as a dead one is (`train.max_worker_restarts`)."""
 
 
 @dataclass(config=STRICT)
@@ -157,6 +160,9 @@ class RolloutConfig:
     `{attention_backend: TRITON_ATTN}`; they override what rlsys sets. An unknown name fails the engine's start."""
     sync_bucket_mb: float = Field(default=64.0, gt=0)
     """Weight-sync bucket size: decoder blocks are gathered and sent this many MB at a time."""
+    timeout_s: float = Field(default=3600.0, gt=0)
+    """A call to an engine (its share of a step's generation, a memory release, a weight sync) running longer
+    than this is a hung engine: killed and replaced as a dead one is (`train.max_worker_restarts`)."""
     sync_shared_memory: bool = True
     """With the engines on the training ranks' machine, they read the ranks' shards in place at every sync:
     on CPU from shared memory (given room in /dev/shm and a free file descriptor per shard), on GPU through

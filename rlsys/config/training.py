@@ -70,6 +70,11 @@ class LoopConfig:
     max_restarts: int = Field(default=0, ge=0)
     """When a worker dies or a collective times out: rebuild the groups and resume from the newest
     checkpoint inside the same command, up to this many times (0: stop with exit code 3)."""
+    max_worker_restarts: int = Field(default=3, ge=0)
+    """RL: a rollout engine, reward worker or served-model engine (reward model, judge, teacher)
+    that dies is replaced alone, in its place, the current weights synced into it, its unfinished
+    requests sent again; the trainer keeps its state and no checkpoint is read. Up to this many a
+    run; past them the run ends (or restarts, `max_restarts`) as for a dead training rank."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """A collective (all-reduce, all-gather ...) that waits longer than this, or a rank that answers
     this long after its peers, fails the step as a dead peer would."""

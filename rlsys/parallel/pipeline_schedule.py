@@ -31,7 +31,7 @@ def run_schedule(stages: list[DecoderStage], group: ProcessGroup, input_ids: tor
                  sequence_split: int = 1, token_weights: torch.Tensor | None = None,
                  routing: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Runs the first stage on `input_ids` [B, T] and `loss_fn` on the last stage's logits and
-    `fields` (per-token, [B, T'] each), micro-batch by micro-batch. Activations between stages
+    `fields` (per-token, [B, T', ...] each), micro-batch by micro-batch. Activations between stages
     are [B, T / sequence_split, hidden] (sequence parallel splits them between the tensor-
     parallel ranks). `token_weights` [B, T]: an MoE model's real tokens, for its routers'
     balance; `routing` [B, T, MoE layers, k]: the experts to route each token to (routing replay).
@@ -49,7 +49,7 @@ def run_schedule(stages: list[DecoderStage], group: ProcessGroup, input_ids: tor
             [part.to(device) for part in _pad_rows(routing, num_microbatches).split(micro_rows)]
     shapes = _StageShapes(micro_rows, input_ids.shape[1], sequence_split, activation_dtype, not forward_only)
     pipeline_stages = [_pipeline_stage(stage, group, shapes, device) for stage in stages]
-    recorder = _LossRecorder(loss_fn, {name: value.dtype for name, value in fields.items()})
+    recorder = _LossRecorder(loss_fn, fields)
     schedule_cls = SCHEDULES[schedule]
     runner = schedule_cls(pipeline_stages if schedule_cls is ScheduleInterleaved1F1B else pipeline_stages[0],
                           n_microbatches=num_microbatches, loss_fn=recorder, scale_grads=False)
@@ -92,7 +92,7 @@ def _pipeline_stage(stage: DecoderStage, group: ProcessGroup, shapes: _StageShap
 
 def _pad_rows(value: torch.Tensor, multiple: int) -> torch.Tensor:
     """Rows of padding (all masks 0) so the schedule's micro-batches are equal."""
-    return F.pad(value, (0, 0, 0, -value.shape[0] % multiple))
+    return F.pad(value, (0, 0) * (value.dim() - 1) + (0, -value.shape[0] % multiple))
 
 
 def _pad_fields(fields: Batch, multiple: int) -> Batch:
@@ -100,20 +100,27 @@ def _pad_fields(fields: Batch, multiple: int) -> Batch:
 
 
 def _pack(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[B, T, fields] float64: exact for token ids and fp32 values alike."""
-    return torch.stack([value.double() for value in batch.values()], dim=-1)
+    """[B, T, columns] float64, a field's trailing dimensions flattened into its columns: exact for
+    token ids and fp32 values alike."""
+    return torch.cat([value.double().reshape(*value.shape[:2], -1) for value in batch.values()], dim=-1)
 
 
 class _LossRecorder:
     """The schedule's loss function: unpacks the micro-batch, calls the engine's loss
     function and keeps its metrics and per-row outputs."""
 
-    def __init__(self, loss_fn, fields: dict[str, torch.dtype]):
-        self.loss_fn, self.fields = loss_fn, fields
+    def __init__(self, loss_fn, fields: Batch):
+        """`fields`: the batch whose layout `_pack` flattened (each field's dtype and trailing shape)."""
+        self.loss_fn = loss_fn
+        self.fields = {name: (value.dtype, value.shape[2:]) for name, value in fields.items()}
         self.outputs: list[LossOutput] = []
 
     def __call__(self, logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        micro = {name: packed[..., i].to(dtype) for i, (name, dtype) in enumerate(self.fields.items())}
+        micro, column = {}, 0
+        for name, (dtype, trailing) in self.fields.items():
+            width = trailing.numel()
+            micro[name] = packed[..., column:column + width].reshape(*packed.shape[:2], *trailing).to(dtype)
+            column += width
         out = self.loss_fn(logits, micro)
         self.outputs.append(LossOutput(None, {k: v.detach() for k, v in out.metrics.items()},
                                        {k: v.detach().cpu() for k, v in out.rows.items()}))

@@ -65,12 +65,13 @@ def loss_logits(logits: torch.Tensor, seq: RankSequence) -> torch.Tensor:
 
 
 def whole_rows(rows: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:
-    """Per-token outputs of `seq`'s fields -> [B, length] in sequence order. Under context
+    """Per-token outputs of `seq`'s fields -> [B, length, ...] in sequence order. Under context
     parallel (a collective over `cp_group`) column j + 1 of each rank's rows is its token
     j + 1 and column 0 is unused; the whole sequence's column 0 is zero."""
     if not seq.chunked:
         return rows[:, :seq.length]
-    return F.pad(_chunks_in_rank_order(rows[:, 1:], cp_group), (1, 0))[:, :seq.length]
+    whole = _chunks_in_rank_order(rows[:, 1:], cp_group)
+    return F.pad(whole, (0, 0) * (whole.dim() - 2) + (1, 0))[:, :seq.length]
 
 
 def whole_positions(values: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:

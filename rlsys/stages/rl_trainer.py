@@ -7,8 +7,9 @@ One step, in data-flow order:
   -> the teacher's log-probs (distillation; while the trainer works) -> TrainGroup.compute_logprobs (old,
      unless the update is on-policy or takes the engine's; reference if KL is on) -> KL and the teacher's
      reverse KL in the reward (optional) -> the critic's values (PPO)
-  -> advantages (+ the teacher's signal) -> per mini-batch: critic_step with the value loss (PPO), then
-     train_step with the policy loss (mini-batches x epochs) -> weight sync to the engines
+  -> advantages (+ the teacher's sampled-token signal; or its top-k tokens join the batch, for the loss)
+  -> per mini-batch: critic_step with the value loss (PPO), then train_step with the policy loss
+     (mini-batches x epochs) -> weight sync to the engines
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from transformers import AutoConfig
 
 from rlsys.actors.cluster import gpu_shares
+from rlsys.actors.failures import WorkerReplacements
 from rlsys.actors.phases import PhaseTimer, set_phase
 from rlsys.actors.reward_pool import RewardPool
 from rlsys.actors.rollout_group import RolloutGroup
@@ -31,7 +33,7 @@ from rlsys.agents.trajectory import Trajectory
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae_advantages_and_returns
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
-from rlsys.algorithms.distill import reverse_kl
+from rlsys.algorithms.distill import reverse_kl, top_k_fields
 from rlsys.algorithms.kl import KLController, kl_in_reward
 from rlsys.algorithms.value_loss import value_loss
 from rlsys.config.schema import RLJobConfig
@@ -146,7 +148,11 @@ class RLVRTrainer:
         """R3: the layers of the engines' routing that the trainer's MoE blocks replay, and top-k."""
         self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train_group = self.rollout_group = self.tools = self.stream = self.schedule = self.teacher = None
-        self.reward_pool = RewardPool(cfg.reward)
+        self.replacements = WorkerReplacements(cfg.train.max_worker_restarts)
+        """Dead rollout engines, reward workers and served-model engines replaced so far, and the bound."""
+        self.policy_version = 0
+        """The step whose update the training group's weights hold (what a replaced engine is given)."""
+        self.reward_pool = RewardPool(cfg.reward, replacements=self.replacements)
         try:
             self.tools = self.agents.start_tools()
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
@@ -166,6 +172,8 @@ class RLVRTrainer:
                                               fp32_head=cfg.model.fp32_lm_head,
                                               return_routing=cfg.algorithm.router_replay == "r3")
             self.sync = self._weight_sync()
+            self.rollout_group.replacements = self.replacements
+            self.rollout_group.restore = lambda engine: self.sync.load_into(engine, self.policy_version)
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout_group, self.prompts, self.sampler, cfg.train.async_mode,
                                             cfg.train.max_staleness, cfg.rollout.agent_loop, cfg.rollout.n,
@@ -187,6 +195,7 @@ class RLVRTrainer:
         if distill is not None and distill.source == "engine":
             self.teacher = ServedModelGroup("teacher", distill.teacher, distill.serving, cfg.seed,
                                             "algorithm.distill.serving", **placement)
+            self.teacher.replacements = self.replacements
 
     def _weight_sync(self) -> AdapterSync | WeightSync:
         """The adapters alone, or every weight (a LoRA policy's merged, through the object store:
@@ -229,12 +238,13 @@ class RLVRTrainer:
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
         inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups, batch.get("values"))
         batch["advantages"] = compute_advantages(inputs, cfg.algorithm)
-        if distill is not None and distill.mode == "advantage":
+        if distill is not None and distill.mode == "advantage" and not distill.top_k:
             batch["advantages"] = batch["advantages"] - distill.coef * distill_kl
         if self.with_critic:
             _, batch["returns"] = gae_advantages_and_returns(inputs, cfg.algorithm.gamma, cfg.algorithm.lam)
         with timer("update"):
             update_metrics, sampler_logprobs = self._update(batch, train_actor=step > cfg.critic.warmup_steps)
+        self.policy_version = step
         with timer("sync"):
             if self.stream is not None and not cfg.train.partial_rollout:
                 self.stream.drain()
@@ -253,6 +263,7 @@ class RLVRTrainer:
             **update_metrics,
             **sync_metrics,
             **timer.times,
+            "workers_replaced": float(self.replacements.used),
         }
 
     def _prompts_with_pictures(self, samples: list[Trajectory]) -> tuple[list[list[int]], list[ImagePixels | None]]:
@@ -328,16 +339,18 @@ class RLVRTrainer:
         return {"reward/accuracy": sum(s.terms[verifier] >= 1.0 for s in scored) / len(scored)}
 
     def _submit_teacher(self, samples: list[Trajectory]) -> list | None:
-        """Ask the teacher's engines for their log-prob of every response token (None without them)."""
+        """Ask the teacher's engines for their log-prob of every response token, and with top-k their
+        most likely tokens (None without the engines)."""
         if self.teacher is None:
             return None
         return self.teacher.submit_split("token_logprobs", [(s.prompt_ids + s.response_ids, len(s.prompt_ids))
-                                                            for s in samples])
+                                                            for s in samples], self.cfg.algorithm.distill.top_k)
 
     def _distillation(self, samples: list[Trajectory], calls: list | None, batch: Batch,
                       engine_logprobs: torch.Tensor, timer: PhaseTimer) -> tuple[torch.Tensor | None, dict]:
         """The reverse KL to the teacher of each sampled token, [B, T] (None when not distilling), and
-        its metrics: taken against the engine's sampling log-probs, the policy that drew the tokens."""
+        its metrics: taken against the engine's sampling log-probs, the policy that drew the tokens.
+        With top-k, the batch gains the teacher's top tokens for the loss (`rlsys.algorithms.distill`)."""
         if self.cfg.algorithm.distill is None:
             return None, {}
         with timer("teacher"):
@@ -346,20 +359,29 @@ class RLVRTrainer:
 
     def _teacher_logprobs(self, samples: list[Trajectory], calls: list | None, batch: Batch) -> torch.Tensor:
         """The teacher's log-probs of the sampled tokens, [B, T] as the batch's response tokens: from
-        its engines' `calls`, or (none) a forward pass of its copy in the training group."""
+        its engines' `calls`, or (none) a forward pass of its copy in the training group. With top-k,
+        its top tokens and their log-probs go into `batch`."""
+        top_k = self.cfg.algorithm.distill.top_k
         if calls is None:
-            return torch.cat(self.train_group.run_data_parallel("compute_teacher_logprobs", batch))
+            outputs = self.train_group.run_data_parallel("compute_teacher_logprobs", batch, top_k=top_k)
+            rows = {name: torch.cat([out[name] for out in outputs]) for name in outputs[0]}
+            batch.update({name: value for name, value in rows.items() if name != "logprobs"})
+            return rows["logprobs"]
         per_sample = self.teacher.gather(calls)
-        sampled = [lp for s, logprobs in zip(samples, per_sample)
-                   for lp, kept in zip(logprobs, s.response_mask) if kept]
+        if top_k:
+            batch.update(top_k_fields(per_sample, tuple(batch["input_ids"].shape),
+                                      [len(s.prompt_ids) for s in samples], top_k))
+        sampled = [lp for s, tokens in zip(samples, per_sample)
+                   for lp, kept in zip(tokens.sampled, s.response_mask) if kept]
         return on_response_tokens(torch.tensor(sampled), batch)
 
     def _async_metrics(self, samples: list[Trajectory], step: int) -> dict[str, float]:
         """How stale the trained tokens are (policy versions behind the one updated): mean, max and each
-        share; and the groups dropped for staleness so far."""
+        share; and the groups dropped for staleness, and generated again after their engine died, so far."""
         staleness = torch.tensor([step - 1 - v for t in samples for v in t.versions], dtype=torch.float32)
         metrics = {"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
-                   "async/dropped_groups": float(self.stream.dropped)}
+                   "async/dropped_groups": float(self.stream.dropped),
+                   "async/regenerated_groups": float(self.stream.regenerated)}
         for lag in range(self.cfg.train.max_staleness + 1):
             metrics[f"async/staleness_{lag}_share"] = (staleness == lag).float().mean().item()
         return metrics
@@ -466,6 +488,7 @@ class RLVRTrainer:
         resume = self.cfg.train.resume or force
         step = restore_training_state(self.checkpoints, self.train_group, self.stream or self.sampler,
                                       self._driver_state()) if resume else 0
+        self.policy_version = step
         if step or self.cfg.model.lora.syncs_adapters:  # the engines start from model.path, without adapters
             self.sync.run(version=step)
         if self.schedule is not None:
@@ -494,7 +517,8 @@ def run_rlvr(cfg: RLJobConfig) -> dict:
     data = load_rl_data(cfg)
     run = run_stage(cfg, "rlvr", lambda checkpoints: RLSession(RLVRTrainer(cfg, data, checkpoints)))
     summary = {"stage": "rlvr", "steps": cfg.train.steps, "resumed_from_step": run.start_step,
-               "restarts": run.restarts, "final_reward": run.last.get("reward/mean"),
+               "restarts": run.restarts, "workers_replaced": run.last.get("workers_replaced", 0.0),
+               "final_reward": run.last.get("reward/mean"),
                "val_accuracy_after": run.last.get("val/accuracy"), "hf_model": run.hf_dir,
                "time_s": round(time.time() - started, 1)}
     before = run.initial.get("val/accuracy", logged_metric(cfg.output_dir, 0, "val/accuracy"))

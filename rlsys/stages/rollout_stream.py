@@ -16,7 +16,8 @@ the uninterrupted run trained, sampled by the weights that sampled them there, i
 generating those prompts again under the restored weights. The groups taken are written down
 in the order taken (`taken`, by draw serial) for the run's schedule
 (`rlsys.stages.run_schedule`); given a schedule's order (`plan`), the stream takes the groups in
-that order instead of the order they finish.
+that order instead of the order they finish. An engine that dies is replaced and the groups it
+had in flight are generated again (by the weights the trainer holds then), and counted.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class _Group:
     ref: ray.ObjectRef | None
     done: list[Trajectory] | None = None
     """Its trajectories once they are known (the ref's result; a checkpoint's)."""
+    actor: object = None
+    """The engine's actor it went to (a replaced engine's calls go again to its successor)."""
 
 
 class RolloutStream:
@@ -63,6 +66,8 @@ class RolloutStream:
         those that were in flight."""
         self.serial = 0
         self.dropped = 0
+        self.regenerated = 0
+        """Groups generated again because their engine died."""
         self.taken: list[int] = []
         """The serials of the groups taken (trained or dropped) since the schedule last wrote them."""
         self.plan: list[int] = []
@@ -126,23 +131,41 @@ class RolloutStream:
         """Fetch the trajectories of finished `groups`."""
         if not groups:
             return
-        results = self.rollout.wait([g.ref for g in groups], [g.engine for g in groups])
+        results = self._results(groups)
         for group, result in zip(groups, results):
             group.done = result.unpack({group.index: self.prompts[group.index].ids})
 
+    def _results(self, groups: list[_Group]) -> list:
+        """The results of `groups`' calls. An engine that died is replaced (`replace_dead`: the
+        trainer's current weights synced into it) and every group in flight on it generated again,
+        with the same seed, counted in `regenerated` (once: the calls that went to the dead actor)."""
+        while True:
+            try:
+                return self.rollout.wait([g.ref for g in groups], [g.engine for g in groups])
+            except WorkerFailure as failure:
+                engine = self.rollout.replace_dead(failure)
+                for group in self.in_flight:
+                    if group.engine == engine and group.done is None and group.actor is not self.rollout.actors[engine]:
+                        group.ref = self._call(group)
+                        self.regenerated += 1
+
     def _submit(self, index: int) -> None:
-        engine = self.serial % len(self.rollout.actors)
-        prompt = self.prompts[index]
-        ref = self.rollout.submit(engine, "rollout", [(index, prompt.ids, prompt.row)], self.loop, self.n,
-                                  self.sampling, self.seed * 100_003 + self.serial)
-        self.in_flight.append(_Group(index, self.serial, engine, ref))
+        group = _Group(index, self.serial, self.serial % len(self.rollout.actors), None)
+        group.ref = self._call(group)
+        self.in_flight.append(group)
         self.serial += 1
+
+    def _call(self, group: _Group) -> ray.ObjectRef:
+        prompt = self.prompts[group.index]
+        group.actor = self.rollout.actors[group.engine]
+        return self.rollout.submit(group.engine, "rollout", [(group.index, prompt.ids, prompt.row)], self.loop,
+                                   self.n, self.sampling, self.seed * 100_003 + group.serial)
 
     def drain(self) -> None:
         """Wait for every group in flight to finish (a sync without partial rollouts)."""
         pending = [g for g in self.in_flight if g.done is None]
         if pending:
-            self.rollout.wait([g.ref for g in pending], [g.engine for g in pending])
+            self._results(pending)
 
     def settle(self) -> None:
         """Wait for every group in flight to finish and keep its trajectories (before a checkpoint)."""

@@ -18,8 +18,21 @@ class AdapterSync:
         self.train_group, self.rollout_group = train_group, rollout_group
 
     def run(self, version: int = 0) -> dict[str, float]:
+        """An engine that dies meanwhile is replaced and the adapters sent to every engine again."""
         started = time.perf_counter()
-        shards = self.train_group.submit_all("adapter_shards")
-        nbytes = self.rollout_group.run_all("load_adapter", *shards, version=version)[0]
+        try:
+            nbytes = self._load(list(range(len(self.rollout_group.actors))), version)
+        except Exception as err:  # a dead engine is replaced here; anything else goes on up
+            self.rollout_group.replace_dead(err)
+            nbytes = self._load(list(range(len(self.rollout_group.actors))), version)
         return {"sync/time_s": time.perf_counter() - started, "sync/in_place": 0.0, "sync/buckets": 1,
                 "sync/mb": nbytes / 2**20}
+
+    def load_into(self, engine: int, version: int) -> None:
+        """Send the adapters to engine `engine` alone (one that replaced a dead engine), labelled `version`."""
+        self._load([engine], version)
+
+    def _load(self, engines: list[int], version: int) -> int:
+        shards = self.train_group.submit_all("adapter_shards")
+        calls = [self.rollout_group.submit(engine, "load_adapter", *shards, version=version) for engine in engines]
+        return self.rollout_group.wait(calls, engines)[0]

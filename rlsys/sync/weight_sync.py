@@ -81,38 +81,64 @@ class WeightSync:
         self.in_place = shared_memory and self._can_share()
         self.shards_shared = False
         """Whether the engines hold handles to the ranks' shards (`in_place`, from the first sync on)."""
+        self.handles: list | None = None
 
     def run(self, version: int = 0) -> dict[str, float]:
-        """Send the policy; the engines label what they sample next `version` (the trainer's step)."""
+        """Send the policy; the engines label what they sample next `version` (the trainer's step).
+        An engine that dies meanwhile is replaced (`ActorGroup.replace_dead`) and the policy sent to
+        every engine again."""
         started = time.perf_counter()
-        if self.in_place:
-            self._load_in_place(version)
-        else:
-            self._load_buckets(version)
+        try:
+            self._load(version)
+        except Exception as err:  # a dead engine is replaced here; anything else goes on up
+            self.rollout_group.replace_dead(err)
+            self.shards_shared = False  # the new engine maps the ranks' shards; the others keep theirs
+            self._load(version)
         return {"sync/time_s": time.perf_counter() - started, "sync/in_place": float(self.in_place),
                 "sync/buckets": 1 if self.in_place else len(self.buckets), "sync/mb": self.total_bytes / 2**20}
 
-    def _load_buckets(self, version: int) -> None:
+    def load_into(self, engine: int, version: int) -> None:
+        """Send the policy to engine `engine` alone (one that replaced a dead engine), labelled `version`."""
+        if self.in_place:
+            handles = self._handles()
+            self.rollout_group.wait([self.rollout_group.submit(engine, "load_shared", *handles, version=version)],
+                                    [engine])
+        else:
+            self._load_buckets(version, [engine])
+
+    def _load(self, version: int) -> None:
+        if self.in_place:
+            self._load_in_place(version)
+        else:
+            self._load_buckets(version, list(range(len(self.rollout_group.actors))))
+
+    def _load_buckets(self, version: int, engines: list[int]) -> None:
         """Each bucket goes as every stage rank's shards, straight from the ranks' object
-        stores to the engines (the driver only passes references); the ranks pack the
+        stores to the `engines` (the driver only passes references); the ranks pack the
         next bucket while the engines load this one."""
         train, rollout = self.train_group, self.rollout_group
         loading: list = []
         for index, (ranks, names) in enumerate(self.buckets):
             shards = [train.submit(rank, "sync_shards", names) for rank in ranks]
-            rollout.wait(loading)
-            loading = rollout.submit_all("load_weights", *shards, first=index == 0,
-                                         last=index == len(self.buckets) - 1, version=version)
-        rollout.wait(loading)
+            rollout.wait(loading, engines)
+            loading = [rollout.submit(engine, "load_weights", *shards, first=index == 0,
+                                      last=index == len(self.buckets) - 1, version=version) for engine in engines]
+        rollout.wait(loading, engines)
 
     def _load_in_place(self, version: int) -> None:
         """The engines read the ranks' shards where the optimizer keeps them: the first sync
         asks each rank for handles to them (on CPU moving them into shared memory) and sends
         them to the engines; every sync is then one call to each engine, with no copy on the
         trainer's side and none through the object store."""
-        handles = [] if self.shards_shared else self.train_group.run_all_ranks("share_shards", self.stage_names)
+        handles = [] if self.shards_shared else self._handles()
         self.rollout_group.run_all("load_shared", *handles, version=version)
         self.shards_shared = True
+
+    def _handles(self) -> list:
+        """Each rank's handles to its shards, asked for once (they never change)."""
+        if self.handles is None:
+            self.handles = self.train_group.run_all_ranks("share_shards", self.stage_names)
+        return self.handles
 
     def _can_share(self) -> bool:
         """Whether the engines can read the training ranks' memory: every rank and engine on one

@@ -36,7 +36,11 @@ class CalcSpec:
     low: int = 100
     high: int = 999
     num_sft: int = 400
-    """Tool-use traces to fine-tune on: a small set, so that RL has errors left to remove."""
+    """Traces to fine-tune on: a small set, so that RL has errors left to remove."""
+    tool_share: float = 1.0
+    """The share of fine-tuning traces that call the calculator; the others answer at once (the
+    right product, as a demonstrator who works it out in their head): a model imitating those
+    cannot, and RL with the tool has to learn that calling it pays."""
     num_rl: int = 20_000
     num_test: int = 500
     seed: int = 0
@@ -59,8 +63,11 @@ def problems(spec: CalcSpec) -> tuple[list[tuple[int, int]], list[tuple[int, int
     return ordered[spec.num_test:], ordered[:spec.num_test]
 
 
-def messages(a: int, b: int) -> list[dict]:
-    return [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": tool_call(a, b)},
+def messages(a: int, b: int, with_tool: bool = True) -> list[dict]:
+    question = {"role": "user", "content": f"{a}*{b}="}
+    if not with_tool:
+        return [question, {"role": "assistant", "content": str(a * b)}]
+    return [question, {"role": "assistant", "content": tool_call(a, b)},
             {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
 
 
@@ -88,8 +95,10 @@ def write_splits(out_dir: str, spec: CalcSpec = CalcSpec()) -> dict[str, str]:
     paths = {name: os.path.join(out_dir, file) for name, file in
              (("sft", "sft_train.jsonl"), ("rl_train", "rl_train.parquet"), ("test", "test.parquet"))}
     tools = [spec_.schema for spec_ in load_tools(["calculator"], "")]
+    with_tool = set(random.Random(spec.seed + 1).sample(range(len(sft)), round(spec.tool_share * len(sft))))
     with open(paths["sft"], "w") as f:
-        f.writelines(json.dumps({"messages": messages(a, b), "tools": tools}) + "\n" for a, b in sft)
+        f.writelines(json.dumps({"messages": messages(a, b, i in with_tool), "tools": tools}) + "\n"
+                     for i, (a, b) in enumerate(sft))
     import datasets
 
     datasets.Dataset.from_list(rl_rows(rl, "train")).to_parquet(paths["rl_train"])

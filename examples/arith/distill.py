@@ -1,12 +1,17 @@
-"""On-policy distillation on the arithmetic task: a smaller student (2 of the teacher's 4 layers'
-shape, hidden 128) is pretrained and fine-tuned briefly, then trained from the same checkpoint by
-GRPO on the verifier alone and by GRPO plus distillation from the teacher (the example's SFT or RL
-model), at equal steps; the table holds held-out accuracy and wall time of each.
+"""On-policy distillation on the arithmetic task, against GRPO at equal training time. The student
+is the example's SFT stage cut short (300 of its 1,500 steps: a model with errors left, as
+examples/arith/reward_model.py trains), the teacher the whole SFT model. From the student's
+checkpoint three runs train: GRPO on the verifier alone, and GRPO plus distillation from the
+teacher, with the sampled token's reverse KL as advantage (`algorithm.distill`) and with the KL
+over the teacher's top-k tokens as a loss term (`algorithm.distill.top_k`). Every run validates on
+the held-out split as it goes; the table reads each run's accuracy at the same training time (the
+sum of its steps' times), and GRPO gets twice the steps so that it is still running then.
 
-    .venv/bin/python examples/arith/distill.py --teacher runs/arith/rlvr/hf_model
+    .venv/bin/python examples/arith/distill.py
 
 Run after the main job (`bash examples/arith/run.sh`), which writes the data and the teacher.
-Every stage runs as `python -m rlsys.run <stage>` with the example's configs and overrides.
+Every stage runs as `python -m rlsys.run <stage>` with the example's configs and overrides, and is
+skipped when its directory holds a finished run.
 """
 
 from __future__ import annotations
@@ -17,8 +22,6 @@ import os
 import subprocess
 import sys
 import time
-
-STUDENT_LAYERS = 2
 
 
 def stage(kind: str, config: str, *overrides: str) -> float:
@@ -35,10 +38,29 @@ def summary(out: str) -> dict:
     return json.load(open(os.path.join(out, "summary.json")))
 
 
-def reverse_kl(out: str) -> str:
-    """distill/reverse_kl of the first and last steps (logged only with a teacher)."""
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    values = [row["distill/reverse_kl"] for row in rows if "distill/reverse_kl" in row]
+def rows(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def curve(out: str) -> list[tuple[float, float]]:
+    """(training seconds so far, held-out accuracy) at each validation: step 0's, then every
+    train.val_every steps."""
+    points, elapsed = [], 0.0
+    for row in rows(out):
+        elapsed += row.get("time/step_s", 0.0)
+        if "val/accuracy" in row:
+            points.append((elapsed, row["val/accuracy"]))
+    return points
+
+
+def at_time(points: list[tuple[float, float]], seconds: float) -> float:
+    """The accuracy of the last validation within `seconds` of training."""
+    return [accuracy for elapsed, accuracy in points if elapsed <= seconds + 1e-9][-1]
+
+
+def first_and_last(out: str, name: str) -> str:
+    values = [row[name] for row in rows(out) if name in row]
     return f"{values[0]:.2f} -> {values[-1]:.2f}" if values else "-"
 
 
@@ -46,42 +68,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default="runs/arith/sft/hf_model")
     parser.add_argument("--out", default="runs/arith/distill")
-    parser.add_argument("--pretrain-steps", type=int, default=300)
-    parser.add_argument("--sft-steps", type=int, default=150)
-    parser.add_argument("--rl-steps", type=int, default=100)
+    parser.add_argument("--student-steps", type=int, default=300, help="the student's SFT steps (the example's: 1500)")
+    parser.add_argument("--rl-steps", type=int, default=100, help="the distillation runs' steps (GRPO: twice)")
+    parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--coef", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=5e-4,
-                        help="both RL runs' peak learning rate (the example's GRPO from a strong SFT model takes 5e-5)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="every RL run's peak learning rate")
     args = parser.parse_args()
 
-    init = os.path.join(args.out, "student-init")
-    if not os.path.isfile(os.path.join(init, "config.json")):
-        subprocess.run([sys.executable, "-m", "rlsys.models.tiny", "--out", init,
-                        f"--num-hidden-layers={STUDENT_LAYERS}"], check=True)
-    pretrain, sft = os.path.join(args.out, "pretrain"), os.path.join(args.out, "sft")
-    stage("pretrain", "examples/arith/pretrain.yaml", f"output_dir={pretrain}", f"model.path={init}",
-          f"train.steps={args.pretrain_steps}", "eval=null")
-    stage("sft", "examples/arith/sft.yaml", f"output_dir={sft}", f"model.path={pretrain}/hf_model",
-          f"train.steps={args.sft_steps}")
-    rl = [f"model.path={sft}/hf_model", f"train.steps={args.rl_steps}", f"optim.lr={args.lr}", "train.save_every=0",
-          f"train.val_every={args.rl_steps}", "tracking.backends=[jsonl]"]
+    sft = os.path.join(args.out, "student")
+    stage("sft", "examples/arith/sft.yaml", f"output_dir={sft}", f"train.steps={args.student_steps}")
+    val_every = max(1, args.rl_steps // 10)
+    rl = [f"model.path={sft}/hf_model", f"optim.lr={args.lr}", "train.save_every=0", f"train.val_every={val_every}",
+          "tracking.backends=[jsonl]"]
+    teacher = [f"algorithm.distill.teacher={args.teacher}", f"algorithm.distill.coef={args.coef}",
+               "algorithm.distill.source=trainer"]  # a forward in the training group: the cheapest here
     runs = {
-        "GRPO (verifier)": [f"output_dir={args.out}/grpo-lr{args.lr:g}", *rl],
-        "GRPO + distillation": [f"output_dir={args.out}/distill-lr{args.lr:g}", *rl,
-                                f"algorithm.distill.teacher={args.teacher}", f"algorithm.distill.coef={args.coef}",
-                                "algorithm.distill.serving.engine_memory_gib=0.25"],
+        "GRPO (verifier)": [f"output_dir={args.out}/grpo", f"train.steps={2 * args.rl_steps}", *rl],
+        "GRPO + distillation, sampled token": [f"output_dir={args.out}/sampled", f"train.steps={args.rl_steps}",
+                                               *rl, *teacher],
+        f"GRPO + distillation, top-{args.top_k}": [f"output_dir={args.out}/top{args.top_k}",
+                                                  f"train.steps={args.rl_steps}", *rl, *teacher,
+                                                  f"algorithm.distill.top_k={args.top_k}"],
     }
-    times = {name: stage("rlvr", "examples/arith/rlvr.yaml", *overrides) for name, overrides in runs.items()}
-    before = summary(sft).get("eval", {}).get("accuracy")
-    print(f"\nstudent ({STUDENT_LAYERS} layers) after SFT: {before}; teacher {args.teacher}")
-    print("| run | steps | lr | held-out accuracy before -> after | reverse KL to the teacher, first -> last step "
-          "| wall time |")
-    print("|---|---|---|---|---|---|")
-    for name, overrides in runs.items():
-        out = overrides[0].split("=", 1)[1]
-        result, kl = summary(out), reverse_kl(out)
-        print(f"| {name} | {args.rl_steps} | {args.lr:g} | {result.get('val_accuracy_before', 0):.1%} -> "
-              f"{result['val_accuracy_after']:.1%} | {kl} | {times[name]:.0f} s |")
+    for overrides in runs.values():
+        stage("rlvr", "examples/arith/rlvr.yaml", *overrides)
+    outs = {name: overrides[0].split("=", 1)[1] for name, overrides in runs.items()}
+    curves = {name: curve(out) for name, out in outs.items()}
+    budget = min(points[-1][0] for points in curves.values())
+    print(f"\nteacher {args.teacher}: {summary(args.teacher.rsplit('/', 1)[0])['eval']['accuracy']:.1%} held-out; "
+          f"student: the example's SFT stage cut to {args.student_steps} steps "
+          f"({summary(sft)['eval']['accuracy']:.1%}); RL at lr {args.lr:g}")
+    print(f"| run | steps | held-out accuracy at {budget:.0f} s of training | at its end (training s) "
+          "| reverse KL to the teacher, first -> last step |")
+    print("|---|---|---|---|---|")
+    for name, points in curves.items():
+        steps = summary(outs[name])["steps"]
+        print(f"| {name} | {steps} | {points[0][1]:.1%} -> {at_time(points, budget):.1%} | {points[-1][1]:.1%} "
+              f"({points[-1][0]:.0f} s) | {first_and_last(outs[name], 'distill/reverse_kl')} |")
 
 
 if __name__ == "__main__":

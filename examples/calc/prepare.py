@@ -9,16 +9,18 @@ import argparse
 import os
 
 from rlsys.models.tiny import write_tiny_model
-from rlsys.tasks.calc import write_splits
+from rlsys.tasks.calc import CalcSpec, write_splits
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/calc")
+    parser.add_argument("--tool-share", type=float, default=CalcSpec.tool_share,
+                        help="the share of fine-tuning traces that call the calculator (the rest answer at once)")
     args = parser.parse_args()
     if not os.path.isdir(os.path.join(args.out, "tiny-init")):
         write_tiny_model(os.path.join(args.out, "tiny-init"))
-    for name, path in write_splits(os.path.join(args.out, "data")).items():
+    for name, path in write_splits(os.path.join(args.out, "data"), CalcSpec(tool_share=args.tool_share)).items():
         print(f"{name:9s} {path}")
 
 

@@ -89,7 +89,9 @@ class ServingConfig:
     engine_memory_gib: float = Field(default=0.5, gt=0)
     """KV-cache memory per engine, in GiB."""
     max_model_len: int | None = Field(default=None, gt=0)
-    """Longest sequence an engine takes (empty: the model's context length)."""
+    """Longest sequence an engine takes; empty: a teacher's engines take the rollout engines' (the run's longest
+    prompt plus the response budget), a reward model's or a judge's the model's context. Its KV cache must hold
+    one such sequence (checked before the run starts)."""
     timeout_s: float = Field(default=3600.0, gt=0)
     """A call to an engine (its share of a step's scoring) running longer than this is a hung engine:
     killed and replaced as a dead one is (`train.max_worker_restarts`)."""

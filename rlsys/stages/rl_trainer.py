@@ -36,6 +36,7 @@ from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
 from rlsys.algorithms.distill import reverse_kl, top_k_fields
 from rlsys.algorithms.kl import KLController, kl_in_reward
 from rlsys.algorithms.value_loss import value_loss
+from rlsys.config.rl import DistillConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import (
     Batch,
@@ -109,7 +110,29 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
     check_kv_budget(cfg.model.path, length, cfg.rollout.engine_memory_gib, cfg.rollout.dtype,
                     cfg.ray.gpus_per_worker > 0 or cfg.rollout.gpus_per_engine > 0, cfg.rollout.block_size,
                     "rollout.engine_memory_gib", shortened_by, cfg.rollout.tensor_parallel_size)
+    _check_served_budgets(cfg, length)
     return RLData(tokenizer, prompts, evaluator, agents, expander, length)
+
+
+def _check_served_budgets(cfg: RLJobConfig, rollout_length: int | None) -> None:
+    """Each served model's engine holds one of its sequences: a teacher's are the rollout's (prompt and
+    response, its length by default); a reward model's or a judge's its own rendering of them, the
+    model's context unless its serving.max_model_len says."""
+    on_gpu = cfg.ray.gpus_per_worker > 0
+    served = [(term.model, term.serving, f"reward.terms[{i}].serving", term.serving.max_model_len)
+              for i, term in enumerate(cfg.reward.terms) if term.model]
+    distill = cfg.algorithm.distill
+    if distill is not None and distill.source == "engine":
+        served.append((distill.teacher, distill.serving, "algorithm.distill.serving",
+                       _teacher_length(distill, rollout_length)))
+    for model, serving, key, length in served:
+        check_kv_budget(model, length, serving.engine_memory_gib, serving.dtype, on_gpu or serving.gpus_per_engine > 0,
+                        None, f"{key}.engine_memory_gib", f"{key}.max_model_len", serving.tensor_parallel_size)
+
+
+def _teacher_length(distill: DistillConfig, rollout_length: int | None) -> int | None:
+    """The teacher's engines take the policy's sequences: the rollout engines' length unless set."""
+    return distill.serving.max_model_len or rollout_length
 
 
 def _engine_length(cfg: RLJobConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:
@@ -137,7 +160,7 @@ class RLVRTrainer:
         """Builds the groups on the running Ray cluster; `checkpoints`: the run's (`run_stage`'s)."""
         self.cfg = cfg
         data = data or load_rl_data(cfg)
-        self.tokenizer, self.prompts = data.tokenizer, data.prompts
+        self.tokenizer, self.prompts, self.engine_length = data.tokenizer, data.prompts, data.engine_length
         self.evaluator, self.agents, self.expander = data.evaluator, data.agents, data.expander
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = updates_per_step(cfg)
@@ -193,8 +216,9 @@ class RLVRTrainer:
         self.reward_pool.start_models(cfg.seed, **placement)
         distill = cfg.algorithm.distill
         if distill is not None and distill.source == "engine":
-            self.teacher = ServedModelGroup("teacher", distill.teacher, distill.serving, cfg.seed,
-                                            "algorithm.distill.serving", **placement)
+            serving = replace(distill.serving, max_model_len=_teacher_length(distill, self.engine_length))
+            self.teacher = ServedModelGroup("teacher", distill.teacher, serving, cfg.seed, "algorithm.distill.serving",
+                                            **placement)
             self.teacher.replacements = self.replacements
 
     def _weight_sync(self) -> AdapterSync | WeightSync:

@@ -144,10 +144,11 @@ class RolloutStream:
                 return self.rollout.wait([g.ref for g in groups], [g.engine for g in groups])
             except WorkerFailure as failure:
                 engine = self.rollout.replace_dead(failure)
-                for group in self.in_flight:
-                    if group.engine == engine and group.done is None and group.actor is not self.rollout.actors[engine]:
-                        group.ref = self._call(group)
-                        self.regenerated += 1
+                lost = [g for g in self.in_flight if g.engine == engine and g.done is None
+                        and g.actor is not self.rollout.actors[engine]]
+                for group in lost:
+                    group.ref = self._call(group)
+                self.regenerated += len(lost)
 
     def _submit(self, index: int) -> None:
         group = _Group(index, self.serial, self.serial % len(self.rollout.actors), None)

@@ -103,7 +103,7 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
          "algorithm.distill.top_k: the top-k KL is a loss term; mode: penalty puts"),
         ("algorithm.distill.top_k=21", "algorithm.distill.top_k: Input should be less than or equal to 20"),
         (("algorithm.distill.teacher=MODEL", "algorithm.distill.serving.engine_memory_gib=1e-6"),
-         "algorithm.distill.serving.engine_memory_gib: one sequence of 25 tokens needs"),  # the rollout's length
+         "algorithm.distill.serving.engine_memory_gib: one sequence of 26 tokens needs"),  # the rollout's, and 1
         ("critic.warmup_steps=3", "critic.warmup_steps: there is no critic unless"),
         ("train.async_mode=one_step", "train.async_mode: one_step generates while the trainer updates"),
         ("train.replay=runs/none", "train.replay: a synchronous run repeats itself without a schedule"),

@@ -110,8 +110,9 @@ def test_tensor_parallel_3_gives_the_single_process_gradients(ray_cluster, sft_c
     sft, rl, counts = parity_batches(smollm2_cut_dir, arith_files, max_seq_len=64)
     cfg = sft_config("parallel.dp_shard=1", "parallel.tp=3", f"train.micro_batch_size={MICRO_BATCH}",
                      f"model.path={smollm2_cut_dir}", "data.max_seq_len=64", "ray.cpus_per_worker=1")
-    # log-probs down to -40 here: within 1e-4
-    sft_grads, local_shapes = assert_layout_matches_single_process(cfg, smollm2_cut_dir, sft, rl, counts, 1e-4)
+    # log-probs down to -40 here: within 1e-4; gradients within 1e-4 (the distillation term's sums run over a
+    # 49,152-token vocabulary: 3.5e-5 measured)
+    sft_grads, local_shapes = assert_layout_matches_single_process(cfg, smollm2_cut_dir, sft, rl, counts, 1e-4, 1e-4)
     assert "lm_head.weight" not in sft_grads  # one tied parameter, as in one process
     assert [shapes["model.embed_tokens.weight"] for shapes in local_shapes] == [(16384, 576)] * 3
 

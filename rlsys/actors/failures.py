@@ -37,9 +37,12 @@ class WorkerFailure(RuntimeError):
     resume_hint: str = ""
     """What a re-run will do (set by `rlsys.stages.restarts` when no restart is left)."""
 
-    def __init__(self, worker: str, reason: str, phase: str, actor_id: str | None = None):
-        """`actor_id`: the dead actor's, where known (a name outlives the actor a replacement succeeds)."""
+    def __init__(self, worker: str, reason: str, phase: str, actor_id: str | None = None,
+                 replaceable: bool = False):
+        """`actor_id`: the dead actor's, where known (a name outlives the actor a replacement succeeds);
+        `replaceable`: the worker itself died or hung (not a peer's error that reached it)."""
         self.worker, self.reason, self.phase, self.actor_id = worker, reason, phase, actor_id
+        self.replaceable = replaceable
         super().__init__(f"{describe(worker)} {reason} during {phase}")
 
 
@@ -99,7 +102,7 @@ def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: fl
             worker = names[index[pending[0]]] if names else "a worker"
             if deadline is not None and time.monotonic() >= deadline:
                 raise WorkerFailure(worker, f"did not answer within {limit.seconds:g} s ({limit.key})",
-                                    current_phase())
+                                    current_phase(), replaceable=True)
             raise WorkerFailure(worker, f"did not answer within {timeout:g} s of its peers", current_phase())
         _collect(done, index, results, errors)
     if errors:
@@ -125,7 +128,8 @@ def _as_failure(errors: list[tuple[Exception, str | None]]) -> Exception:
         if isinstance(err, ray.exceptions.RayActorError):
             worker = name_of(err.actor_id) or called or "a worker"
             cause = _cause_of_death(err, worker)
-            return WorkerFailure(worker, f"died ({cause})" if cause else "died", current_phase(), err.actor_id)
+            return WorkerFailure(worker, f"died ({cause})" if cause else "died", current_phase(), err.actor_id,
+                                 replaceable=True)
     for err, called in errors:
         text = str(err)
         if isinstance(err, ray.exceptions.RayTaskError) and any(m in text for m in _COMMUNICATION_ERRORS):

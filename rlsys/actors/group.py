@@ -83,8 +83,9 @@ class ActorGroup:
     def replace_dead(self, failure: Exception) -> int:
         """Replace the actor a `WorkerFailure` names, if it is one of this group's and the run allows
         one more replacement; its index. A failure of an actor already replaced (a call sent to it
-        before) replaces nothing. Any other error goes on up."""
-        if not isinstance(failure, WorkerFailure) or failure.worker not in self.names:
+        before) replaces nothing. Any other error goes on up, and so does a failure that is not the
+        actor's own death or hang (a peer's error that reached it)."""
+        if not isinstance(failure, WorkerFailure) or not failure.replaceable or failure.worker not in self.names:
             raise failure
         index = self.names.index(failure.worker)
         if failure.actor_id is not None and failure.actor_id != self.actors[index]._actor_id.hex():

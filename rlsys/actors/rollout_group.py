@@ -36,7 +36,6 @@ class RolloutGroup(ActorGroup):
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
         self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines", cpus_key)
-        self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
         self.seed = seed
         self._args = (self.placement.threads, self.releases_memory, loops, tools, tool_client, tool_schemas, adapter,
@@ -45,6 +44,7 @@ class RolloutGroup(ActorGroup):
         try:
             self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
             self.wait([engine.__ray_ready__.remote() for engine in self.actors])
+            self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")  # for calls, not for starting
         except BaseException:
             self.shutdown()
             raise

@@ -98,11 +98,11 @@ class ServedModelGroup(ActorGroup):
         super().__init__([actor_name(role, i) for i in range(cfg.num_engines)])
         self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, f"{role} engines",
                                        f"{key}.cpus_per_engine")
-        self.call_limit = CallLimit(cfg.timeout_s, f"{key}.timeout_s")
         self.role, self.model_path, self.cfg, self.seed, self.pooling = role, model_path, cfg, seed, pooling
         try:
             self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
             self.wait([actor.__ray_ready__.remote() for actor in self.actors])
+            self.call_limit = CallLimit(cfg.timeout_s, f"{key}.timeout_s")  # for calls, not for starting
         except BaseException:
             self.shutdown()
             raise

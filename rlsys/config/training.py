@@ -73,8 +73,9 @@ class LoopConfig:
     max_worker_restarts: int = Field(default=3, ge=0)
     """RL: a rollout engine, reward worker or served-model engine (reward model, judge, teacher)
     that dies is replaced alone, in its place, the current weights synced into it, its unfinished
-    requests sent again; the trainer keeps its state and no checkpoint is read. Up to this many a
-    run; past them the run ends (or restarts, `max_restarts`) as for a dead training rank."""
+    requests sent again; the trainer keeps its state and no checkpoint is read. Up to this many in
+    an attempt (a restart from a checkpoint counts afresh); past them the run ends (or restarts,
+    `max_restarts`) as for a dead training rank."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """A collective (all-reduce, all-gather ...) that waits longer than this, or a rank that answers
     this long after its peers, fails the step as a dead peer would."""

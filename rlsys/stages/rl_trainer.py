@@ -131,8 +131,11 @@ def _check_served_budgets(cfg: RLJobConfig, rollout_length: int | None) -> None:
 
 
 def _teacher_length(distill: DistillConfig, rollout_length: int | None) -> int | None:
-    """The teacher's engines take the policy's sequences: the rollout engines' length unless set."""
-    return distill.serving.max_model_len or rollout_length
+    """The teacher's engines take the policy's sequences, and sample one token after each (its
+    prompt log-probs come with a generation): the rollout engines' length and one, unless set."""
+    if distill.serving.max_model_len or rollout_length is None:
+        return distill.serving.max_model_len
+    return rollout_length + 1
 
 
 def _engine_length(cfg: RLJobConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:

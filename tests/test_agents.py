@@ -12,6 +12,7 @@ tool written for VeRL runs from VeRL's tool YAML.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -50,7 +51,8 @@ def engine(tool_caller, tool_pool, calculator_tools):
     tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=2.0)
     harnesses = {"openai": OpenAILoop.bind(calculator_agent, 60.0), "edits": OpenAILoop.bind(editing_agent, 60.0),
                  "completions": OpenAILoop.bind(completions_agent, 60.0),
-                 "failing": OpenAILoop.bind(failing_agent, 5.0)}
+                 "failing": OpenAILoop.bind(failing_agent, 5.0), "streaming": OpenAILoop.bind(streaming_agent, 60.0),
+                 "text": OpenAILoop.bind(text_agent, 60.0)}
     return RolloutWorker(tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0, num_threads=2,
                          loops={"tool": ToolLoop, **harnesses}, tools=tools, tool_client=tool_pool.client(),
                          tool_schemas=[s.schema for s in calculator_tools])
@@ -239,6 +241,55 @@ async def failing_agent(client, row: dict):
     return 5 if mode == "bad_return" else "the answer"
 
 
+async def streaming_agent(client, row: dict) -> str:
+    """The calculator harness with every call streamed: the reply put together from its chunks."""
+    messages = row["prompt"]
+    for _ in range(2):
+        stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True)
+        content, calls = "", {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for call in choice.delta.tool_calls or []:
+                    entry = calls.setdefault(call.index, {"id": "", "type": "function",
+                                                          "function": {"name": "", "arguments": ""}})
+                    entry["id"] += call.id or ""
+                    entry["function"]["name"] += call.function.name or ""
+                    entry["function"]["arguments"] += call.function.arguments or ""
+        if not calls:
+            break
+        messages.append({"role": "assistant", "content": content or None, "tool_calls": list(calls.values())})
+        for call in calls.values():
+            arguments = json.loads(call["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": calculator(**arguments)})
+    return content
+
+
+async def text_agent(client, row: dict) -> dict:
+    """One call without tools, chat or completions (`extra_info.api`), streamed or not: the reply's
+    text, with the number of chunks it came in and the usage reported."""
+    api, stream = row["extra_info"]["api"], row["extra_info"]["stream"]
+    options = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    if api == "chat":
+        reply = await client.chat.completions.create(model="policy", messages=row["prompt"], **options)
+    else:
+        reply = await client.completions.create(model="policy", prompt=row["extra_info"]["text"], **options)
+    if not stream:
+        choice = reply.choices[0]
+        text = choice.message.content if api == "chat" else choice.text
+        return {"response": text, "extra_info": {"chunks": 1, "finish": choice.finish_reason,
+                                                 "tokens": reply.usage.completion_tokens}}
+    pieces, finish, usage = [], None, None
+    async for chunk in reply:
+        for choice in chunk.choices:
+            piece = choice.delta.content if api == "chat" else choice.text
+            pieces += [piece] if piece else []
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    return {"response": "".join(pieces), "extra_info": {"chunks": len(pieces), "finish": finish,
+                                                        "tokens": usage.completion_tokens}}
+
+
 def _question(tokenizer, tools=None) -> tuple[list[dict], list[int]]:
     messages = [{"role": "user", "content": QUESTION}]
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
@@ -275,6 +326,38 @@ def test_openai_harness_with_tools_gives_token_exact_trajectories_in_64_concurre
             len(trajectory.response_ids) - first_turn - len(between))
         assert trajectory.tool_calls == 1 and trajectory.reward_info["num_turns"] == 2
     assert sum(t.text == "408" for t in multi_turn) >= len(multi_turn) // 2, [t.text for t in multi_turn]
+
+
+def test_a_streamed_call_samples_and_records_what_the_unstreamed_call_does(engine):
+    """Through the OpenAI client's streaming API: the calculator harness streaming every call
+    (its tool calls arrive as tool-call deltas) gives the trajectories of the harness that does
+    not, token for token; a reply without tools arrives in pieces as it is sampled, on chat and on
+    completions, the pieces joined being the unstreamed reply, with its finish reason and usage."""
+    tokenizer = engine.tokenizer
+    messages, prompt_ids = _question(tokenizer, TOOLS)
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=100, max_response_tokens=200)
+
+    def rollout(loop: str, row: dict) -> list[Trajectory]:
+        return asyncio.run(engine.rollout([(0, prompt_ids, row)], loop, 8, sampling, seed=5)).unpack({0: prompt_ids})
+
+    plain, streamed = rollout("openai", {"prompt": messages}), rollout("streaming", {"prompt": messages})
+    assert sum(t.tool_calls for t in streamed) >= 4 and not any(t.dropped for t in streamed)
+    for a, b in zip(plain, streamed):
+        assert (a.prompt_ids, a.response_ids, a.response_mask, a.logprobs, a.text, a.num_turns, a.tool_calls) == \
+            (b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.text, b.num_turns, b.tool_calls)
+
+    text, _ = _question_text(tokenizer, QUESTION)
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=24, max_response_tokens=24)
+    for api in ("chat", "completions"):
+        plain, streamed = (rollout("text", {"prompt": [{"role": "user", "content": QUESTION}],
+                                            "extra_info": {"api": api, "text": text, "stream": stream}})
+                           for stream in (False, True))
+        for a, b in zip(plain, streamed):
+            assert (a.response_ids, a.logprobs, a.text) == (b.response_ids, b.logprobs, b.text) and not b.dropped
+            assert b.reward_info["finish"] == a.reward_info["finish"] == a.finish_reason
+            assert b.reward_info["tokens"] == len(b.response_ids)
+            assert b.reward_info["chunks"] > 1 or len(b.response_ids) <= 2, (api, b.text)
+        assert max(t.reward_info["chunks"] for t in streamed) >= 3, api
 
 
 def test_openai_harness_that_rewrites_its_history_trains_on_the_last_segment(engine):
@@ -325,7 +408,7 @@ def test_failing_harnesses_drop_their_samples_and_say_why(engine):
 
 def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engine):
     """Requests without the token, or with another, are refused (401); a session that is not open is
-    not found (404); streaming is refused (400); the server binds the node's address, not 0.0.0.0."""
+    not found (404); the server binds the node's address, not 0.0.0.0."""
     import aiohttp
     import openai
     import ray
@@ -350,9 +433,6 @@ def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engin
             right = {"Authorization": f"Bearer {endpoint.token}"}
             async with http.post(f"{url}/s/closed/v1/chat/completions", json=body, headers=right) as reply:
                 statuses["unknown session"] = reply.status
-            async with http.post(f"{url}/s/{session_id}/v1/chat/completions", json={**body, "stream": True},
-                                 headers=right) as reply:
-                statuses["stream"] = reply.status
         wrong_key = openai.AsyncOpenAI(base_url=f"{url}/s/{session_id}/v1", api_key="not-the-token", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await wrong_key.chat.completions.create(model="policy", messages=messages)
@@ -362,7 +442,7 @@ def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engin
 
     url, statuses = asyncio.run(probe())
     assert statuses == {"models/none": 401, "chat/none": 401, "models/wrong": 401, "chat/wrong": 401,
-                        "models/right": 200, "chat/right": 200, "unknown session": 404, "stream": 400}
+                        "models/right": 200, "chat/right": 200, "unknown session": 404}
     assert url.removeprefix("http://").rsplit(":", 1)[0] == ray.util.get_node_ip_address()
 
 

@@ -8,7 +8,9 @@ Served by aiohttp on the engine actor's own event loop, beside the engine's `Req
 - `POST /s/{session}/v1/completions`: a prompt given as text or token ids;
 - `GET /s/{session}/v1/models`, `GET /v1/models`: the one model, `policy`.
 
-Non-streaming only (`stream: true` is refused), one choice per call (`n` > 1 is refused).
+`stream: true` sends the reply as server-sent events in OpenAI's chunk format
+(`rlsys.agents.openai_stream`), sampled and recorded as the same call unstreamed. One choice per
+call (`n` > 1 is refused).
 The run's sampling settings govern every call (temperature, top_p, stop strings): a request's
 own are ignored, so that what is trained on is what the policy samples. `max_tokens` (or
 `max_completion_tokens`) can only lower a call's tokens below `rollout.max_new_tokens` and the
@@ -37,6 +39,7 @@ from aiohttp import web
 
 from rlsys.agents.chat_session import ChatSession
 from rlsys.agents.loop import TURN_SEED_STRIDE, sampling_params
+from rlsys.agents.openai_stream import ChunkStream, TextDeltas, include_usage
 from rlsys.agents.trajectory import RolloutRequest, Sampling
 
 MODEL_NAME = "policy"
@@ -117,16 +120,17 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
                                                               "created": 0, "owned_by": "rlsys"}]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         session, body = self._session(request), await _body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError(400, "messages: a non-empty list of message objects is required")
         tools, asked = body.get("tools") or None, _asked_tokens(body)
+        stream = ChunkStream(request, "chat", MODEL_NAME, include_usage(body)) if body.get("stream") else None
         async with session.lock:
             call = session.chat.chat_call(messages, tools)
             prompt_tokens = len(call.prompt_ids)
-            completion = await self._sample(session, call, asked)
+            completion, deltas = await self._sample(session, call, asked, stream, streams_text=not tools)
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if completion else ""
             calls = [c for c in self.parser.parse(text) if not c.error] if tools and completion else []
             reply = {"role": "assistant", "content": _content(self.parser, text) if calls else text}
@@ -138,13 +142,19 @@ class OpenAIEndpoint:
                 session.chat.record(call, completion, len(calls))
                 session.chat.replied(messages, reply)
         finish = "tool_calls" if calls else (completion.finish_reason if completion else "length")
+        usage = _usage(prompt_tokens, completion)
+        if stream:
+            await stream.text(deltas.rest(text) if deltas else reply["content"] or "")
+            for index, tool_call in enumerate(reply.get("tool_calls", [])):
+                await stream.delta({"tool_calls": [{"index": index, **tool_call}]})
+            return await stream.finish(finish, usage)
         return web.json_response({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": MODEL_NAME, "choices": [{"index": 0, "message": reply, "finish_reason": finish,
                                               "logprobs": None}],
-            "usage": _usage(prompt_tokens, completion)})
+            "usage": usage})
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         session, body = self._session(request), await _body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
@@ -156,18 +166,22 @@ class OpenAIEndpoint:
         else:
             raise RequestError(400, "prompt: a string or a list of token ids is required (one prompt a call)")
         asked = _asked_tokens(body)
+        stream = ChunkStream(request, "text", MODEL_NAME, include_usage(body)) if body.get("stream") else None
         async with session.lock:
             call = session.chat.prompt_call(prompt_ids)
             prompt_tokens = len(call.prompt_ids)
-            completion = await self._sample(session, call, asked)
+            completion, deltas = await self._sample(session, call, asked, stream, streams_text=True)
             if completion:
                 session.chat.record(call, completion)
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if completion else ""
+        finish, usage = completion.finish_reason if completion else "length", _usage(prompt_tokens, completion)
+        if stream:
+            await stream.text(deltas.rest(text))
+            return await stream.finish(finish, usage)
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": MODEL_NAME, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                              "finish_reason": completion.finish_reason if completion else "length"}],
-            "usage": _usage(prompt_tokens, completion)})
+            "model": MODEL_NAME, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage})
 
     def _session(self, request: web.Request) -> Session:
         session = self.sessions.get(request.match_info["session"])
@@ -175,23 +189,28 @@ class OpenAIEndpoint:
             raise RequestError(404, "no such session: it ended, or it was never opened")
         return session
 
-    async def _sample(self, session: Session, call, asked: int | None):
+    async def _sample(self, session: Session, call, asked: int | None, stream: ChunkStream | None = None,
+                      streams_text: bool = False) -> tuple[object, TextDeltas | None]:
         """The call's sampled turn under the run's sampling, at most `asked` tokens, or None when no
-        token is left to it."""
+        token is left to it; and, when `stream` is given (started here), the text pieces sent while it
+        was sampled (when `streams_text`)."""
         sampling = session.sampling
         tokens = min(sampling.max_new_tokens, session.chat.budget(call), asked or sampling.max_new_tokens)
+        deltas = TextDeltas(self.tokenizer) if stream and streams_text else None
+        if stream:
+            await stream.start()
         if tokens <= 0:
-            return None
+            return None, deltas
         seed = session.request.seed + session.calls * TURN_SEED_STRIDE
         session.calls += 1
-        return await self.engine.generate(call.prompt_ids, sampling_params(sampling, seed, tokens))
+        sampled = self.engine.generate(call.prompt_ids, sampling_params(sampling, seed, tokens),
+                                       on_tokens=deltas.on_tokens if deltas else None)
+        return (await stream.streamed(sampled, deltas) if stream else await sampled), deltas
 
 
 def _asked_tokens(body: dict) -> int | None:
     """The request's own token limit (checked with what the endpoint refuses, before the session
     is touched)."""
-    if body.get("stream"):
-        raise RequestError(400, "stream: streaming is not supported; send stream=false")
     if body.get("n", 1) != 1:
         raise RequestError(400, "n: one choice a call")
     asked = body.get("max_completion_tokens") or body.get("max_tokens")

@@ -20,6 +20,9 @@ them; their sampled tokens stay). Nothing sampled is lost or sampled twice, and 
 completion says which weights sampled it. A sync's weights arrive in one call or several
 (buckets); the engine takes no step between its first and its last.
 
+A request may be streamed (`on_tokens`): after each engine step its tokens so far reach the
+callback, for the OpenAI endpoint's `stream: true`; it samples what it would unstreamed.
+
 `schedule` records the order of what decided the engine's tokens (the requests each step added,
 the step before which each sync landed), or follows a record so that a run repeats one whose
 timing differed (`rlsys.rollout.schedule`).
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -61,6 +65,8 @@ class Request:
     prompt_ids: list[int]
     params: object
     images: list | None = None
+    on_tokens: Callable[[list[int]], None] | None = None
+    """Called after each engine step with the tokens sampled so far (a streamed request)."""
 
 
 class RequestEngine:
@@ -70,6 +76,8 @@ class RequestEngine:
         """(schedule key, request, future) of each request not yet added."""
         self._running: dict[str, list[asyncio.Future]] = {}
         """Each request's waiting samples, in sample order."""
+        self._streamed: dict[str, Callable[[list[int]], None]] = {}
+        """Each streamed request's `on_tokens`."""
         self._serving: asyncio.Task | None = None
         self._ids = itertools.count()
         self.step_s = 0.0
@@ -82,12 +90,14 @@ class RequestEngine:
         self._syncing = False
         """Between a sync's first bucket and its last: no step runs on half-written weights."""
 
-    async def generate(self, prompt_ids: list[int], params, images: list | None = None) -> Completion:
+    async def generate(self, prompt_ids: list[int], params, images: list | None = None,
+                       on_tokens: Callable[[list[int]], None] | None = None) -> Completion:
         """Sample one completion of `prompt_ids` with vLLM `SamplingParams` (n=1, flat log-probs
         of the sampled token: `logprobs=0, flat_logprobs=True`). `images`: a vision-language
-        model's pictures, one for each image pad in `prompt_ids` (vLLM expands each pad)."""
+        model's pictures, one for each image pad in `prompt_ids` (vLLM expands each pad).
+        `on_tokens`: called after each engine step with the tokens sampled so far."""
         future = asyncio.get_running_loop().create_future()
-        request = Request(prompt_ids, params, images or None)
+        request = Request(prompt_ids, params, images or None, on_tokens)
         key = request_key(prompt_ids, params, images) if self.schedule.active else ""
         self._submitted.append((key, request, future))
         if self._serving is None or self._serving.done():
@@ -141,10 +151,13 @@ class RequestEngine:
                 self.schedule.stepped()
                 for output in outputs:
                     if output.finished:
+                        self._streamed.pop(output.request_id, None)
                         for future, sampled in zip(self._running.pop(output.request_id), output.outputs):
                             future.set_result(_completion(sampled, self._versions.finished(output.request_id,
                                                                                            sampled)))
                         self._versions.done(output.request_id)
+                    elif output.request_id in self._streamed:
+                        self._streamed[output.request_id](list(output.outputs[0].token_ids))
         except BaseException as err:  # the engine failed: every waiting coroutine gets the error
             self.schedule.failed = err
             for future in [*(f for futures in self._running.values() for f in futures),
@@ -152,6 +165,7 @@ class RequestEngine:
                 if not future.done():
                     future.set_exception(err)
             self._running.clear()
+            self._streamed.clear()
             self._submitted.clear()
             raise
 
@@ -169,7 +183,10 @@ class RequestEngine:
         for request, futures in _runs(submitted):
             request_id = f"rlsys-{next(self._ids)}"
             params = msgspec.structs.replace(request.params, n=len(futures))
-            params.output_kind = RequestOutputKind.FINAL_ONLY  # the finished request only, as LLM.generate asks
+            # the finished request only, as LLM.generate asks; a streamed one after every step
+            params.output_kind = RequestOutputKind.CUMULATIVE if request.on_tokens else RequestOutputKind.FINAL_ONLY
+            if request.on_tokens:
+                self._streamed[request_id] = request.on_tokens
             prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
             if request.images:
                 prompt["multi_modal_data"] = {"image": request.images}
@@ -191,7 +208,8 @@ class RequestEngine:
 
 
 def _runs(submitted: list[tuple[Request, asyncio.Future]]) -> list[tuple[Request, list[asyncio.Future]]]:
-    """Consecutive requests with the same prompt, images and parameters but for seeds first, first + 1, ..."""
+    """Consecutive requests with the same prompt, images and parameters but for seeds first, first + 1, ...
+    (none streamed)."""
     runs: list[tuple[Request, list[asyncio.Future]]] = []
     for request, future in submitted:
         if runs and _continues(runs[-1], request):
@@ -205,7 +223,7 @@ def _continues(run: tuple[Request, list[asyncio.Future]], request: Request) -> b
     first, futures = run
     params, run_params = request.params, first.params
     if params.seed is None or run_params.seed is None or params.n != 1 or request.prompt_ids != first.prompt_ids \
-            or request.images is not first.images:
+            or request.images is not first.images or request.on_tokens or first.on_tokens:
         return False
     return params.seed == run_params.seed + len(futures) and msgspec.structs.replace(params, seed=run_params.seed) \
         == run_params

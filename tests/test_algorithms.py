@@ -12,7 +12,16 @@ import torch
 from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages
 from rlsys.algorithms.aggregation import aggregate
 from rlsys.algorithms.kl import kl_penalty
-from rlsys.algorithms.policy_loss import gspo_loss, ppo_clip_loss
+from rlsys.algorithms.policy_loss import (
+    cispo_loss,
+    clip_cov_loss,
+    geo_mean_loss,
+    gspo_loss,
+    kl_cov_loss,
+    ppo_clip_loss,
+    reinforce_loss,
+    sapo_loss,
+)
 from rlsys.config.rl import AlgorithmConfig, RolloutCorrectionConfig
 
 SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7]
@@ -88,6 +97,35 @@ def test_reinforce_plus_plus_whitens_discounted_returns():
 ALGO = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
 
 
+def test_pass_at_k_grpo_opo_and_gpg_by_hand():
+    # pass@k: only a group's best response gets (best - second best) / (std + 1e-6): 0 where the
+    # best two tie (every group here), and for a group of one
+    assert per_response(advantages("grpo_passk")) == pytest.approx([0.0] * 7)
+    scores = [0.3, 1.0, 0.0, 0.6]
+    inputs = AdvantageInputs(*_rows(scores, [3, 1, 2, 3]), torch.tensor([0, 0, 0, 0]))
+    result = compute_advantages(inputs, AlgorithmConfig(adv_estimator="grpo_passk"))
+    assert result[1, 1].item() == pytest.approx((1.0 - 0.6) / (torch.tensor(scores).std().item() + 1e-6), abs=1e-5)
+    assert result.count_nonzero() == 1
+    result = compute_advantages(inputs, AlgorithmConfig(adv_estimator="grpo_passk", norm_adv_by_std=False))
+    assert result[1, 1].item() == pytest.approx(0.4, abs=1e-6) and result.count_nonzero() == 1
+    # OPO: the baseline is the group's length-weighted mean score
+    baseline = (3 * 1.0 + 1 * 0.0 + 2 * 0.0 + 3 * 1.0) / 9
+    assert per_response(advantages("opo")) == pytest.approx(
+        [1 - baseline, -baseline, -baseline, 1 - baseline, 0.0, 0.0, 0.7], abs=1e-6)
+    # GPG: alpha (7 responses / 5 with a non-zero score) x (score - group mean)
+    alpha = 7 / 5
+    assert per_response(advantages("gpg")) == pytest.approx(
+        [alpha * 0.5, -alpha * 0.5, -alpha * 0.5, alpha * 0.5, 0.0, 0.0, alpha * 0.7], abs=1e-6)
+
+
+def _rows(scores: list[float], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, rewards = torch.zeros(len(scores), 5), torch.zeros(len(scores), 5)
+    for row, (length, score) in enumerate(zip(lengths, scores)):
+        mask[row, 1:1 + length] = 1
+        rewards[row, length] = score
+    return rewards, mask
+
+
 def test_ppo_clip_with_dual_clip_by_hand():
     old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5, 0.2]))
     new = torch.log(torch.tensor([0.75, 0.25, 0.75, 0.55, 0.8]))  # ratios 1.5, 0.5, 1.5, 1.1, 4
@@ -129,6 +167,69 @@ def test_gspo_uses_one_clipped_ratio_per_sequence():
     # d loss / d log p_t = -A x ratio / (tokens in the sequence) / sequences
     assert new.grad[0, :2].tolist() == pytest.approx([-ratio_up / 4] * 2, abs=1e-6)
     assert new.grad[1, 0].item() == pytest.approx(ratio_down / 2, abs=1e-6)
+
+
+def test_cispo_sapo_and_reinforce_by_hand():
+    old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    probs = torch.tensor([0.75, 0.25, 0.55, 0.8])  # ratios 1.5, 0.5, 1.1, 1.6
+    new = torch.log(probs).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 2.0, -1.0])
+    # CISPO: -sg(clip(r, 0.8, 1.28)) A log p; the gradient through log p even where clipped
+    terms = cispo_loss(new, old, adv, torch.ones(4), ALGO)
+    weights = torch.tensor([1.28, 0.8, 1.1, 1.28])
+    assert terms.per_token.tolist() == pytest.approx((-weights * adv * torch.log(probs)).tolist(), abs=1e-6)
+    assert terms.clipped.tolist() == [1.0, 1.0, 0.0, 1.0]
+    (grad,) = torch.autograd.grad(terms.per_token.sum(), new)
+    assert grad.tolist() == pytest.approx((-weights * adv).tolist(), abs=1e-6)
+    # SAPO: -A sigmoid(tau (r - 1)) 4 / tau, tau 1 where A > 0 and 1.05 elsewhere
+    ratios, taus = [1.5, 0.5, 1.1, 1.6], [1.0, 1.05, 1.0, 1.05]
+    gates = [4 / tau / (1 + math.exp(-tau * (r - 1))) for r, tau in zip(ratios, taus)]
+    assert sapo_loss(new, old, adv, torch.ones(4), ALGO).per_token.tolist() == pytest.approx(
+        [-g * a for g, a in zip(gates, adv.tolist())], abs=1e-6)
+    # at r = 1 the gate's slope is 1, PPO's: d/d log p = -A
+    at_one = old.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(sapo_loss(at_one, old, adv, torch.ones(4), ALGO).per_token.sum(), at_one)
+    assert grad.tolist() == pytest.approx((-adv).tolist(), abs=1e-6)
+    assert reinforce_loss(new, old, adv, torch.ones(4), ALGO).per_token.tolist() == pytest.approx(
+        (-adv * torch.log(probs)).tolist(), abs=1e-6)
+
+
+def test_geo_mean_clips_each_log_ratio_on_its_pessimistic_side():
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.5, -0.1, 9.0], [0.5, -0.5, 9.0]])  # the last column is padding
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, 0.0]])
+    terms = geo_mean_loss(new, old, adv, mask, ALGO)
+    # A > 0: each log-ratio at most 0.28 -> mean(0.28, -0.1); A < 0: at least -0.2 -> mean(0.5, -0.2)
+    assert terms.per_token[0, :2].tolist() == pytest.approx([-math.exp(0.09)] * 2, abs=1e-6)
+    assert terms.per_token[1, :2].tolist() == pytest.approx([2 * math.exp(0.15)] * 2, abs=1e-6)
+    assert terms.clipped.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # padding: A = 0
+    assert terms.clipped_lower.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+
+
+def test_clip_cov_and_kl_cov_act_on_the_tokens_of_largest_covariance():
+    # advantages and log-probs rising together along the row: the last tokens covary most
+    logprobs = torch.tensor([[-3.0, -2.0, -1.0, -0.5]])
+    adv = torch.tensor([[-1.0, -0.5, 0.5, 3.0]])
+    mask = torch.ones(1, 4)
+    covariance = (adv - adv.mean()) * (logprobs - logprobs.mean())  # 2.25, 0.5, 0.125, 3.28
+    assert covariance[0].argmax().item() == 3
+    # KL-Cov, 25% of 4 tokens: the last one gets ppo_kl_coef x |log r| on top of -A r
+    old = logprobs - 0.1
+    algo = AlgorithmConfig(kl_cov_ratio=0.25, ppo_kl_coef=0.5)
+    terms = kl_cov_loss(logprobs, old, adv, mask, algo)
+    plain = (-adv * math.exp(0.1))[0].tolist()
+    assert terms.per_token[0].tolist() == pytest.approx(plain[:3] + [plain[3] + 0.5 * 0.1], abs=1e-6)
+    assert terms.clipped.tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    # Clip-Cov: of the tokens with covariance in (1, 5) and not clipped by PPO (the first and the
+    # last), 25% of 4 = 1 is cut out of the gradient, drawn at random
+    algo = AlgorithmConfig(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    cut = {clip_cov_loss(logprobs, old, adv, mask, algo).clipped[0].nonzero().item() for _ in range(40)}
+    assert cut == {0, 3}
+    terms = clip_cov_loss(logprobs, old, adv, mask, algo)
+    kept = terms.clipped[0] == 0
+    assert terms.per_token[0, kept].tolist() == pytest.approx(torch.tensor(plain)[kept].tolist(), abs=1e-6)
+    assert (terms.per_token[0, ~kept] == 0).all()
 
 
 def test_kl_estimators_under_both_names():
@@ -174,7 +275,7 @@ def rl_batch():
     return batch
 
 
-@pytest.mark.parametrize("loss", ["vanilla", "gspo"])
+@pytest.mark.parametrize("loss", ["vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg"])
 def test_nan_in_padding_never_reaches_the_loss(loss):
     from rlsys.algorithms.actor_loss import actor_loss
 
@@ -238,10 +339,10 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
         "@register_advantage('sign')\n"
         "def sign(inputs, algo):\n"
         "    return inputs.token_rewards.sum(-1, keepdim=True).sign() * inputs.response_mask\n\n"
-        "@register_policy_loss('reinforce')\n"
-        "def reinforce(logprobs, old_logprobs, advantages, mask, algo):\n"
+        "@register_policy_loss('my_reinforce')\n"
+        "def my_reinforce(logprobs, old_logprobs, advantages, mask, algo):\n"
         "    return PolicyLossTerms(-advantages * logprobs, logprobs.new_zeros(logprobs.shape))\n")
-    algo = AlgorithmConfig(adv_estimator="sign", policy_loss="reinforce", extensions=[str(extension)])
+    algo = AlgorithmConfig(adv_estimator="sign", policy_loss="my_reinforce", extensions=[str(extension)])
     check_algorithm(algo, ParallelConfig())
     result = compute_advantages(AdvantageInputs(torch.tensor([[0.0, -2.0], [0.0, 3.0]]), torch.tensor([[0.0, 1.0]] * 2),
                                                  torch.tensor([0, 0])), algo)
@@ -254,8 +355,10 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
         check_algorithm(AlgorithmConfig(adv_estimator="nope"), ParallelConfig())
     with pytest.raises(ConfigError, match="algorithm.extensions.0.: file not found"):
         check_algorithm(AlgorithmConfig(extensions=[str(tmp_path / "missing.py")]), ParallelConfig())
-    with pytest.raises(ConfigError, match="algorithm.policy_loss: gspo's sequence ratio"):
-        check_algorithm(AlgorithmConfig(policy_loss="gspo"), ParallelConfig(cp=2))
+    for loss in ("gspo", "sapo", "geo_mean", "clip_cov", "kl_cov"):
+        with pytest.raises(ConfigError, match=f"algorithm.policy_loss: {loss} reads whole sequences"):
+            check_algorithm(AlgorithmConfig(policy_loss=loss), ParallelConfig(cp=2))
+    check_algorithm(AlgorithmConfig(policy_loss="cispo"), ParallelConfig(cp=2))
     with pytest.raises(ConfigError, match="algorithm.rollout_correction: with old_logprobs: rollout"):
         check_algorithm(AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token"),
                                         old_logprobs="rollout"), ParallelConfig())

@@ -57,6 +57,48 @@ def grpo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
     return _on_responses(advantages, inputs)
 
 
+@register_advantage("grpo_passk")
+def grpo_passk(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """Pass@k GRPO: only each group's best response gets an advantage, its score minus the group's
+    second best (over the group's unbiased std + 1e-6 with `norm_adv_by_std`); of tied best
+    responses, the one torch.topk returns first, as in VeRL. A group of one (its other samples
+    dropped) gets 0, where VeRL raises."""
+    scores = _scores(inputs)
+    advantages = torch.zeros_like(scores)
+    for members in _groups(inputs.group_ids):
+        group = scores[members]
+        if len(members) < 2:
+            continue
+        (best, second), (first, _) = torch.topk(group, 2)
+        advantage = best - second
+        advantages[members[first]] = advantage / (group.std() + 1e-6) if algo.norm_adv_by_std else advantage
+    return _on_responses(advantages, inputs)
+
+
+@register_advantage("opo")
+def opo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """OPO: score minus the group's length-weighted mean score (sum of length x score over sum of
+    lengths), the optimal baseline under on-policy updates; a group of one keeps its score."""
+    scores = _scores(inputs)
+    lengths = inputs.response_mask.sum(-1).float()
+    baseline = torch.zeros_like(scores)
+    for members in _groups(inputs.group_ids):
+        if len(members) > 1:
+            weights = lengths[members]
+            baseline[members] = (weights * scores[members]).sum() / weights.sum()
+    return _on_responses(scores - baseline, inputs)
+
+
+@register_advantage("gpg")
+def gpg(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """GPG: alpha x (score - group mean), alpha the batch's responses over those with a non-zero
+    score (how much of the batch carries a gradient); a group of one keeps alpha x its score."""
+    scores = _scores(inputs)
+    mean, _, size = _group_stats(scores, inputs.group_ids)
+    alpha = len(scores) / torch.count_nonzero(scores).clamp(min=1)
+    return _on_responses(alpha * (scores - torch.where(size == 1, 0.0, mean)), inputs)
+
+
 @register_advantage("rloo")
 def rloo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
     """REINFORCE leave-one-out: score minus the mean of the group's other responses. A group
@@ -143,6 +185,14 @@ def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor
     squares = torch.zeros(len(size)).index_add_(0, group, (scores - mean[group]).square())
     std = (squares / (size - 1).clamp(min=1)).sqrt()
     return mean[group], std[group], size[group]
+
+
+def _groups(group_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The row indices of each group, in row order, groups in order of first appearance."""
+    order: dict[int, list[int]] = {}
+    for row, group in enumerate(group_ids.tolist()):
+        order.setdefault(group, []).append(row)
+    return [torch.tensor(rows) for rows in order.values()]
 
 
 def _on_responses(per_response: torch.Tensor, inputs: AdvantageInputs) -> torch.Tensor:

@@ -157,23 +157,41 @@ class DistillConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (VeRL's names): grpo (group-normalised; Dr. GRPO without
-    norm_adv_by_std), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO with
-    a critic, see `critic`), or one registered by a file in `extensions`."""
+    norm_adv_by_std), grpo_passk, rloo, opo, gpg, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, gae (PPO with a critic, see `critic`), or one registered by a
+    file in `extensions`."""
     norm_adv_by_std: bool = True
-    """grpo: divide by the group's reward std; false gives Dr. GRPO's mean-only centring."""
+    """grpo, grpo_passk: divide by the group's reward std; false gives Dr. GRPO's mean-only
+    centring."""
     gamma: float = Field(default=1.0, ge=0, le=1)
     """reinforce_plus_plus and gae: discount of the token rewards' returns."""
     lam: float = Field(default=1.0, ge=0, le=1)
     """gae: the GAE lambda (1: Monte-Carlo returns minus the values)."""
     policy_loss: str = "vanilla"
-    """Policy loss: vanilla (PPO clip with dual clip), gspo (sequence-level ratio, averaged
-    per sequence), or one registered by a file in `extensions`."""
+    """Policy loss (VeRL's names): vanilla (PPO clip with dual clip), gspo (sequence-level ratio,
+    averaged per sequence), cispo, sapo, geo_mean (GMPO), clip_cov, kl_cov, gpg, reinforce (the
+    plain -A log p), or one registered by a file in `extensions`."""
     clip_ratio_low: float = Field(default=0.2, ge=0)
     """PPO clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = Field(default=0.28, ge=0)
     """PPO clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher when above the low bound)."""
     clip_ratio_c: float = Field(default=3.0, gt=1)
     """Dual clip: a negative advantage's token loss is at most -A x clip_ratio_c (VeRL's default)."""
+    tau_pos: float = Field(default=1.0, gt=0)
+    """sapo: the gate's temperature where the advantage is positive."""
+    tau_neg: float = Field(default=1.05, gt=0)
+    """sapo: the gate's temperature where the advantage is not positive."""
+    clip_cov_ratio: float = Field(default=0.0002, gt=0, le=1)
+    """clip_cov: the share of a micro-batch's response tokens cut out of the gradient."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: tokens whose advantage-log-prob covariance is above this can be cut."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: ... and below this."""
+    kl_cov_ratio: float = Field(default=0.0002, gt=0, le=1)
+    """kl_cov: the share of a micro-batch's response tokens (the largest covariances) given the
+    |log-ratio| penalty."""
+    ppo_kl_coef: float = Field(default=0.1, ge=0)
+    """kl_cov: the penalty's coefficient."""
     kl_coef: float = Field(default=0.0, ge=0)
     """KL-to-reference loss coefficient (VeRL's actor kl_loss_coef); with it and
     use_kl_in_reward both off no reference model is built."""

@@ -170,8 +170,9 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
         if name not in registry:
             raise ConfigError(f"algorithm.{key}: unknown {registry.kind} {name!r}; registered: "
                               f"{', '.join(registry.names())} (or add one with algorithm.extensions)")
-    if algo.policy_loss == "gspo" and parallel.cp > 1:
-        raise ConfigError("algorithm.policy_loss: gspo's sequence ratio needs each sequence on one rank; "
+    if POLICY_LOSSES[algo.policy_loss].whole_sequences and parallel.cp > 1:
+        raise ConfigError(f"algorithm.policy_loss: {algo.policy_loss} reads whole sequences (a sequence's ratio "
+                          "or mean, the micro-batch's statistics), which needs each sequence on one rank; "
                           "not with parallel.cp > 1")
     correction = algo.rollout_correction
     if correction.per_sequence and parallel.cp > 1:
@@ -203,7 +204,7 @@ def check_router_replay(cfg: RLJobConfig, model_config: PretrainedConfig) -> Non
 def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
     """Algorithm options that depend on the rest of the job: those reading the engine's log-probs
     need them over the full vocabulary (the trainer does not apply top-p), DAPO's filter needs
-    groups, a critic warm-up needs a critic."""
+    groups (as does pass@k GRPO), a critic warm-up needs a critic."""
     algo = cfg.algorithm
     reads_engine_logprobs = (algo.rollout_correction.active or algo.old_logprobs == "rollout"
                              or algo.distill is not None)
@@ -213,6 +214,9 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
                           "cannot use")
     if algo.filter_groups and cfg.rollout.n < 2:
         raise ConfigError("algorithm.filter_groups: needs groups of rollout.n >= 2 responses")
+    if algo.adv_estimator == "grpo_passk" and cfg.rollout.n < 2:
+        raise ConfigError("algorithm.adv_estimator: grpo_passk compares a group's best two responses; "
+                          "needs rollout.n >= 2")
     if cfg.critic.warmup_steps and algo.adv_estimator != "gae":
         raise ConfigError("critic.warmup_steps: there is no critic unless algorithm.adv_estimator is gae")
     if cfg.train.async_mode != "off":

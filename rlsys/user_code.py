@@ -1,5 +1,6 @@
 """Importing a user's Python file or package by path: reward functions, advantage
-estimators, policy losses.
+estimators, policy losses, tools, agent loops and harnesses, named in config as
+`path/to/file.py:name`.
 
 A file's sibling modules (a user's `my_reward.py` doing `from gsm8k import
 compute_score`) and a package's submodules are importable while it loads and are
@@ -46,6 +47,19 @@ def import_user_code(path: str, key: str) -> ModuleType:
             cloudpickle.register_pickle_by_value(sys.modules[name])
     _loaded[path] = module
     return module
+
+
+def split_entry(spec: str, default: str = "") -> tuple[str, str]:
+    """`path/to/file.py:name` as (path, name); `default` as the name when none is given."""
+    path, colon, name = spec.rpartition(":")
+    return (path, name or default) if colon else (spec, default)
+
+
+def load_entry(spec: str, key: str, default: str = "") -> tuple[object | None, str, str]:
+    """The object `name` of `path/to/file.py:name` (None when the module has none), its name, and
+    the module's absolute path (for the caller's error); errors importing it name `key`."""
+    path, name = split_entry(spec, default)
+    return getattr(import_user_code(path, key), name, None), name, os.path.abspath(path)
 
 
 def _import(path: str) -> ModuleType:

@@ -108,7 +108,7 @@ def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, fl
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
-        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
+        logprobs = torch.cat([lp for lp, _ in group.run_data_parallel("compute_logprobs", sft)])
         shapes = group.on_each(probes.local_shapes)
         if then is not None:
             then(group)

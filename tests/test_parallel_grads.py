@@ -105,7 +105,7 @@ def test_token_budget_evens_the_micro_batches_of_the_ranks(ray_cluster, sft_conf
     try:
         (_, got_sft), (_, got_few) = trained_gradients(
             group, (sft, nll_loss(num_targets(sft))), (few, actor_loss(few_counts, ALGO)))
-        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", few))
+        logprobs = torch.cat([lp for lp, _ in group.run_data_parallel("compute_logprobs", few)])
     finally:
         group.shutdown()
 
@@ -133,7 +133,7 @@ def test_token_budget_sets_the_pipeline_micro_batches(ray_cluster, sft_config, t
         passes = group.on_each(probes.pipeline_micro_batches, sft)
         (_, got_sft), (_, got_rl) = trained_gradients(
             group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
-        logprobs = torch.cat(group.run_data_parallel("compute_logprobs", sft))
+        logprobs = torch.cat([lp for lp, _ in group.run_data_parallel("compute_logprobs", sft)])
     finally:
         group.shutdown()
 

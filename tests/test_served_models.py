@@ -136,7 +136,8 @@ def test_distillation_with_a_reward_model_and_a_judge_in_the_loop(rl_config, tin
     random scores to the size of the teacher's signal). The random judge's verdicts rarely hold a
     digit: the others count in reward/errors and the run goes on. A teacher held by the training
     group instead of an engine gives step 1 the same log-probs."""
-    from rlsys.stages.rl_trainer import load_rl_data, run_rlvr
+    from rlsys.stages.rl_setup import load_rl_data
+    from rlsys.stages.rl_trainer import run_rlvr
 
     teacher = _sharper_teacher(tiny_model_dir, str(tmp_path / "teacher"))
     template = tmp_path / "judge.txt"
@@ -179,7 +180,8 @@ def test_top_k_distillation_pulls_the_policy_and_a_teacher_in_the_trainer_agrees
     KL over them falls and the policy's mass on them grows, and so does the exact KL(policy ||
     teacher) of the first response token over the whole vocabulary. The teacher held by the training
     group (2 FSDP2 ranks) gives step 1 the same top-k KL as its vLLM engine."""
-    from rlsys.stages.rl_trainer import load_rl_data, run_rlvr
+    from rlsys.stages.rl_setup import load_rl_data
+    from rlsys.stages.rl_trainer import run_rlvr
 
     teacher = _sharper_teacher(tiny_model_dir, str(tmp_path / "teacher"))
     cfg = rl_config(

@@ -167,26 +167,21 @@ class TrainWorker:
         return metrics
 
     @releases_freed_memory
-    def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor | None:
+    def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False
+                         ) -> tuple[torch.Tensor | None, dict[str, float]]:
         """Per-token log-probs [B, T] at the sampling temperature, aligned with input_ids
-        (column 0 is 0), without grad (None on a pipeline stage before the last)."""
+        (column 0 is 0), without grad (None on a pipeline stage before the last); and the pass's
+        metrics: with the shard's tokens routed to recorded experts (R3: the rollout engine's), how
+        often the policy's own routers chose them (`router/replay_agreement`, over the data-parallel
+        ranks). The reference model's pass (`reference`) routes on its own."""
         if reference:
             shard = without_routing(shard)
         if reference and self.reference is None:  # LoRA: the base model is the reference
             with self.policy.adapters_off():
-                _, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True)
+                metrics, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True)
         else:
             engine = self.reference if reference else self.policy
-            _, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
-        return rows.get("logprobs")
-
-    @releases_freed_memory
-    def compute_replayed_logprobs(self, shard: Batch, temperature: float = 1.0
-                                  ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """compute_logprobs of the policy with the shard's tokens routed to its recorded experts (R3:
-        the rollout engine's), and how often the policy's own routers chose them
-        (`router/replay_agreement`, over the data-parallel ranks)."""
-        metrics, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True)
+            metrics, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
         return rows.get("logprobs"), metrics
 
     @releases_freed_memory

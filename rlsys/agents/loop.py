@@ -10,14 +10,13 @@ one loop's tool call does not hold up another's generation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory
 from rlsys.config.loader import ConfigError
 from rlsys.registry import Registry
-from rlsys.user_code import import_user_code
+from rlsys.user_code import load_entry
 
 AGENT_LOOPS: Registry[type] = Registry("agent loop")
 TURN_SEED_STRIDE = 1_000_000_007
@@ -92,8 +91,7 @@ def resolve_agent_loop(spec: str, key: str) -> type:
     if ":" not in spec:
         raise ConfigError(f"{key}: unknown agent loop {spec!r}; registered: {', '.join(AGENT_LOOPS.names())} "
                           "(or give path/to/file.py:ClassName)")
-    path, _, name = spec.rpartition(":")
-    cls = getattr(import_user_code(path, key), name, None)
+    cls, name, path = load_entry(spec, key)
     if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-        raise ConfigError(f"{key}: {os.path.abspath(path)} has no AgentLoop subclass {name!r}")
+        raise ConfigError(f"{key}: {path} has no AgentLoop subclass {name!r}")
     return cls

@@ -15,7 +15,7 @@ from typing import Any
 from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.rl import RewardTerm
 from rlsys.rewards.registry import RewardFn, get_reward, registered_rewards
-from rlsys.user_code import import_user_code
+from rlsys.user_code import import_user_code, split_entry
 
 FIELDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCHED_FIELDS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
@@ -76,8 +76,8 @@ def eval_term(spec: str) -> RewardTerm:
     """`eval.reward` as a reward term: a registered name, or `path[:function]` of a file or package."""
     if spec in registered_rewards() or not (spec.endswith(".py") or os.sep in spec or ":" in spec):
         return RewardTerm(name=spec)
-    path, _, function = spec.partition(":")
-    return RewardTerm(path=path, function=function or "compute_score")
+    path, function = split_entry(spec, "compute_score")
+    return RewardTerm(path=path, function=function)
 
 
 def term_label(term: RewardTerm) -> str:

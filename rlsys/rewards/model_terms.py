@@ -69,9 +69,9 @@ def verdict_parser(judge: JudgeConfig, key: str) -> Callable[[str], float]:
     """The judge's parser: a user function (`file.py:function`) or a regular expression."""
     if judge.parse.endswith(".py") or ".py:" in judge.parse:
         from rlsys.rewards.loading import load_function
+        from rlsys.user_code import split_entry
 
-        path, _, function = judge.parse.partition(":")
-        fn, _ = load_function(path, function or "parse", f"{key}.parse")
+        fn, _ = load_function(*split_entry(judge.parse, "parse"), f"{key}.parse")
         return fn
     try:
         pattern = re.compile(judge.parse, re.DOTALL)

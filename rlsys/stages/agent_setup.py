@@ -4,7 +4,6 @@ checked before Ray starts, then the tool workers they call."""
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass, field
 
 from rlsys.actors.tool_pool import ToolPool
@@ -16,7 +15,7 @@ from rlsys.agents.tool_parsers import TOOL_PARSERS
 from rlsys.config.loader import ConfigError
 from rlsys.config.rollout import ToolsConfig
 from rlsys.tools.registry import ToolSpec, load_tools
-from rlsys.user_code import import_user_code
+from rlsys.user_code import load_entry, split_entry
 
 
 @dataclass
@@ -80,11 +79,11 @@ def _harness(harness: Harness | None, key: str, name: str) -> tuple:
     if harness is None or not harness.entry:
         where = harness.key if harness else "rollout.agent_entry"
         raise ConfigError(f"{key}: the {name} loop runs an agent harness; give {where}: path/to/file.py:function")
-    path, _, function = harness.entry.rpartition(":")
+    path, function = split_entry(harness.entry)
     if not path or not function:
         raise ConfigError(f"{harness.key}: {harness.entry!r} is not path/to/file.py:function")
-    run = getattr(import_user_code(path, harness.key), function, None)
+    run, function, path = load_entry(harness.entry, harness.key)
     if not inspect.iscoroutinefunction(run):
-        raise ConfigError(f"{harness.key}: {os.path.abspath(path)} has no async function {function!r} "
+        raise ConfigError(f"{harness.key}: {path} has no async function {function!r} "
                           "(async def run(client, row) -> str | dict)")
     return run, harness.timeout_s

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-from transformers import AutoConfig
 
 from rlsys.actors.cluster import gpu_shares
 from rlsys.actors.failures import WorkerReplacements
@@ -36,7 +35,6 @@ from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
 from rlsys.algorithms.distill import reverse_kl, top_k_fields
 from rlsys.algorithms.kl import KLController, kl_in_reward
 from rlsys.algorithms.value_loss import value_loss
-from rlsys.config.rl import DistillConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import (
     Batch,
@@ -47,22 +45,22 @@ from rlsys.data.batching import (
     on_response_tokens,
     split_rows,
 )
-from rlsys.data.files import DataError
-from rlsys.data.image_tokens import ImageExpander, ImagePixels, image_expander_of
-from rlsys.data.rl import Prompt, load_prompts, prompt_budget
-from rlsys.data.tokenizer import load_tokenizer
-from rlsys.models.moe import moe_layer_indices
-from rlsys.models.vision import images_per_prompt
+from rlsys.data.image_tokens import ImagePixels
 from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
-from rlsys.rollout.engine_length import check_kv_budget, run_length
-from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
-from rlsys.stages.eval import Evaluator
 from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_metrics import agent_metrics, dropped_metrics, mismatch, sample_metrics
+from rlsys.stages.rl_setup import (
+    RLData,
+    colocated_engines,
+    engine_routing_shape,
+    load_rl_data,
+    teacher_in_trainer,
+    teacher_length,
+)
 from rlsys.stages.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
 from rlsys.stages.rollout_stream import RolloutStream
 from rlsys.stages.run_dir import finish_run, logged_metric
@@ -72,90 +70,6 @@ from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RLData:
-    """The prompts, tokenised, and the validation split: loaded and checked before Ray starts,
-    and kept across restarts."""
-
-    tokenizer: object
-    prompts: list[Prompt]
-    evaluator: Evaluator | None
-    agents: AgentSetup
-    expander: ImageExpander | None = None
-    """A vision-language model's processor: the trainer's rows carry the prompts' pictures expanded."""
-    engine_length: int | None = None
-    """The rollout engines' max_model_len (None: the model's context)."""
-
-
-def load_rl_data(cfg: RLJobConfig) -> RLData:
-    tokenizer = load_tokenizer(cfg.model.path, "model.path")
-    agents = agent_setup(_loops(cfg), cfg.tools,
-                         Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"))
-    agents.check_template(tokenizer)
-    max_images = images_per_prompt(cfg.rollout.engine_kwargs)
-    expander = image_expander_of(cfg.model.path, max_images)
-    budget = prompt_budget(cfg.model.path, cfg.rollout.response_budget)
-    prompts, _ = load_prompts(cfg.data.train_files, tokenizer, budget, tools=agents.schemas, expander=expander)
-    if len(prompts) < cfg.train.prompts_per_step:
-        raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
-                        f"({cfg.train.prompts_per_step})")
-    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, cfg.reward.timeout_s,
-                          loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
-                          response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget,
-                          max_images=max_images) if cfg.eval else None
-    length = _engine_length(cfg, prompts, evaluator)
-    shortened_by = "rollout.max_model_len" if cfg.rollout.max_model_len or not length else "rollout.max_response_tokens"
-    check_kv_budget(cfg.model.path, length, cfg.rollout.engine_memory_gib, cfg.rollout.dtype,
-                    cfg.ray.gpus_per_worker > 0 or cfg.rollout.gpus_per_engine > 0, cfg.rollout.block_size,
-                    "rollout.engine_memory_gib", shortened_by, cfg.rollout.tensor_parallel_size)
-    _check_served_budgets(cfg, length)
-    return RLData(tokenizer, prompts, evaluator, agents, expander, length)
-
-
-def _check_served_budgets(cfg: RLJobConfig, rollout_length: int | None) -> None:
-    """Each served model's engine holds one of its sequences: a teacher's are the rollout's (prompt and
-    response, its length by default); a reward model's or a judge's its own rendering of them, the
-    model's context unless its serving.max_model_len says."""
-    on_gpu = cfg.ray.gpus_per_worker > 0
-    served = [(term.model, term.serving, f"reward.terms[{i}].serving", term.serving.max_model_len)
-              for i, term in enumerate(cfg.reward.terms) if term.model]
-    distill = cfg.algorithm.distill
-    if distill is not None and distill.source == "engine":
-        served.append((distill.teacher, distill.serving, "algorithm.distill.serving",
-                       _teacher_length(distill, rollout_length)))
-    for model, serving, key, length in served:
-        check_kv_budget(model, length, serving.engine_memory_gib, serving.dtype, on_gpu or serving.gpus_per_engine > 0,
-                        None, f"{key}.engine_memory_gib", f"{key}.max_model_len", serving.tensor_parallel_size)
-
-
-def _teacher_length(distill: DistillConfig, rollout_length: int | None) -> int | None:
-    """The teacher's engines take the policy's sequences, and sample one token after each (its
-    prompt log-probs come with a generation): the rollout engines' length and one, unless set."""
-    if distill.serving.max_model_len or rollout_length is None:
-        return distill.serving.max_model_len
-    return rollout_length + 1
-
-
-def _engine_length(cfg: RLJobConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:
-    """The rollout engines' length: as configured, else the longest sequence of the training prompts
-    and of the validation split, which the same engines answer."""
-    configured = cfg.rollout.engine_kwargs.get("max_model_len") or cfg.rollout.max_model_len
-    if configured:
-        return configured
-    lengths = [run_length((p.engine_tokens for p in prompts), cfg.rollout.response_budget, cfg.rollout.agent_loop)]
-    if evaluator is not None:
-        lengths.append(evaluator.engine_length)
-    return None if None in lengths else max(lengths)
-
-
-def _loops(cfg: RLJobConfig) -> dict[str, str]:
-    """The agent loops an RL stage's engines run (the rollout's, validation's), by config key."""
-    loops = {"rollout.agent_loop": cfg.rollout.agent_loop}
-    if cfg.eval and cfg.eval.agent_loop:
-        loops["eval.agent_loop"] = cfg.eval.agent_loop
-    return loops
 
 
 class RLVRTrainer:
@@ -170,7 +84,7 @@ class RLVRTrainer:
         self.old_logprobs = old_logprobs_source(cfg)
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
-        self.engine_routing = _engine_routing_shape(cfg)
+        self.engine_routing = engine_routing_shape(cfg)
         """R3: the layers of the engines' routing that the trainer's MoE blocks replay, and top-k."""
         self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
         self.train_group = self.rollout_group = self.tools = self.stream = self.schedule = self.teacher = None
@@ -184,8 +98,8 @@ class RLVRTrainer:
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * self.updates_per_step,
                                      with_reference=needs_reference(cfg.algorithm),
                                      critic=cfg.critic if self.with_critic else None,
-                                     teacher=_teacher_in_trainer(cfg))
-            train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, _colocated_engines(cfg))
+                                     teacher=teacher_in_trainer(cfg))
+            train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, colocated_engines(cfg))
             self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
             self._start_served_models(engine_gpus)
             self.rollout_group = RolloutGroup(cfg.model.path, replace(cfg.rollout, max_model_len=data.engine_length),
@@ -219,7 +133,7 @@ class RLVRTrainer:
         self.reward_pool.start_models(cfg.seed, **placement)
         distill = cfg.algorithm.distill
         if distill is not None and distill.source == "engine":
-            serving = replace(distill.serving, max_model_len=_teacher_length(distill, self.engine_length))
+            serving = replace(distill.serving, max_model_len=teacher_length(distill, self.engine_length))
             self.teacher = ServedModelGroup("teacher", distill.teacher, serving, cfg.seed, "algorithm.distill.serving",
                                             **placement)
             self.teacher.replacements = self.replacements
@@ -431,23 +345,18 @@ class RLVRTrainer:
         if self.old_logprobs == "trainer" and algo.router_replay == "r2":
             with timer("old_logprob"):
                 batch["old_logprobs"], batch[ROUTING_FIELD] = self._logprobs_and_routing(batch)
-        elif self.old_logprobs == "trainer" and algo.router_replay == "r3":
-            with timer("old_logprob"):
-                shards = self.train_group.run_data_parallel("compute_replayed_logprobs", batch,
-                                                            temperature=self.cfg.rollout.temperature)
-            batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in shards])
-            if "router/replay_agreement" in shards[0][1]:
-                metrics["router/engine_agreement"] = shards[0][1]["router/replay_agreement"]
         elif self.old_logprobs == "trainer":
             with timer("old_logprob"):
-                batch["old_logprobs"] = self._logprobs(batch)
+                batch["old_logprobs"], pass_metrics = self._logprobs(batch)
+            if "router/replay_agreement" in pass_metrics:  # R3: the batch carries the engine's experts
+                metrics["router/engine_agreement"] = pass_metrics["router/replay_agreement"]
         elif self.old_logprobs == "rollout":
             batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
         if algo.rollout_correction.active:
             batch["rollout_logprobs"] = on_response_tokens(engine_logprobs, batch)
         if needs_reference(algo):
             with timer("reference"):
-                batch["ref_logprobs"] = self._logprobs(batch, reference=True)
+                batch["ref_logprobs"], _ = self._logprobs(batch, reference=True)
         return metrics
 
     def _logprobs_and_routing(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,9 +365,11 @@ class RLVRTrainer:
                                                     temperature=self.cfg.rollout.temperature)
         return torch.cat([rows["logprobs"] for rows in shards]), torch.cat([rows[ROUTING_FIELD] for rows in shards])
 
-    def _logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
-        return torch.cat(self.train_group.run_data_parallel("compute_logprobs", batch,
-                                                      temperature=self.cfg.rollout.temperature, reference=reference))
+    def _logprobs(self, batch: Batch, reference: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+        """The batch's log-probs from the policy (or the reference), and the pass's metrics."""
+        shards = self.train_group.run_data_parallel("compute_logprobs", batch, temperature=self.cfg.rollout.temperature,
+                                                    reference=reference)
+        return torch.cat([logprobs for logprobs, _ in shards]), shards[0][1]
 
     def _update(self, batch: Batch, train_actor: bool) -> tuple[dict[str, float], torch.Tensor | None]:
         """ppo_epochs passes over the batch in mini-batches of whole prompt groups, each updating
@@ -584,26 +495,3 @@ class RLSession:
 
     def shutdown(self) -> None:
         self.trainer.shutdown()
-
-
-def _engine_routing_shape(cfg: RLJobConfig) -> tuple[list[int], int]:
-    """R3: the MoE layers among the model's hidden layers and experts per token (none without R3)."""
-    if cfg.algorithm.router_replay != "r3":
-        return [], 0
-    config = AutoConfig.from_pretrained(cfg.model.path)
-    return moe_layer_indices(config), config.num_experts_per_tok
-
-
-def _teacher_in_trainer(cfg: RLJobConfig) -> str | None:
-    """The teacher's directory when the training group holds it (`algorithm.distill.source: trainer`)."""
-    distill = cfg.algorithm.distill
-    return distill.teacher if distill is not None and distill.source == "trainer" else None
-
-
-def _colocated_engines(cfg: RLJobConfig) -> int:
-    """Engines of each kind that share a training rank's devices: the rollout's, each model term's,
-    the teacher's."""
-    serving = [t.serving for t in cfg.reward.terms if t.model]
-    if cfg.algorithm.distill is not None and cfg.algorithm.distill.source == "engine":
-        serving.append(cfg.algorithm.distill.serving)
-    return sum(c.placement == "colocated" for c in [cfg.rollout, *serving])

@@ -35,7 +35,7 @@ from rlsys.config.loader import ConfigError, first_line
 from rlsys.registry import Registry
 from rlsys.tools import verl_compat
 from rlsys.tools.base import BaseTool, OpenAIFunctionToolSchema, ToolResponse, schema_dict
-from rlsys.user_code import import_user_code
+from rlsys.user_code import import_user_code, load_entry, split_entry
 
 TOOLS: Registry[Callable | type] = Registry("tool")
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -101,11 +101,9 @@ def load_tools(names: list[str], config_file: str, key: str = "tools",
 
 def _named_spec(name: str, key: str, configs: dict[str, dict]) -> ToolSpec:
     if ":" in name:
-        path, _, attribute = name.rpartition(":")
-        entry = getattr(import_user_code(path, key), attribute, None)
+        entry, tool_name, path = load_entry(name, key)
         if entry is None:
-            raise ConfigError(f"{key}: {os.path.abspath(path)} has no {attribute!r}")
-        tool_name = attribute
+            raise ConfigError(f"{key}: {path} has no {tool_name!r}")
     elif name in TOOLS:
         entry, tool_name = TOOLS[name], name
     else:
@@ -159,7 +157,7 @@ def _yaml_entries(path: str, key: str) -> list[dict]:
 def _import_class(class_name: str, beside: str, key: str) -> type:
     """`file.py:Class`, or a dotted `module.Class` found beside the YAML file or on sys.path."""
     if ":" in class_name:
-        path, _, attribute = class_name.rpartition(":")
+        path, attribute = split_entry(class_name)
         module = import_user_code(path if os.path.isabs(path) else os.path.join(beside, path), f"{key}.class_name")
     else:
         module_name, _, attribute = class_name.rpartition(".")

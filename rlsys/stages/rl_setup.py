@@ -1,0 +1,128 @@
+"""What an RL stage sets up before its actors start: the prompts and the validation split,
+loaded and checked, the rollout engines' length and every engine's KV budget (all before Ray
+starts, so that bad input costs no start-up), and the shape of the job's actors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import AutoConfig
+
+from rlsys.config.rl import DistillConfig
+from rlsys.config.schema import RLJobConfig
+from rlsys.data.files import DataError
+from rlsys.data.image_tokens import ImageExpander, image_expander_of
+from rlsys.data.rl import Prompt, load_prompts, prompt_budget
+from rlsys.data.tokenizer import load_tokenizer
+from rlsys.models.moe import moe_layer_indices
+from rlsys.models.vision import images_per_prompt
+from rlsys.rollout.engine_length import check_kv_budget, run_length
+from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
+from rlsys.stages.eval import Evaluator
+
+
+@dataclass
+class RLData:
+    """The prompts, tokenised, and the validation split: loaded and checked before Ray starts,
+    and kept across restarts."""
+
+    tokenizer: object
+    prompts: list[Prompt]
+    evaluator: Evaluator | None
+    agents: AgentSetup
+    expander: ImageExpander | None = None
+    """A vision-language model's processor: the trainer's rows carry the prompts' pictures expanded."""
+    engine_length: int | None = None
+    """The rollout engines' max_model_len (None: the model's context)."""
+
+
+def load_rl_data(cfg: RLJobConfig) -> RLData:
+    tokenizer = load_tokenizer(cfg.model.path, "model.path")
+    agents = agent_setup(_loops(cfg), cfg.tools,
+                         Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"))
+    agents.check_template(tokenizer)
+    max_images = images_per_prompt(cfg.rollout.engine_kwargs)
+    expander = image_expander_of(cfg.model.path, max_images)
+    budget = prompt_budget(cfg.model.path, cfg.rollout.response_budget)
+    prompts, _ = load_prompts(cfg.data.train_files, tokenizer, budget, tools=agents.schemas, expander=expander)
+    if len(prompts) < cfg.train.prompts_per_step:
+        raise DataError(f"data.train_files: {len(prompts)} prompts cannot fill train.prompts_per_step "
+                        f"({cfg.train.prompts_per_step})")
+    evaluator = Evaluator(cfg.eval, tokenizer, cfg.seed, cfg.model.path, cfg.reward.timeout_s,
+                          loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
+                          response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget,
+                          max_images=max_images) if cfg.eval else None
+    length = _engine_length(cfg, prompts, evaluator)
+    shortened_by = "rollout.max_model_len" if cfg.rollout.max_model_len or not length else "rollout.max_response_tokens"
+    check_kv_budget(cfg.model.path, length, cfg.rollout.engine_memory_gib, cfg.rollout.dtype,
+                    cfg.ray.gpus_per_worker > 0 or cfg.rollout.gpus_per_engine > 0, cfg.rollout.block_size,
+                    "rollout.engine_memory_gib", shortened_by, cfg.rollout.tensor_parallel_size)
+    _check_served_budgets(cfg, length)
+    return RLData(tokenizer, prompts, evaluator, agents, expander, length)
+
+
+def _check_served_budgets(cfg: RLJobConfig, rollout_length: int | None) -> None:
+    """Each served model's engine holds one of its sequences: a teacher's are the rollout's (prompt and
+    response, its length by default); a reward model's or a judge's its own rendering of them, the
+    model's context unless its serving.max_model_len says."""
+    on_gpu = cfg.ray.gpus_per_worker > 0
+    served = [(term.model, term.serving, f"reward.terms[{i}].serving", term.serving.max_model_len)
+              for i, term in enumerate(cfg.reward.terms) if term.model]
+    distill = cfg.algorithm.distill
+    if distill is not None and distill.source == "engine":
+        served.append((distill.teacher, distill.serving, "algorithm.distill.serving",
+                       teacher_length(distill, rollout_length)))
+    for model, serving, key, length in served:
+        check_kv_budget(model, length, serving.engine_memory_gib, serving.dtype, on_gpu or serving.gpus_per_engine > 0,
+                        None, f"{key}.engine_memory_gib", f"{key}.max_model_len", serving.tensor_parallel_size)
+
+
+def teacher_length(distill: DistillConfig, rollout_length: int | None) -> int | None:
+    """The teacher's engines take the policy's sequences, and sample one token after each (its
+    prompt log-probs come with a generation): the rollout engines' length and one, unless set."""
+    if distill.serving.max_model_len or rollout_length is None:
+        return distill.serving.max_model_len
+    return rollout_length + 1
+
+
+def _engine_length(cfg: RLJobConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:
+    """The rollout engines' length: as configured, else the longest sequence of the training prompts
+    and of the validation split, which the same engines answer."""
+    configured = cfg.rollout.engine_kwargs.get("max_model_len") or cfg.rollout.max_model_len
+    if configured:
+        return configured
+    lengths = [run_length((p.engine_tokens for p in prompts), cfg.rollout.response_budget, cfg.rollout.agent_loop)]
+    if evaluator is not None:
+        lengths.append(evaluator.engine_length)
+    return None if None in lengths else max(lengths)
+
+
+def _loops(cfg: RLJobConfig) -> dict[str, str]:
+    """The agent loops an RL stage's engines run (the rollout's, validation's), by config key."""
+    loops = {"rollout.agent_loop": cfg.rollout.agent_loop}
+    if cfg.eval and cfg.eval.agent_loop:
+        loops["eval.agent_loop"] = cfg.eval.agent_loop
+    return loops
+
+
+def engine_routing_shape(cfg: RLJobConfig) -> tuple[list[int], int]:
+    """R3: the MoE layers among the model's hidden layers and experts per token (none without R3)."""
+    if cfg.algorithm.router_replay != "r3":
+        return [], 0
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    return moe_layer_indices(config), config.num_experts_per_tok
+
+
+def teacher_in_trainer(cfg: RLJobConfig) -> str | None:
+    """The teacher's directory when the training group holds it (`algorithm.distill.source: trainer`)."""
+    distill = cfg.algorithm.distill
+    return distill.teacher if distill is not None and distill.source == "trainer" else None
+
+
+def colocated_engines(cfg: RLJobConfig) -> int:
+    """Engines of each kind that share a training rank's devices: the rollout's, each model term's,
+    the teacher's."""
+    serving = [t.serving for t in cfg.reward.terms if t.model]
+    if cfg.algorithm.distill is not None and cfg.algorithm.distill.source == "engine":
+        serving.append(cfg.algorithm.distill.serving)
+    return sum(c.placement == "colocated" for c in [cfg.rollout, *serving])

@@ -1,11 +1,13 @@
 """rlsys's advantage estimators and policy losses beside VeRL's own functions, on random batches.
 
     git clone https://github.com/volcengine/verl
-    .venv/bin/python scripts/compare_verl_algorithms.py verl/verl/trainer/ppo/core_algos.py
+    .venv/bin/python scripts/compare_verl_algorithms.py verl/verl/trainer/ppo/core_algos.py \
+        --rollout-corr verl/verl/trainer/ppo/rollout_corr_helper.py
 
 VeRL need not be installed: its functions are read from the file, with the few helpers they
 import from the rest of VeRL given here. Prints, for each name both register, the largest
-difference of the advantages, or of the loss and of its gradient with respect to the log-probs.
+difference of the advantages, or of the loss and of its gradient with respect to the log-probs,
+and for each rejection criterion the tokens whose keep/drop differs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ import torch
 from rlsys.algorithms.advantages import ADVANTAGES, AdvantageInputs
 from rlsys.algorithms.aggregation import aggregate
 from rlsys.algorithms.policy_loss import POLICY_LOSSES
-from rlsys.config.rl import AlgorithmConfig
+from rlsys.algorithms.rollout_correction import (
+    DIVERGENCE_REJECTIONS,
+    rejection_bounds,
+    rejection_keep,
+    sequence_mismatch_metrics,
+)
+from rlsys.config.rl import AlgorithmConfig, RolloutCorrectionConfig
 
 ESTIMATORS = ["grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 LOSSES = ["vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg"]
@@ -29,7 +37,8 @@ ALGO = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.
 
 
 def load_verl(path: str) -> dict:
-    """VeRL's core_algos module namespace, its imports from the rest of VeRL replaced."""
+    """A VeRL module's namespace (core_algos, rollout_corr_helper), its imports from the rest of
+    VeRL replaced."""
     source = open(path).read()
     source = re.sub(r"^(from verl|import verl|from omegaconf).*$", "", source, flags=re.MULTILINE)
 
@@ -113,9 +122,32 @@ def compare_loss(verl: dict, name: str, data: dict) -> tuple[float, float]:
     return abs(ours.item() - theirs.item()), (ours_grad - theirs_grad).abs().max().item()
 
 
+REJECTION_THRESHOLDS = {"k1": "0.7_1.4", "k2": "0.05", "k3": "0.05"}
+
+
+def compare_rejection(verl: dict, option: str, data: dict) -> int:
+    log_ratio = data["old"] - data["logprobs"]
+    threshold = REJECTION_THRESHOLDS[option[-2:]]
+    cfg = RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=threshold)
+    lower, upper = rejection_bounds(cfg)[option]
+    ours = rejection_keep(log_ratio, data["mask"], option, lower, upper) * data["mask"]
+    theirs, _ = verl["compute_rollout_rejection_mask"](log_ratio, data["mask"], option, threshold)
+    return int((ours != theirs).sum())
+
+
+def compare_diagnostics(verl: dict, data: dict) -> dict[str, float]:
+    """|ours - VeRL's| of each off-policy diagnostic both compute."""
+    mask = data["mask"].bool()
+    ours = sequence_mismatch_metrics(data["old"][mask].double(), data["logprobs"][mask].double(),
+                                     mask.sum(-1).tolist())
+    theirs = verl["compute_offpolicy_metrics"](data["old"].double(), data["logprobs"].double(), data["mask"])
+    return {name: abs(ours[f"mismatch/{name}"] - theirs[name]) for name in theirs if f"mismatch/{name}" in ours}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("core_algos", help="VeRL's verl/trainer/ppo/core_algos.py")
+    parser.add_argument("--rollout-corr", help="VeRL's verl/trainer/ppo/rollout_corr_helper.py")
     parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
     verl = load_verl(args.core_algos)
@@ -126,6 +158,16 @@ def main() -> None:
     for name in LOSSES:
         results = [compare_loss(verl, name, batch(seed)) for seed in range(args.seeds)]
         print(f"| {name} | {max(r[0] for r in results):.2e} | {max(r[1] for r in results):.2e} |")
+    if args.rollout_corr:
+        corrections = load_verl(args.rollout_corr)
+        print("\n| rejection | tokens kept by one, dropped by the other |\n|---|---|")
+        for option in DIVERGENCE_REJECTIONS:
+            differ = sum(compare_rejection(corrections, option, batch(seed)) for seed in range(args.seeds))
+            print(f"| {option} ({REJECTION_THRESHOLDS[option[-2:]]}) | {differ} |")
+        print("\n| diagnostic | largest difference |\n|---|---|")
+        differences = [compare_diagnostics(corrections, batch(seed)) for seed in range(args.seeds)]
+        for name in differences[0]:
+            print(f"| {name} | {max(d[name] for d in differences):.2e} |")
 
 
 if __name__ == "__main__":

@@ -415,6 +415,42 @@ def test_rejection_by_token_sequence_and_geometric_mean():
                       rollout_rs_threshold=1.1)[0].tolist() == [[0.0, 0.0, 0.0, 1.0]]
 
 
+def test_verls_divergence_rejections_and_chained_criteria():
+    """Log-ratios ln 3, ln 0.5, 0: k1 = -log r (-1.099, 0.693, 0), k2 = (log r)^2 / 2 (0.604, 0.240, 0),
+    k3 = r - 1 - log r (0.901, 0.193, 0)."""
+    def kept(rs: str, threshold) -> list[float]:
+        return correction(**RATIOS_3_HALF_1, rollout_rs=rs, rollout_rs_threshold=threshold)[0][0].tolist()
+
+    assert kept("token_k1", "0.5_2.5") == [0.0, 1.0, 1.0, 1.0]  # k1 within [ln 0.5, ln 2.5]
+    assert kept("token_k2", 0.5) == [0.0, 1.0, 1.0, 1.0] and kept("token_k2", 0.2) == [0.0, 0.0, 1.0, 1.0]
+    assert kept("token_k3", 0.95) == [1.0] * 4 and kept("token_k3", 0.1) == [0.0, 0.0, 1.0, 1.0]
+    assert kept("seq_sum_k3", 1.2) == [1.0] * 4 and kept("seq_sum_k3", 1.0) == [0.0, 0.0, 0.0, 1.0]  # 1.094
+    assert kept("seq_mean_k2", 0.3) == [1.0] * 4 and kept("seq_mean_k2", 0.25) == [0.0, 0.0, 0.0, 1.0]  # 0.281
+    assert kept("seq_max_k3", 0.95) == [1.0] * 4 and kept("seq_max_k3", 0.9) == [0.0, 0.0, 0.0, 1.0]  # 0.901
+    # the mean k1 is -0.135: pi_rollout / pi_old's geometric mean 0.874, outside [0.9, 1.1], inside [0.8, 1.25]
+    assert kept("seq_mean_k1", "0.9_1.1") == [0.0, 0.0, 0.0, 1.0] and kept("seq_mean_k1", 1.25) == [1.0] * 4
+    factors, metrics = correction(**RATIOS_3_HALF_1, rollout_rs="token_k2,seq_max_k3", rollout_rs_threshold="0.5,0.9")
+    assert factors.tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    assert metrics["rollout_corr/rejected_frac_token_k2"].tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    assert metrics["rollout_corr/rejected_frac_seq_max_k3"].tolist() == [[1.0, 1.0, 1.0, 0.0]]
+
+
+def test_bad_rejection_settings_name_the_key():
+    from rlsys.config.layout import ParallelConfig
+    from rlsys.config.loader import ConfigError
+    from rlsys.stages.preflight import check_algorithm
+
+    for rs, threshold, message in [("token_k9", 1.0, "unknown rejection 'token_k9'"),
+                                   ("token_k2", "0.5_2.0", "token_k2 takes an upper bound alone"),
+                                   ("token_k2,seq_sum_k3,token", "0.1,0.2", "one value for all 3 criteria"),
+                                   ("token", 0.5, "token's upper bound on the ratio must be above 1"),
+                                   ("token_k3", "x", "'x' is not a number")]:
+        correction_cfg = RolloutCorrectionConfig(rollout_rs=rs, rollout_rs_threshold=threshold)
+        algo = AlgorithmConfig(rollout_correction=correction_cfg)
+        with pytest.raises(ConfigError, match=f"algorithm.rollout_correction.rollout_rs: .*{message}"):
+            check_algorithm(algo, ParallelConfig())
+
+
 def test_veto_drops_a_response_and_corrections_compose():
     # the ratio of 0.5 is below a veto of 0.6: the whole response goes; above 0.4 it stays
     assert correction(**RATIOS_3_HALF_1, rollout_token_veto_threshold=0.6)[0].tolist() == [[0.0, 0.0, 0.0, 1.0]]
@@ -438,6 +474,19 @@ def test_mismatch_metrics_by_hand():
     assert got["mismatch/abs_log_ratio_p50"] == pytest.approx(-math.log(0.6) / 2)  # between 0 and |log 0.6|
     assert got["mismatch/ratio_outside_2x_frac"] == pytest.approx(1 / 4)  # the 3
     assert mismatch_metrics(torch.zeros(0), torch.zeros(0)) == {}
+    # two responses (3 tokens and 1), VeRL's sequence diagnostics: trainer log-probs, engine's
+    trainer, engine = torch.tensor([-1.0, -2.0, -3.0, -0.5]), torch.tensor([-1.5, -2.0, -2.5, -1.0])
+    got = mismatch_metrics(trainer, engine, [3, 0, 1])  # a response without tokens is skipped
+    trainer_means, engine_means = [-2.0, -0.5], [-2.0, -1.0]
+    diffs = [e - t for e, t in zip(engine_means, trainer_means)]  # 0, -0.5
+    assert got["mismatch/training_ppl"] == pytest.approx((math.exp(2.0) + math.exp(0.5)) / 2)
+    assert got["mismatch/rollout_log_ppl"] == pytest.approx(1.5)
+    assert got["mismatch/log_ppl_diff"] == pytest.approx(-0.25) and got["mismatch/log_ppl_diff_min"] == -0.5
+    assert got["mismatch/log_ppl_abs_diff"] == pytest.approx(0.25)
+    assert got["mismatch/ppl_ratio"] == pytest.approx(sum(math.exp(d) for d in diffs) / 2)
+    log_ratios = [0.5, 0.0, -0.5, 0.5]
+    assert got["mismatch/chi2_token"] == pytest.approx(sum(math.exp(2 * x) for x in log_ratios) / 4 - 1)
+    assert got["mismatch/chi2_seq"] == pytest.approx((math.exp(0.0) + math.exp(1.0)) / 2 - 1)
 
 
 def test_rollout_is_weights_each_tokens_policy_gradient():

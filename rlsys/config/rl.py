@@ -101,14 +101,20 @@ class RolloutCorrectionConfig:
     every token of a response by min(product of its ratios, rollout_is_threshold)."""
     rollout_is_threshold: float = Field(default=2.0, gt=1)
     """Upper bound of the importance weights (VeRL's default)."""
-    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
-    """Rejection: drop tokens whose ratio (token), or responses whose product of ratios
-    (sequence) or geometric mean of ratios (geometric) lies outside [rollout_rs_threshold_lower,
-    rollout_rs_threshold]. token with both bounds is IcePop's two-sided mask."""
-    rollout_rs_threshold: float = Field(default=2.0, gt=1)
-    """Upper bound of the rejection."""
+    rollout_rs: str = "none"
+    """Rejection, one criterion or several joined by commas (each must pass). token, sequence,
+    geometric: drop tokens whose ratio, or responses whose product of ratios or geometric mean of
+    ratios, lies outside [rollout_rs_threshold_lower, rollout_rs_threshold] (token with both
+    bounds is IcePop's two-sided mask). VeRL's divergence criteria: token_k1|k2|k3 (each token's),
+    seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (a response's sum, mean or maximum of its
+    tokens' k1 = -log ratio, k2 = (log ratio)^2 / 2, k3 = ratio - 1 - log ratio), rejected above
+    the threshold; k1 outside [lower, upper], bounds on exp(k1) = pi_rollout / pi_old as in VeRL."""
+    rollout_rs_threshold: float | str = 2.0
+    """The rejection's upper bound (above 1 for token, sequence, geometric), or VeRL's
+    specification: one value per criterion joined by commas (or one for all), `lower_upper` for a
+    k1 criterion (e.g. "0.5_2.0,0.01")."""
     rollout_rs_threshold_lower: float | None = Field(default=None, gt=0, lt=1)
-    """Lower bound of the rejection (None: 1 / rollout_rs_threshold)."""
+    """Lower bound of token, sequence and geometric rejection (None: 1 / the upper bound)."""
     rollout_token_veto_threshold: float | None = Field(default=None, gt=0, lt=1)
     """Drop every response holding a token whose ratio is below this (a token the trainer finds
     far less likely than the engine did); None: no veto."""
@@ -120,8 +126,14 @@ class RolloutCorrectionConfig:
     @property
     def per_sequence(self) -> bool:
         """Some weight or mask depends on a whole response."""
-        return (self.rollout_is == "sequence" or self.rollout_rs in ("sequence", "geometric")
-                or self.rollout_token_veto_threshold is not None)
+        return (self.rollout_is == "sequence" or self.rollout_token_veto_threshold is not None
+                or any(not option.startswith("token") for option in self.rejections))
+
+    @property
+    def rejections(self) -> list[str]:
+        """The rejection criteria, in order (none for "none")."""
+        return [] if self.rollout_rs == "none" else [part.strip() for part in self.rollout_rs.split(",")
+                                                     if part.strip()]
 
 
 @dataclass(config=STRICT)

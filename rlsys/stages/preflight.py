@@ -161,6 +161,7 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
     """Imports `algorithm.extensions`, then checks the estimator and loss names against the registries."""
     from rlsys.algorithms.advantages import ADVANTAGES
     from rlsys.algorithms.policy_loss import POLICY_LOSSES
+    from rlsys.algorithms.rollout_correction import rejection_bounds
     from rlsys.user_code import import_user_code
 
     for i, path in enumerate(algo.extensions):
@@ -175,6 +176,10 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
                           "or mean, the micro-batch's statistics), which needs each sequence on one rank; "
                           "not with parallel.cp > 1")
     correction = algo.rollout_correction
+    try:
+        rejection_bounds(correction)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.rollout_correction.rollout_rs: {err}") from None
     if correction.per_sequence and parallel.cp > 1:
         raise ConfigError("algorithm.rollout_correction: a sequence-level weight, rejection or veto needs each "
                           "sequence on one rank; not with parallel.cp > 1")

@@ -54,4 +54,4 @@ def mismatch(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -
     if trainer is None:
         return {}
     mask = batch["loss_mask"][:len(trainer)].bool()
-    return mismatch_metrics(trainer[mask], engine[:int(mask.sum())])
+    return mismatch_metrics(trainer[mask], engine[:int(mask.sum())], mask.sum(-1).tolist())

@@ -17,10 +17,12 @@ def main() -> None:
     parser.add_argument("--out", default="runs/calc")
     parser.add_argument("--tool-share", type=float, default=CalcSpec.tool_share,
                         help="the share of fine-tuning traces that call the calculator (the rest answer at once)")
+    parser.add_argument("--num-sft", type=int, default=CalcSpec.num_sft, help="fine-tuning traces")
     args = parser.parse_args()
     if not os.path.isdir(os.path.join(args.out, "tiny-init")):
         write_tiny_model(os.path.join(args.out, "tiny-init"))
-    for name, path in write_splits(os.path.join(args.out, "data"), CalcSpec(tool_share=args.tool_share)).items():
+    spec = CalcSpec(num_sft=args.num_sft, tool_share=args.tool_share)
+    for name, path in write_splits(os.path.join(args.out, "data"), spec).items():
         print(f"{name:9s} {path}")
 
 

@@ -8,6 +8,11 @@ tool-use trace calls the calculator with the expression and answers with its res
     tool:      56088
     assistant: 56088
 
+The fine-tuning traces come from a demonstrator who calls the calculator on a third of the
+problems and answers the others at once (the right product, worked out in their head): a model
+imitating them answers most problems in its head, and wrongly, while the traces that call the
+tool teach it to copy the result. RL with the tool in the loop has to learn that calling it pays.
+
 `calc` (the reward) scores the final assistant turn: the whole of it must be the product.
 Test problems never appear in any training file. The fine-tuning traces carry the
 calculator's schema (`tools`), which the chat template renders as the tool loop's prompts do.
@@ -35,9 +40,9 @@ _INTEGER = re.compile(r"-?\d+")
 class CalcSpec:
     low: int = 100
     high: int = 999
-    num_sft: int = 400
-    """Traces to fine-tune on: a small set, so that RL has errors left to remove."""
-    tool_share: float = 1.0
+    num_sft: int = 1200
+    """Traces to fine-tune on."""
+    tool_share: float = 0.33
     """The share of fine-tuning traces that call the calculator; the others answer at once (the
     right product, as a demonstrator who works it out in their head): a model imitating those
     cannot, and RL with the tool has to learn that calling it pays."""

@@ -396,6 +396,38 @@ def test_truncated_importance_weights_by_token_and_by_sequence():
     assert torch.allclose(factors, torch.full((1, 4), 2.0))
 
 
+def test_batch_normalised_importance_weights_average_one():
+    from rlsys.algorithms.rollout_correction import correction_factors, is_weight_mean
+    from rlsys.config.schema import RLJobConfig
+    from rlsys.stages.rl_update import old_logprobs_source
+
+    # token weights 2, 0.5, 1 (truncated at 2): mean 7/6 over the response tokens, padding aside
+    old = torch.tensor([[math.log(p) for p in [0.6, 0.1, 0.5, 1.0]]])
+    rollout = torch.tensor([[math.log(p) for p in [0.2, 0.2, 0.5, 0.3]]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    token = RolloutCorrectionConfig(rollout_is="token", rollout_is_batch_normalize=True)
+    assert is_weight_mean(old, rollout, mask, token) == pytest.approx(7 / 6)
+    factors, _ = correction_factors(old, rollout, mask, token, weight_mean=7 / 6)
+    assert factors[0, :3].tolist() == pytest.approx([2 * 6 / 7, 0.5 * 6 / 7, 6 / 7])
+    assert masked_mean_of(factors, mask) == pytest.approx(1.0)
+    # sequence: one weight a response (1.5 and 2 truncated from 4), an empty response left out
+    old2 = torch.cat([old, torch.tensor([[math.log(0.8), 0.0, 0.0, 0.0]]), torch.zeros(1, 4)])
+    rollout2 = torch.cat([rollout, torch.tensor([[math.log(0.2), 0.0, 0.0, 0.0]]), torch.zeros(1, 4)])
+    mask2 = torch.cat([mask, torch.tensor([[1.0, 0.0, 0.0, 0.0]]), torch.zeros(1, 4)])
+    sequence = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_batch_normalize=True)
+    assert is_weight_mean(old2, rollout2, mask2, sequence) == pytest.approx((1.5 + 2.0) / 2)
+    # the driver needs the old log-probs before the update: a trainer pass even when on-policy
+    cfg = RLJobConfig(model={"path": "m"}, data={"train_files": ["x"]}, reward={"terms": [{"name": "arith"}]},
+                      algorithm={"rollout_correction": {"rollout_is": "token"}})
+    assert old_logprobs_source(cfg) == "current"
+    cfg.algorithm.rollout_correction.rollout_is_batch_normalize = True
+    assert old_logprobs_source(cfg) == "trainer"
+
+
+def masked_mean_of(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((values * mask).sum() / mask.sum()).item()
+
+
 def test_rejection_by_token_sequence_and_geometric_mean():
     # token, [0.5, 2]: the ratio of 3 is dropped, 0.5 and 1 kept (IcePop's two-sided mask)
     factors, metrics = correction(**RATIOS_3_HALF_1, rollout_rs="token", rollout_rs_threshold=2.0)
@@ -449,6 +481,9 @@ def test_bad_rejection_settings_name_the_key():
         algo = AlgorithmConfig(rollout_correction=correction_cfg)
         with pytest.raises(ConfigError, match=f"algorithm.rollout_correction.rollout_rs: .*{message}"):
             check_algorithm(algo, ParallelConfig())
+    algo = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is_batch_normalize=True))
+    with pytest.raises(ConfigError, match="rollout_is_batch_normalize: normalises the importance weights"):
+        check_algorithm(algo, ParallelConfig())
 
 
 def test_veto_drops_a_response_and_corrections_compose():

@@ -64,7 +64,7 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
     pg_per_token, is_metrics = terms.per_token, {}
     if "rollout_logprobs" in micro:
         factors, is_metrics = correction_factors(old_logprobs, micro["rollout_logprobs"][:, 1:], mask,
-                                                 algo.rollout_correction)
+                                                 algo.rollout_correction, counts.get("is_weight_mean", 1.0))
         pg_per_token = pg_per_token * factors
     per_token, kl = pg_per_token, torch.zeros_like(current)
     if algo.kl_coef > 0:

@@ -31,15 +31,18 @@ SAFE_LOG_RATIO = 20.0
 
 
 def correction_factors(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-                       cfg: RolloutCorrectionConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       cfg: RolloutCorrectionConfig, weight_mean: float = 1.0
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """[B, T] factors for each token's policy-gradient loss (no gradient): importance weights
-    times 0 where a rejection or the veto drops the token; and [B, T] values whose mean over the
-    response tokens is a metric (the weights, where truncation acted, where a token was dropped).
-    Padding (NaN included) gets factor 1."""
+    (divided by `weight_mean`, the batch's mean weight when they are batch-normalised) times 0
+    where a rejection or the veto drops the token; and [B, T] values whose mean over the response
+    tokens is a metric (the weights, where truncation acted, where a token was dropped). Padding
+    (NaN included) gets factor 1."""
     log_ratio = masked(old_logprobs.detach() - rollout_logprobs, mask)
     factors, metrics = torch.ones_like(log_ratio), {}
     if cfg.rollout_is != "none":
         factors, truncated = truncated_is_weights(log_ratio, mask, cfg.rollout_is, cfg.rollout_is_threshold)
+        factors = factors / weight_mean
         metrics.update({"rollout_corr/is_weight": factors, "rollout_corr/truncated_frac": truncated})
     keep = torch.ones_like(log_ratio)
     bounds = rejection_bounds(cfg)
@@ -53,6 +56,18 @@ def correction_factors(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     if cfg.rejections or cfg.rollout_token_veto_threshold is not None:
         metrics["rollout_corr/rejected_frac"] = 1 - keep
     return factors * keep, metrics
+
+
+def is_weight_mean(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                   cfg: RolloutCorrectionConfig) -> float:
+    """The mean truncated importance weight over the batch's response tokens (`token`), or over its
+    responses (`sequence`: one weight each), as VeRL's `rollout_is_batch_normalize` takes it."""
+    log_ratio = masked(old_logprobs - rollout_logprobs, mask)
+    weights, _ = truncated_is_weights(log_ratio, mask, cfg.rollout_is, cfg.rollout_is_threshold)
+    if cfg.rollout_is == "sequence":
+        responses = mask.sum(-1) > 0
+        return weights[:, 0][responses].mean().item()
+    return masked(weights, mask).sum().item() / mask.sum().clamp(min=1).item()
 
 
 def truncated_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str,

@@ -101,6 +101,10 @@ class RolloutCorrectionConfig:
     every token of a response by min(product of its ratios, rollout_is_threshold)."""
     rollout_is_threshold: float = Field(default=2.0, gt=1)
     """Upper bound of the importance weights (VeRL's default)."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated weights by their mean over the step's batch (over response tokens, or
+    over responses with `sequence`), so that they average 1; takes a trainer pass for the old
+    log-probs (the driver computes the mean before the update)."""
     rollout_rs: str = "none"
     """Rejection, one criterion or several joined by commas (each must pass). token, sequence,
     geometric: drop tokens whose ratio, or responses whose product of ratios or geometric mean of

@@ -180,6 +180,9 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
         rejection_bounds(correction)
     except ValueError as err:
         raise ConfigError(f"algorithm.rollout_correction.rollout_rs: {err}") from None
+    if correction.rollout_is_batch_normalize and correction.rollout_is == "none":
+        raise ConfigError("algorithm.rollout_correction.rollout_is_batch_normalize: normalises the importance "
+                          "weights; set rollout_is: token or sequence")
     if correction.per_sequence and parallel.cp > 1:
         raise ConfigError("algorithm.rollout_correction: a sequence-level weight, rejection or veto needs each "
                           "sequence on one rank; not with parallel.cp > 1")

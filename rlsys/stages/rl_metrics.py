@@ -55,3 +55,15 @@ def mismatch(trainer: torch.Tensor | None, engine: torch.Tensor, batch: Batch) -
         return {}
     mask = batch["loss_mask"][:len(trainer)].bool()
     return mismatch_metrics(trainer[mask], engine[:int(mask.sum())], mask.sum(-1).tolist())
+
+
+def async_metrics(samples: list[Trajectory], step: int, stream, max_staleness: int) -> dict[str, float]:
+    """How stale the trained tokens are (policy versions behind the one updated): mean, max and each
+    share; and the groups the stream (`RolloutStream`) dropped for staleness, and generated again
+    after their engine died, so far."""
+    staleness = torch.tensor([step - 1 - v for t in samples for v in t.versions], dtype=torch.float32)
+    metrics = {"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
+               "async/dropped_groups": float(stream.dropped), "async/regenerated_groups": float(stream.regenerated)}
+    for lag in range(max_staleness + 1):
+        metrics[f"async/staleness_{lag}_share"] = (staleness == lag).float().mean().item()
+    return metrics

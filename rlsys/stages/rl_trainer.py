@@ -40,7 +40,6 @@ from rlsys.data.batching import (
     Batch,
     EpochSampler,
     collate_rollouts,
-    num_targets,
     on_last_response_token,
     on_response_tokens,
     split_rows,
@@ -52,7 +51,7 @@ from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.preflight import check_rl_job
-from rlsys.stages.rl_metrics import agent_metrics, dropped_metrics, mismatch, sample_metrics
+from rlsys.stages.rl_metrics import agent_metrics, async_metrics, dropped_metrics, mismatch, sample_metrics
 from rlsys.stages.rl_setup import (
     RLData,
     colocated_engines,
@@ -61,7 +60,14 @@ from rlsys.stages.rl_setup import (
     teacher_in_trainer,
     teacher_length,
 )
-from rlsys.stages.rl_update import mini_batches_per_step, needs_reference, old_logprobs_source, updates_per_step
+from rlsys.stages.rl_update import (
+    batch_is_weight_mean,
+    loss_counts,
+    mini_batches_per_step,
+    needs_reference,
+    old_logprobs_source,
+    updates_per_step,
+)
 from rlsys.stages.rollout_stream import RolloutStream
 from rlsys.stages.run_dir import finish_run, logged_metric
 from rlsys.stages.run_schedule import RunSchedule
@@ -198,7 +204,8 @@ class RLVRTrainer:
             **reward_metrics,
             **sample_metrics(samples, batch, timer.times),
             **(agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
-            **(self._async_metrics(samples, step) if self.stream is not None else {}),
+            **(async_metrics(samples, step, self.stream, cfg.train.max_staleness)
+               if self.stream is not None else {}),
             **mismatch(sampler_logprobs, engine_logprobs, batch),
             **logprob_metrics,
             **update_metrics,
@@ -316,17 +323,6 @@ class RLVRTrainer:
                    for lp, kept in zip(tokens.sampled, s.response_mask) if kept]
         return on_response_tokens(torch.tensor(sampled), batch)
 
-    def _async_metrics(self, samples: list[Trajectory], step: int) -> dict[str, float]:
-        """How stale the trained tokens are (policy versions behind the one updated): mean, max and each
-        share; and the groups dropped for staleness, and generated again after their engine died, so far."""
-        staleness = torch.tensor([step - 1 - v for t in samples for v in t.versions], dtype=torch.float32)
-        metrics = {"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
-                   "async/dropped_groups": float(self.stream.dropped),
-                   "async/regenerated_groups": float(self.stream.regenerated)}
-        for lag in range(self.cfg.train.max_staleness + 1):
-            metrics[f"async/staleness_{lag}_share"] = (staleness == lag).float().mean().item()
-        return metrics
-
     def _shaped_rewards(self, samples: list[Trajectory], scored: list[ScoredSample]) -> torch.Tensor:
         rewards = torch.tensor([s.score for s in scored])
         if self.cfg.reward.overlong_buffer_len:
@@ -379,13 +375,12 @@ class RLVRTrainer:
         any optimizer step (None when neither exists)."""
         algo = self.cfg.algorithm
         num_minis = mini_batches_per_step(self.cfg)
-        sums: dict[str, float] = {}
         sampler_logprobs = batch["old_logprobs"] if self.old_logprobs == "trainer" else None
+        weight_mean = batch_is_weight_mean(self.cfg, batch)
+        sums = {"rollout_corr/batch_norm_factor": weight_mean} if weight_mean is not None else {}
         for _ in range(algo.ppo_epochs):
             for mini in split_rows(batch, num_minis):
-                counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0],
-                          "horizon": self.cfg.rollout.response_budget}
-                metrics = {}
+                counts, metrics = loss_counts(self.cfg, mini, weight_mean), {}
                 if self.with_critic:
                     loss_fn = value_loss(counts, self.cfg.critic.cliprange_value, algo.loss_agg)
                     metrics.update(self.train_group.run_data_parallel("critic_step", mini, loss_fn=loss_fn)[0])

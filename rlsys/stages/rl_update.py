@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from rlsys.algorithms.rollout_correction import is_weight_mean
 from rlsys.config.rl import AlgorithmConfig
 from rlsys.config.schema import RLJobConfig
+from rlsys.data.batching import Batch, num_targets
 
 
 def mini_batches_per_step(cfg: RLJobConfig) -> int:
@@ -23,11 +25,13 @@ def old_logprobs_source(cfg: RLJobConfig) -> Literal["current", "trainer", "roll
     """Where the update's old log-probs come from. `auto`: the update's own forward when the
     update is on-policy (one update a step, synchronous, no KL in the reward, which needs the
     sampling policy's log-probs first, no R2 routing replay, which records the routing in that
-    pass), else a trainer forward pass before the update."""
+    pass, no batch-normalised importance weights, whose mean the driver takes over the old
+    log-probs), else a trainer forward pass before the update."""
     algo = cfg.algorithm
     if algo.old_logprobs != "auto":
         return algo.old_logprobs
     on_policy = (updates_per_step(cfg) == 1 and not algo.use_kl_in_reward and algo.router_replay != "r2"
+                 and not algo.rollout_correction.rollout_is_batch_normalize  # a mean over the batch's old ones
                  and cfg.train.async_mode == "off")  # asynchronous: older weights sampled
     return "current" if on_policy else "trainer"
 
@@ -35,3 +39,23 @@ def old_logprobs_source(cfg: RLJobConfig) -> Literal["current", "trainer", "roll
 def needs_reference(algo: AlgorithmConfig) -> bool:
     """A KL term, in the loss or in the reward, reads a frozen reference policy."""
     return algo.kl_coef > 0 or algo.use_kl_in_reward
+
+
+def loss_counts(cfg: RLJobConfig, mini: Batch, weight_mean: float | None) -> dict[str, float]:
+    """What a mini-batch's loss divides by, over every rank and micro-batch: its response
+    "tokens" and "sequences", the "horizon" (the response budget), and with batch-normalised
+    importance weights the batch's mean weight ("is_weight_mean")."""
+    counts = {"tokens": num_targets(mini), "sequences": mini["input_ids"].shape[0],
+              "horizon": cfg.rollout.response_budget}
+    if weight_mean is not None:
+        counts["is_weight_mean"] = weight_mean
+    return counts
+
+
+def batch_is_weight_mean(cfg: RLJobConfig, batch: Batch) -> float | None:
+    """The mean truncated importance weight of the step's batch, when the weights are batch-normalised."""
+    correction = cfg.algorithm.rollout_correction
+    if not (correction.rollout_is_batch_normalize and correction.rollout_is != "none"):
+        return None
+    mask = batch["loss_mask"][:, 1:]
+    return is_weight_mean(batch["old_logprobs"][:, 1:], batch["rollout_logprobs"][:, 1:], mask, correction)

@@ -24,6 +24,8 @@ from rlsys.algorithms.aggregation import aggregate
 from rlsys.algorithms.policy_loss import POLICY_LOSSES
 from rlsys.algorithms.rollout_correction import (
     DIVERGENCE_REJECTIONS,
+    correction_factors,
+    is_weight_mean,
     rejection_bounds,
     rejection_keep,
     sequence_mismatch_metrics,
@@ -135,6 +137,16 @@ def compare_rejection(verl: dict, option: str, data: dict) -> int:
     return int((ours != theirs).sum())
 
 
+def compare_batch_normalised(verl: dict, level: str, data: dict) -> float:
+    """The largest difference of the batch-normalised truncated importance weights, on response tokens."""
+    log_ratio, mask = data["old"] - data["logprobs"], data["mask"]
+    cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=1.5, rollout_is_batch_normalize=True)
+    ours, _ = correction_factors(data["old"], data["logprobs"], mask, cfg,
+                                 is_weight_mean(data["old"], data["logprobs"], mask, cfg))
+    theirs, _ = verl["compute_rollout_correction_weights"](log_ratio, mask, level, 1.5, True)
+    return (ours - theirs)[mask.bool()].abs().max().item()
+
+
 def compare_diagnostics(verl: dict, data: dict) -> dict[str, float]:
     """|ours - VeRL's| of each off-policy diagnostic both compute."""
     mask = data["mask"].bool()
@@ -164,6 +176,10 @@ def main() -> None:
         for option in DIVERGENCE_REJECTIONS:
             differ = sum(compare_rejection(corrections, option, batch(seed)) for seed in range(args.seeds))
             print(f"| {option} ({REJECTION_THRESHOLDS[option[-2:]]}) | {differ} |")
+        print("\n| batch-normalised weights | largest difference |\n|---|---|")
+        for level in ("token", "sequence"):
+            differ = max(compare_batch_normalised(corrections, level, batch(seed)) for seed in range(args.seeds))
+            print(f"| {level} (threshold 1.5) | {differ:.2e} |")
         print("\n| diagnostic | largest difference |\n|---|---|")
         differences = [compare_diagnostics(corrections, batch(seed)) for seed in range(args.seeds)]
         for name in differences[0]:

@@ -359,6 +359,8 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
         with pytest.raises(ConfigError, match=f"algorithm.policy_loss: {loss} reads whole sequences"):
             check_algorithm(AlgorithmConfig(policy_loss=loss), ParallelConfig(cp=2))
     check_algorithm(AlgorithmConfig(policy_loss="cispo"), ParallelConfig(cp=2))
+    with pytest.raises(ConfigError, match="algorithm.loss_agg: seq-mean-token-mean averages each sequence's tokens"):
+        check_algorithm(AlgorithmConfig(loss_agg="seq-mean-token-mean"), ParallelConfig(cp=2))
     with pytest.raises(ConfigError, match="algorithm.rollout_correction: with old_logprobs: rollout"):
         check_algorithm(AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token"),
                                         old_logprobs="rollout"), ParallelConfig())

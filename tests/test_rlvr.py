@@ -126,7 +126,7 @@ def logprob_gap(trainer: RLVRTrainer) -> float:
     samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, sampling, seed=1)
     batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                              trainer.tokenizer.pad_token_id)
-    ours = trainer._logprobs(batch)
+    ours = trainer._logprobs(batch)[0]
     return max((ours[row, len(s.prompt_ids):len(s.prompt_ids) + len(s.response_ids)]
                 - torch.tensor(s.logprobs)).abs().max().item() for row, s in enumerate(samples))
 
@@ -279,9 +279,9 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
         batch = sampled_batch(trainer)
         advantages = torch.tensor([1.0, -1.0] * 8)
         batch["advantages"] = advantages.unsqueeze(1) * batch["loss_mask"]
-        batch["old_logprobs"] = trainer._logprobs(batch)
+        batch["old_logprobs"] = trainer._logprobs(batch)[0]
         trainer._update(batch, train_actor=True)
-        change = ((trainer._logprobs(batch) - batch["old_logprobs"]) * batch["loss_mask"]).sum(1)
+        change = ((trainer._logprobs(batch)[0] - batch["old_logprobs"]) * batch["loss_mask"]).sum(1)
     finally:
         trainer.shutdown()
     up, down = change[advantages > 0], change[advantages < 0]

@@ -1,7 +1,7 @@
 """The OpenAI endpoint's streamed replies (`stream: true`): server-sent events in OpenAI's chunk format.
 
 A streamed call is sampled and recorded exactly as an unstreamed one; only its reply travels in
-pieces. Its text goes out as the engine samples it: after each engine step, the tokens so far are
+pieces. Its text goes out as the engine samples it: after an engine step, the tokens so far are
 decoded and what is new since the last chunk is sent, so the chunks' text joined is the reply's
 text (a step that ends inside a character waits for the next). A chat call with `tools` sends
 its reply after the turn instead, its content in one chunk and each tool call in one (the calls
@@ -13,31 +13,46 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable
 
 from aiohttp import web
 
+log = logging.getLogger(__name__)
+
 
 class TextDeltas:
-    """A turn's text as it is sampled: `on_tokens` (the engine's callback) queues each new piece."""
+    """A turn's text as it is sampled. The engine's callback (`on_tokens`) only keeps the latest
+    tokens; the reply's coroutine decodes them when it next runs (steps it missed coalesce), so a
+    slow client or a long reply never slows the engine's steps."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.sent = ""
-        self.pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        self.latest: list[int] = []
+        self.changed = asyncio.Event()
 
     def on_tokens(self, token_ids: list[int]) -> None:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.sent) or text == self.sent:
-            return  # a character not complete yet, or nothing new
-        self.pieces.put_nowait(text[len(self.sent):])
-        self.sent = text
+        self.latest = token_ids
+        self.changed.set()
+
+    def piece(self) -> str:
+        """The text new since the last piece ("" while a character is incomplete)."""
+        self.changed.clear()
+        text = self.tokenizer.decode(self.latest, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
 
     def rest(self, text: str) -> str:
         """What of the turn's final `text` is still to send."""
-        return text[len(self.sent):] if text.startswith(self.sent) else ""
+        if not text.startswith(self.sent):  # a tokenizer whose decoding of a prefix is not a prefix
+            log.warning("a streamed reply's pieces are not a prefix of its text; the rest is not sent")
+            return ""
+        return text[len(self.sent):]
 
 
 class ChunkStream:
@@ -71,14 +86,26 @@ class ChunkStream:
             await self._send({"object": "text_completion", "choices": [choice]})
 
     async def streamed(self, sampling: Awaitable, deltas: TextDeltas | None):
-        """Await `sampling` (the call's completion), sending `deltas`' pieces as they come."""
+        """Await `sampling` (the call's completion), sending `deltas`' pieces as they come. A failure
+        after the headers went out is sent as an error event (OpenAI's), ends the reply, and gives
+        None: the call is then recorded nowhere."""
         task = asyncio.ensure_future(sampling)
-        if deltas is None:
+        while deltas is not None and not task.done():
+            changed = asyncio.ensure_future(deltas.changed.wait())
+            await asyncio.wait({task, changed}, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if deltas.changed.is_set():
+                await self.text(deltas.piece())
+        try:
             return await task
-        task.add_done_callback(lambda _: deltas.pieces.put_nowait(None))
-        while (piece := await deltas.pieces.get()) is not None:
-            await self.text(piece)
-        return await task
+        except Exception as err:  # the engine failed: say so in the stream, as OpenAI's servers do
+            log.warning("a streamed call failed after its reply began: %s: %s", type(err).__name__, err)
+            await self._write(f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
+                              .encode())
+            if self.open:
+                await self.response.write_eof()
+            self.open = False
+            return None
 
     async def finish(self, finish_reason: str, usage: dict) -> web.StreamResponse:
         await self.delta({} if self.kind == "chat" else "", finish_reason)

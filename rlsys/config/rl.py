@@ -125,7 +125,7 @@ class RolloutCorrectionConfig:
 
     @property
     def active(self) -> bool:
-        return self.rollout_is != "none" or self.rollout_rs != "none" or self.rollout_token_veto_threshold is not None
+        return self.rollout_is != "none" or bool(self.rejections) or self.rollout_token_veto_threshold is not None
 
     @property
     def per_sequence(self) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ import numpy as np
 
 from rlsys.rollout.schedule import POLL_S, EngineSchedule, ScheduleDiverged, request_key
 from rlsys.rollout.vllm_compat import TokenVersions
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,11 +156,12 @@ class RequestEngine:
                     if output.finished:
                         self._streamed.pop(output.request_id, None)
                         for future, sampled in zip(self._running.pop(output.request_id), output.outputs):
-                            future.set_result(_completion(sampled, self._versions.finished(output.request_id,
-                                                                                           sampled)))
+                            if not future.done():  # a caller that gave up (cancelled) takes nothing
+                                future.set_result(_completion(sampled, self._versions.finished(output.request_id,
+                                                                                               sampled)))
                         self._versions.done(output.request_id)
                     elif output.request_id in self._streamed:
-                        self._streamed[output.request_id](list(output.outputs[0].token_ids))
+                        self._stream(output.request_id, list(output.outputs[0].token_ids))
         except BaseException as err:  # the engine failed: every waiting coroutine gets the error
             self.schedule.failed = err
             for future in [*(f for futures in self._running.values() for f in futures),
@@ -168,6 +172,15 @@ class RequestEngine:
             self._streamed.clear()
             self._submitted.clear()
             raise
+
+    def _stream(self, request_id: str, token_ids: list[int]) -> None:
+        """Hand a streamed request its tokens so far; a callback that fails is dropped (its request goes
+        on, unstreamed), never the engine."""
+        try:
+            self._streamed[request_id](token_ids)
+        except Exception:
+            log.exception("a streamed request's callback failed; the request goes on without it")
+            del self._streamed[request_id]
 
     def _add_submitted(self) -> None:
         """Add the submitted requests in order. A run of requests for the same prompt with the same

@@ -160,6 +160,7 @@ def check_eval_job(cfg: EvalJobConfig) -> None:
 def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
     """Imports `algorithm.extensions`, then checks the estimator and loss names against the registries."""
     from rlsys.algorithms.advantages import ADVANTAGES
+    from rlsys.algorithms.aggregation import aggregates_per_sequence
     from rlsys.algorithms.policy_loss import POLICY_LOSSES
     from rlsys.algorithms.rollout_correction import rejection_bounds
     from rlsys.user_code import import_user_code
@@ -171,6 +172,9 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
         if name not in registry:
             raise ConfigError(f"algorithm.{key}: unknown {registry.kind} {name!r}; registered: "
                               f"{', '.join(registry.names())} (or add one with algorithm.extensions)")
+    if aggregates_per_sequence(algo.loss_agg) and parallel.cp > 1:
+        raise ConfigError(f"algorithm.loss_agg: {algo.loss_agg} averages each sequence's tokens, which needs each "
+                          "sequence on one rank; not with parallel.cp > 1 (token-mean or seq-mean-token-sum are)")
     if POLICY_LOSSES[algo.policy_loss].whole_sequences and parallel.cp > 1:
         raise ConfigError(f"algorithm.policy_loss: {algo.policy_loss} reads whole sequences (a sequence's ratio "
                           "or mean, the micro-batch's statistics), which needs each sequence on one rank; "

@@ -58,4 +58,5 @@ def batch_is_weight_mean(cfg: RLJobConfig, batch: Batch) -> float | None:
     if not (correction.rollout_is_batch_normalize and correction.rollout_is != "none"):
         return None
     mask = batch["loss_mask"][:, 1:]
-    return is_weight_mean(batch["old_logprobs"][:, 1:], batch["rollout_logprobs"][:, 1:], mask, correction)
+    mean = is_weight_mean(batch["old_logprobs"][:, 1:], batch["rollout_logprobs"][:, 1:], mask, correction)
+    return mean if mean > 1e-8 else 1.0  # no weight to speak of: left as they are, as VeRL leaves them

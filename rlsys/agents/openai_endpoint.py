@@ -130,7 +130,8 @@ class OpenAIEndpoint:
         async with session.lock:
             call = session.chat.chat_call(messages, tools)
             prompt_tokens = len(call.prompt_ids)
-            completion, deltas = await self._sample(session, call, asked, stream, streams_text=not tools)
+            deltas = TextDeltas(self.tokenizer) if stream and not tools else None  # calls are read whole
+            completion = await self._sample(session, call, asked, stream, deltas)
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if completion else ""
             calls = [c for c in self.parser.parse(text) if not c.error] if tools and completion else []
             reply = {"role": "assistant", "content": _content(self.parser, text) if calls else text}
@@ -170,7 +171,8 @@ class OpenAIEndpoint:
         async with session.lock:
             call = session.chat.prompt_call(prompt_ids)
             prompt_tokens = len(call.prompt_ids)
-            completion, deltas = await self._sample(session, call, asked, stream, streams_text=True)
+            deltas = TextDeltas(self.tokenizer) if stream else None
+            completion = await self._sample(session, call, asked, stream, deltas)
             if completion:
                 session.chat.record(call, completion)
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if completion else ""
@@ -190,22 +192,21 @@ class OpenAIEndpoint:
         return session
 
     async def _sample(self, session: Session, call, asked: int | None, stream: ChunkStream | None = None,
-                      streams_text: bool = False) -> tuple[object, TextDeltas | None]:
+                      deltas: TextDeltas | None = None):
         """The call's sampled turn under the run's sampling, at most `asked` tokens, or None when no
-        token is left to it; and, when `stream` is given (started here), the text pieces sent while it
-        was sampled (when `streams_text`)."""
+        token is left to it. With `stream` (started here) the reply is streamed, its text pieces
+        sent as `deltas` collects them when given."""
         sampling = session.sampling
         tokens = min(sampling.max_new_tokens, session.chat.budget(call), asked or sampling.max_new_tokens)
-        deltas = TextDeltas(self.tokenizer) if stream and streams_text else None
         if stream:
             await stream.start()
         if tokens <= 0:
-            return None, deltas
+            return None
         seed = session.request.seed + session.calls * TURN_SEED_STRIDE
         session.calls += 1
         sampled = self.engine.generate(call.prompt_ids, sampling_params(sampling, seed, tokens),
                                        on_tokens=deltas.on_tokens if deltas else None)
-        return (await stream.streamed(sampled, deltas) if stream else await sampled), deltas
+        return await stream.streamed(sampled, deltas) if stream else await sampled
 
 
 def _asked_tokens(body: dict) -> int | None:

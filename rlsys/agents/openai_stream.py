@@ -60,6 +60,7 @@ class ChunkStream:
 
     def __init__(self, request: web.Request, kind: str, model: str, include_usage: bool):
         self.request, self.kind, self.model, self.include_usage = request, kind, model, include_usage
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -78,12 +79,8 @@ class ChunkStream:
 
     async def delta(self, delta, finish_reason: str | None = None) -> None:
         """One chunk: a chat delta (a dict) or a completion's text."""
-        if self.kind == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            await self._send({"object": "chat.completion.chunk", "choices": [choice]})
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
-            await self._send({"object": "text_completion", "choices": [choice]})
+        content = {"delta": delta} if self.kind == "chat" else {"text": delta}
+        await self._send({"choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}]})
 
     async def streamed(self, sampling: Awaitable, deltas: TextDeltas | None):
         """Await `sampling` (the call's completion), sending `deltas`' pieces as they come. A failure
@@ -110,15 +107,14 @@ class ChunkStream:
     async def finish(self, finish_reason: str, usage: dict) -> web.StreamResponse:
         await self.delta({} if self.kind == "chat" else "", finish_reason)
         if self.include_usage:
-            await self._send({"object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                              "choices": [], "usage": usage})
+            await self._send({"choices": [], "usage": usage})
         await self._write(b"data: [DONE]\n\n")
         if self.open:
             await self.response.write_eof()
         return self.response
 
     async def _send(self, chunk: dict) -> None:
-        chunk = {"id": self.id, "created": self.created, "model": self.model, **chunk}
+        chunk = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, **chunk}
         await self._write(f"data: {json.dumps(chunk)}\n\n".encode())
 
     async def _write(self, data: bytes) -> None:

@@ -408,7 +408,8 @@ def test_failing_harnesses_drop_their_samples_and_say_why(engine):
 
 def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engine):
     """Requests without the token, or with another, are refused (401); a session that is not open is
-    not found (404); the server binds the node's address, not 0.0.0.0."""
+    not found (404), a streamed call without it sends no event; the server binds the node's address,
+    not 0.0.0.0."""
     import aiohttp
     import openai
     import ray
@@ -433,6 +434,11 @@ def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engin
             right = {"Authorization": f"Bearer {endpoint.token}"}
             async with http.post(f"{url}/s/closed/v1/chat/completions", json=body, headers=right) as reply:
                 statuses["unknown session"] = reply.status
+            for name, headers in [("none", {}), ("right", right)]:  # a streamed call is refused before it starts
+                async with http.post(f"{url}/s/{session_id}/v1/chat/completions", json={**body, "stream": True},
+                                     headers=headers) as reply:
+                    statuses[f"stream/{name}"] = reply.status
+                    statuses[f"stream/{name} events"] = "data: " in await reply.text()
         wrong_key = openai.AsyncOpenAI(base_url=f"{url}/s/{session_id}/v1", api_key="not-the-token", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await wrong_key.chat.completions.create(model="policy", messages=messages)
@@ -442,7 +448,9 @@ def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engin
 
     url, statuses = asyncio.run(probe())
     assert statuses == {"models/none": 401, "chat/none": 401, "models/wrong": 401, "chat/wrong": 401,
-                        "models/right": 200, "chat/right": 200, "unknown session": 404}
+                        "models/right": 200, "chat/right": 200, "unknown session": 404,
+                        "stream/none": 401, "stream/none events": False,
+                        "stream/right": 200, "stream/right events": True}
     assert url.removeprefix("http://").rsplit(":", 1)[0] == ray.util.get_node_ip_address()
 
 

@@ -76,6 +76,21 @@ def test_trajectories_travel_with_their_routing():
     assert columns.routing is None and all(t.routing is None for t in columns.unpack({0: [1, 2]}))
 
 
+def test_an_episodes_earlier_segments_travel_with_it():
+    """Between actors as columns, and in an asynchronous run's checkpoint as JSON."""
+    import json
+
+    from rlsys.stages.rollout_stream import _restored, _saved
+
+    first = Trajectory(0, [1, 2], [3, 4], [1, 1], [-0.5, -0.25], [0, 0], "", "rewritten", num_turns=1)
+    episode = Trajectory(0, [5, 6], [7], [1], [-0.125], [1], "7", "stop", num_turns=2, earlier=[first])
+    plain = Trajectory(0, [1, 2], [8], [1], [-0.375], [1], "8", "stop")
+    requests = [RolloutRequest(0, [1, 2], j, seed=j) for j in range(2)]
+    assert Trajectories.of([episode, plain], requests).unpack({0: [1, 2]}) == [episode, plain]
+    assert _restored(json.loads(json.dumps(_saved(episode)))) == episode
+    assert episode.segments() == [first, episode] and episode.segments("last") == [episode]
+
+
 def test_a_trajectory_is_the_prompt_the_sampled_turns_and_the_tool_turns_exactly(engine, tool_caller,
                                                                                 calculator_tools):
     assert_tool_trajectories(engine, tool_caller, calculator_tools, "tool")
@@ -360,9 +375,11 @@ def test_a_streamed_call_samples_and_records_what_the_unstreamed_call_does(engin
         assert max(t.reward_info["chunks"] for t in streamed) >= 3, api
 
 
-def test_openai_harness_that_rewrites_its_history_trains_on_the_last_segment(engine):
+def test_openai_harness_that_rewrites_its_history_keeps_every_segment(engine):
     """A call that does not continue the session's tokens starts a new segment, counted as a prefix
-    break; the trajectory is that last segment, with the prompt the harness rendered."""
+    break: the episode is the first call's segment (the row's prompt) and the last (the prompt the
+    harness rendered), each with its own sampled tokens and log-probs, and survives the trip
+    between actors as columns; the reward's text is the last segment's."""
     tokenizer = engine.tokenizer
     messages, prompt_ids = _question(tokenizer)
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, max_response_tokens=16)
@@ -370,9 +387,68 @@ def test_openai_harness_that_rewrites_its_history_trains_on_the_last_segment(eng
     trajectories = columns.unpack({0: prompt_ids})
     _, edited_ids = _question_text(tokenizer, QUESTION + " ")
     for trajectory in trajectories:
-        assert trajectory.prefix_breaks == 1 and trajectory.num_turns == 1
-        assert trajectory.prompt_ids == edited_ids != prompt_ids
-        assert trajectory.response_mask == [1] * len(trajectory.response_ids) and len(trajectory.response_ids) <= 4
+        [first] = trajectory.earlier
+        assert trajectory.prefix_breaks == 1 and trajectory.num_turns == 2 and first.num_turns == 1
+        assert first.prompt_ids == prompt_ids and trajectory.prompt_ids == edited_ids != prompt_ids
+        for segment in (first, trajectory):
+            assert segment.response_mask == [1] * len(segment.response_ids) and 1 <= len(segment.response_ids) <= 4
+            assert len(segment.logprobs) == len(segment.response_ids)
+        assert trajectory.text == tokenizer.decode(trajectory.response_ids, skip_special_tokens=True)
+        assert [s.prompt_ids for s in trajectory.segments()] == [prompt_ids, edited_ids]
+        assert trajectory.segments("last") == [trajectory]
+
+
+def test_a_context_hook_that_rewrites_the_history_starts_a_new_segment(engine, calculator_tools):
+    """The tool loop hands the hook the conversation before each turn after the first; the hook
+    here drops the question after the tool's answer, so the second turn's prompt is the template's
+    rendering of what it returned, and the first turn (the call) is the episode's earlier segment,
+    with the prompt the row began with."""
+    tokenizer = engine.tokenizer
+    schemas = [s.schema for s in calculator_tools]
+    messages, prompt_ids = _question(tokenizer, schemas)
+    seen = []
+
+    def forget_the_question(history: list[dict], tokenizer) -> list[dict]:
+        seen.append(history)
+        return [m for m in history if m["role"] != "user"] if history[-1]["role"] == "tool" else history
+
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=100, max_response_tokens=200)
+    engine.loops["hooked"] = type(engine.loops["tool"]).bind(forget_the_question)(engine.loops["tool"].context)
+    try:
+        columns = asyncio.run(engine.rollout([(0, prompt_ids, {"prompt": messages})], "hooked", 4, sampling, seed=5))
+    finally:
+        del engine.loops["hooked"]
+    episodes = [t for t in columns.unpack({0: prompt_ids}) if t.tool_calls == 1]
+    assert len(episodes) >= 3 and len(seen) >= len(episodes)
+    for episode in episodes:
+        [call] = episode.earlier
+        assert call.prompt_ids == prompt_ids and call.response_mask == [1] * len(call.response_ids)
+        [parsed] = HermesParser().parse(tokenizer.decode(call.response_ids))
+        kept = [{"role": "assistant", "content": tokenizer.decode(call.response_ids, skip_special_tokens=True)},
+                {"role": "tool", "content": calculator(**parsed.arguments)}]
+        assert episode.prompt_ids == tokenizer(tokenizer.apply_chat_template(
+            kept, tools=schemas, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        assert episode.response_mask == [1] * len(episode.response_ids) and episode.num_turns == 2
+    assert sum(h[0] == messages[0] for h in seen) >= len(episodes)  # each episode's first history is the row's
+
+
+def test_drop_tool_outputs_drops_the_oldest_outputs_until_the_history_fits(engine):
+    """The built-in hook blanks the oldest tool outputs one at a time until the conversation fits
+    its budget, keeps the newest output whatever the budget, and leaves a history that fits as it is."""
+    from rlsys.agents.context_hooks import DROPPED_OUTPUT, resolve_context_hook
+    from rlsys.data.examples import chat_ids
+
+    tokenizer = engine.tokenizer
+    history = [{"role": "user", "content": QUESTION}]
+    for result in ("1" * 40, "2" * 40, "3" * 40):
+        history += [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": result}]
+    size = lambda messages: len(chat_ids(messages, tokenizer, add_generation_prompt=True))  # noqa: E731
+    outputs = lambda messages: [m["content"] for m in messages if m["role"] == "tool"]  # noqa: E731
+    assert resolve_context_hook("drop_tool_outputs", size(history))(history, tokenizer) == history
+    one_dropped = resolve_context_hook("drop_tool_outputs", size(history) - 1)(history, tokenizer)
+    assert outputs(one_dropped) == [DROPPED_OUTPUT, "2" * 40, "3" * 40] and outputs(history)[0] == "1" * 40
+    all_but_the_newest = resolve_context_hook("drop_tool_outputs", 1)(history, tokenizer)
+    assert outputs(all_but_the_newest) == [DROPPED_OUTPUT] * 2 + ["3" * 40]
 
 
 def _question_text(tokenizer, question: str) -> tuple[str, list[int]]:

@@ -756,3 +756,19 @@ def test_bradley_terry_by_hand():
     assert out.loss.item() == pytest.approx((-torch.nn.functional.logsigmoid(margins)).sum().item() / 4)
     assert out.metrics["rm/accuracy"].item() == pytest.approx(1 / 4)
     assert out.metrics["rm/margin"].item() == pytest.approx(0.5 / 4)
+
+
+def test_an_episodes_segments_share_its_advantage_and_its_token_rewards_count_once():
+    """Rows 0-1 are one episode (two segments), row 2 another, in one group: the estimator sees two
+    episodes whose scores are every segment's token rewards (a penalty of -0.5 on the first segment,
+    the outcome 1 on the second), and the first segment takes the episode's advantage; rloo's
+    baseline is the other episode, not the other segment."""
+    from rlsys.algorithms.advantages import episode_advantages
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]])
+    rewards = torch.tensor([[0.0, -0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    inputs = AdvantageInputs(rewards, mask, torch.tensor([0, 0, 0]))
+    result = episode_advantages(inputs, torch.tensor([0, 0, 1]), AlgorithmConfig(adv_estimator="rloo"))
+    assert torch.allclose(result, torch.tensor([0.5, 0.5, -0.5]).unsqueeze(1) * mask)
+    plain = episode_advantages(inputs, torch.tensor([0, 1, 2]), AlgorithmConfig(adv_estimator="rloo"))
+    assert torch.equal(plain, compute_advantages(inputs, AlgorithmConfig(adv_estimator="rloo")))

@@ -119,6 +119,12 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
                                       "rollout.agent_entry"),
         (("rollout.agent_loop=openai", "rollout.agent_entry=tests/assets/openai_harness.py:not_async"),
          "rollout.agent_entry: " + os.path.abspath("tests/assets/openai_harness.py") + " has no async function"),
+        ("rollout.context_hook=drop_tool_outputs", "rollout.context_hook: the tool loop runs a context hook, not "
+                                                   "single_turn"),
+        (("rollout.agent_loop=tool", "tools.names=[calculator]", "rollout.context_hook=drop_old"),
+         "rollout.context_hook: 'drop_old' is neither a built-in hook (drop_tool_outputs) nor path/to/file.py"),
+        (("rollout.agent_loop=openai", "rollout.agent_entry=tests/assets/openai_harness.py:run",
+          "algorithm.adv_estimator=gae"), "rollout.train_segments: gae's critic returns are per segment"),
     ],
 )
 def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, override, expected):

@@ -19,13 +19,14 @@ from parity import (
     parity_batches,
     reference_gradients,
     reference_logprobs,
+    reference_model,
     trained_gradients,
 )
 
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
-from rlsys.algorithms.lm_loss import nll_loss
+from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
 from rlsys.data.batching import num_targets, split_rows, token_budget_sizes
 
 LAYOUTS = {  # name: overrides
@@ -142,3 +143,48 @@ def test_token_budget_sets_the_pipeline_micro_batches(ray_cluster, sft_config, t
     assert_gradients_match(got_rl, rl_grads)
     expected = reference_logprobs(tiny_model_dir, sft) * sft["attention_mask"]
     assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
+
+
+@pytest.mark.timeout(600)
+def test_episodes_of_several_segments_train_every_segment_with_the_episodes_advantage(ray_cluster, sft_config,
+                                                                                     tiny_model_dir, batches):
+    """8 episodes in 4 GRPO groups, 4 of them of two segments (12 rows): each segment takes its
+    episode's advantage, the group baseline counting episodes; the policy loss's gradients are
+    -(1/N) sum over every sampled token of every segment of A_episode * grad log p (on-policy,
+    token-mean), and FSDP2 over 2 ranks gives the same gradients."""
+    from rlsys.algorithms.advantages import AdvantageInputs, episode_advantages
+    from rlsys.config.rl import AlgorithmConfig
+    from rlsys.data.batching import on_last_response_token
+
+    _, rl, _ = batches
+    episode_of = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 7])
+    group_of_episode = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    last = torch.tensor([False, True, True, False, True, True, False, True, True, True, False, True])
+    row_rewards = torch.zeros(12).masked_scatter(last, rewards)
+    algo = AlgorithmConfig(adv_estimator="grpo")
+    batch = {k: rl[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+    inputs = AdvantageInputs(on_last_response_token(row_rewards, batch), batch["loss_mask"],
+                             group_of_episode[episode_of])
+    batch["advantages"] = episode_advantages(inputs, episode_of, algo)
+
+    per_episode = torch.tensor([0.7071, -0.7071, -0.7071, 0.7071, 0.0, 0.0, -0.7071, 0.7071])  # (r - mean) / std
+    expected = per_episode[episode_of].unsqueeze(1) * batch["loss_mask"]
+    assert (batch["advantages"] - expected).abs().max() < 1e-4
+
+    counts = {"tokens": num_targets(batch), "sequences": 12}
+    _, grads = reference_gradients(tiny_model_dir, batch, actor_loss(counts, algo))
+    model = reference_model(tiny_model_dir)
+    logprobs = logprobs_of_labels(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                  batch["input_ids"])
+    by_hand = -(batch["advantages"][:, 1:] * logprobs * batch["loss_mask"][:, 1:]).sum() / counts["tokens"]
+    by_hand.backward()
+    assert_gradients_match(grads, {name: p.grad for name, p in model.named_parameters()})
+
+    cfg = sft_config("parallel.dp_shard=2", f"train.micro_batch_size={MICRO_BATCH}")
+    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
+    try:
+        [(_, got)] = trained_gradients(group, (batch, actor_loss(counts, algo)))
+    finally:
+        group.shutdown()
+    assert_gradients_match(got, grads)

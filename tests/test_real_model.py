@@ -276,7 +276,8 @@ def test_the_openai_endpoint_never_retokenizes_sampled_bpe_turns(real_engine, re
         if trajectory.prefix_breaks:  # the re-sent transcript is the new segment's prompt, as the harness wrote it
             breaks += 1
             assert trajectory.prompt_ids[:len(prompt_ids)] == prompt_ids != trajectory.prompt_ids
-            assert trajectory.num_turns == 1
+            [first] = trajectory.earlier  # the first call's segment: the row's prompt and its reply
+            assert first.prompt_ids == prompt_ids and trajectory.num_turns == 2 and first.num_turns == 1
         else:  # the reply re-encoded to its own ids: both calls in one segment, the newline masked
             first_turn = next(i for i, m in enumerate(trajectory.response_mask) if m == 0)
             reply = tokenizer.decode(trajectory.response_ids[:first_turn])

@@ -386,18 +386,23 @@ def test_an_engine_that_cannot_start_says_why(ray_cluster, rl_config):
 def test_an_openai_client_harness_is_trained_on_and_its_failures_are_dropped(ray_cluster, rl_config):
     """`rollout.agent_loop: openai`: the harness (tests/assets/openai_harness.py) answers through the
     engine's endpoint; what it recorded is what the trainer computes log-probs of (the engine's equal
-    the trainer's), and the prompts it fails on are left out of the step and counted."""
+    the trainer's), every segment of an episode whose history it rewrote included, and the prompts
+    it fails on are left out of the step and counted."""
     harness = os.path.join(os.path.dirname(__file__), "assets", "openai_harness.py")
     cfg = rl_config("rollout.agent_loop=openai", f"rollout.agent_entry={harness}:run", "rollout.agent_timeout_s=30",
                     "eval=null", "algorithm.kl_coef=0", "reward.terms=[{name: arith}]")
     trainer = RLVRTrainer(cfg)
     try:
         assert engine_length(trainer) == 256  # a harness writes the requests: the model's context
-        failing = sum(sum(map(ord, trainer.prompts[i].messages[-1]["content"])) % 4 == 0
-                      for i in copy.deepcopy(trainer.sampler).next_indices())
+        remainders = [sum(map(ord, trainer.prompts[i].messages[-1]["content"])) % 4
+                      for i in copy.deepcopy(trainer.sampler).next_indices()]
         step = trainer.step(1)
     finally:
         trainer.shutdown()
-    assert 0 < failing < cfg.train.prompts_per_step
-    assert step["agent/dropped_error"] == failing * cfg.rollout.n and step["agent/prefix_breaks"] == 0
+    failing, rewritten = remainders.count(0), remainders.count(1)
+    assert 0 < failing < cfg.train.prompts_per_step and rewritten > 0
+    assert step["agent/dropped_error"] == failing * cfg.rollout.n
+    assert step["agent/prefix_breaks"] == rewritten * cfg.rollout.n
+    episodes = len(remainders) - failing
+    assert step["agent/segments_mean"] == pytest.approx((episodes + rewritten) / episodes)
     assert step["rollout/logprob_abs_diff"] < 1e-4 and step["actor/entropy"] > 0

@@ -12,9 +12,9 @@ session turns each call into token ids without re-tokenizing anything the engine
   starts with the recorded tokens.
 
 A call that does neither (the harness edited or dropped earlier messages, or a template that
-re-renders earlier turns differently) is a prefix break: it starts a new segment. The
-trajectory trained on is the last segment, the one that ends in the harness's answer; the
-earlier segments are dropped and the breaks counted (`agent/prefix_breaks`).
+re-renders earlier turns differently) is a prefix break: it starts a new segment, and the
+breaks are counted (`agent/prefix_breaks`). Every segment is trained on (`Trajectory.earlier`),
+with the advantage of the episode, whose last segment ends in the harness's answer.
 """
 
 from __future__ import annotations

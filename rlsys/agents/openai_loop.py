@@ -4,8 +4,9 @@ The harness is the user's `async def run(client: openai.AsyncOpenAI, row: dict) 
 (`rollout.agent_entry: FILE:function`). For each trajectory the loop opens a session on its
 engine's OpenAI endpoint (`OpenAIEndpoint`), gives the harness a client whose base URL is that
 session's route, and runs it under `rollout.agent_timeout_s`. Every call the harness makes is
-recorded token-exact (`ChatSession`); the trajectory is the session's last segment, and what
-the harness returns is the response the reward scores: a string, or
+recorded token-exact (`ChatSession`); the trajectory is the session's episode, every segment
+of it (a call that rewrote the history starts a new one), and what the harness returns is the
+response the reward scores with the last segment: a string, or
 `{"response": str, "extra_info": dict}` whose extra_info joins the reward's.
 
 A harness that raises, runs past its time, returns something else or never calls the endpoint
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from dataclasses import replace
 
 from rlsys.agents.chat import ChatTurns
 from rlsys.agents.loop import AgentContext, AgentLoop, register_agent_loop
@@ -81,7 +83,7 @@ class OpenAILoop(AgentLoop):
 
 
 def _trajectory(request: RolloutRequest, chat, answer) -> Trajectory:
-    """The session's last segment, scored on `answer`."""
+    """The session's episode: its last segment, scored on `answer`, with the segments before it."""
     if isinstance(answer, dict) and isinstance(answer.get("response"), str):
         text, extra_info = answer["response"], answer.get("extra_info") or {}
     elif isinstance(answer, str):
@@ -92,12 +94,20 @@ def _trajectory(request: RolloutRequest, chat, answer) -> Trajectory:
         return _dropped(request, chat, "error")
     if not chat.segments:
         return _dropped(request, chat, "no_call")
-    segment = chat.segments[-1]
+    *earlier, last = [_segment(request, segment) for segment in chat.segments]
+    calls = sum(segment.calls for segment in chat.segments)
+    tool_calls = sum(segment.tool_calls for segment in chat.segments)
+    return replace(last, text=text, num_turns=calls, tool_calls=tool_calls, prefix_breaks=chat.prefix_breaks,
+                   reward_info={"num_turns": calls, "tool_calls": tool_calls,
+                                **(extra_info if isinstance(extra_info, dict) else {})},
+                   earlier=earlier)
+
+
+def _segment(request: RolloutRequest, segment) -> Trajectory:
+    """One segment of the session as a trajectory of its own (the reward's text is the last one's)."""
     return Trajectory(request.prompt_index, segment.prompt_ids, segment.ids, segment.mask, segment.logprobs,
-                      segment.versions, text=text, finish_reason=segment.finish_reason, num_turns=segment.calls,
-                      tool_calls=segment.tool_calls, prefix_breaks=chat.prefix_breaks,
-                      reward_info={"num_turns": segment.calls, "tool_calls": segment.tool_calls,
-                                   **(extra_info if isinstance(extra_info, dict) else {})})
+                      segment.versions, text="", finish_reason=segment.finish_reason, num_turns=segment.calls,
+                      tool_calls=segment.tool_calls)
 
 
 def _dropped(request: RolloutRequest, chat, reason: str) -> Trajectory:

@@ -5,6 +5,11 @@ it (the model's sampled turns and the tool or environment turns between them, ea
 tokenized once), a mask that is 1 on sampled tokens and 0 on the rest, and the engine's
 log-prob of every sampled token. The trainer consumes trajectories only: its losses,
 entropy, KL and advantages read the mask, whatever loop made the trajectory.
+
+An episode (what one request produced) may hold several segments: a loop whose agent
+rewrote its history (a summary, dropped tool outputs) starts a new one, with its own prompt.
+The loop returns the last segment, the one the reward scores, with the earlier ones in
+`earlier`; the trainer makes each segment a row of its batch, tagged with its episode.
 """
 
 from __future__ import annotations
@@ -86,10 +91,31 @@ class Trajectory:
     routing: np.ndarray | None = None
     """[tokens, hidden layers, k]: the experts the engine routed the trajectory's first tokens (prompt, then
     response) to in its last model turn, which computed every token before it (R3); None when not returned."""
+    earlier: list[Trajectory] = field(default_factory=list)
+    """The episode's earlier segments, oldest first, each with its own prompt (the history it ended with
+    was rewritten before the next model turn); empty for an episode of one segment."""
 
     @property
     def sampled_tokens(self) -> int:
         return sum(self.response_mask)
+
+    def segments(self, which: str = "all") -> list[Trajectory]:
+        """The episode's segments to train on, oldest first: all of them (those with a sampled token),
+        or the last alone."""
+        if which == "last":
+            return [self]
+        return [*(segment for segment in self.earlier if segment.sampled_tokens), self]
+
+
+def episode_rows(episodes: list[Trajectory], which: str = "all") -> tuple[list[Trajectory], list[int]]:
+    """The segments of `episodes` to train on (`Trajectory.segments`), each a row, episode after episode,
+    and the index of each row's episode."""
+    rows, episode_of = [], []
+    for index, episode in enumerate(episodes):
+        segments = episode.segments(which)
+        rows += segments
+        episode_of += [index] * len(segments)
+    return rows, episode_of
 
 
 @dataclass
@@ -121,6 +147,8 @@ class Trajectories:
     own_prompts: dict[int, list[int]] = field(default_factory=dict)
     """The prompt ids of each trajectory (by position) whose prompt is not its request's: an agent
     harness writes its own (the `openai` loop)."""
+    earlier: dict[int, list[Trajectory]] = field(default_factory=dict)
+    """The earlier segments of each trajectory (by position) that has any."""
     stats: dict[str, float] = field(default_factory=dict)
     """The engine's own figures of the rollout: its wall time (rollout_s) and the time in engine steps (engine_s)."""
 
@@ -139,7 +167,7 @@ class Trajectories:
                    column("num_turns", np.int32), column("tool_calls", np.int32), column("tool_errors", np.int32),
                    column("tool_seconds", np.float64), [t.reward_info for t in trajectories],
                    column("prefix_breaks", np.int32), [t.dropped for t in trajectories], *_routing(trajectories),
-                   own_prompts, stats or {})
+                   own_prompts, {i: t.earlier for i, t in enumerate(trajectories) if t.earlier}, stats or {})
 
     def unpack(self, prompt_ids: dict[int, list[int]]) -> list[Trajectory]:
         """One `Trajectory` per request; `prompt_ids`: the ids of each prompt index."""
@@ -152,7 +180,7 @@ class Trajectories:
         routings = self._routings()
         return [Trajectory(index, self.own_prompts.get(i, prompt_ids[index]), ids[start:end], masks[start:end],
                            logprobs[ls:le], versions[ls:le], text, finish, int(turns), int(calls), int(errors),
-                           float(seconds), info, int(breaks), dropped, routings[i])
+                           float(seconds), info, int(breaks), dropped, routings[i], self.earlier.get(i, []))
                 for i, (index, start, end, ls, le, text, finish, turns, calls, errors, seconds, info, breaks, dropped)
                 in enumerate(zip(self.prompt_index.tolist(), starts, ends, sampled_starts, sampled_ends, self.texts,
                                  self.finish_reasons, self.num_turns, self.tool_calls, self.tool_errors,

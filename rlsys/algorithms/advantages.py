@@ -43,6 +43,38 @@ def compute_advantages(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.
     return ADVANTAGES[algo.adv_estimator](inputs, algo)
 
 
+def episode_ends(episodes: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rows that end their episode (`episodes`: each row's episode, its rows consecutive)."""
+    ends = torch.ones_like(episodes, dtype=torch.bool)
+    ends[:-1] = episodes[1:] != episodes[:-1]
+    return ends
+
+
+def episode_advantages(inputs: AdvantageInputs, episodes: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
+    """Advantages of rows that are the segments of episodes (`episodes`: each row's episode, 0, 1, ...,
+    its rows consecutive, the last the one its reward is on). The estimator sees one row per episode,
+    its last segment, with the token rewards of the earlier segments (a KL or teacher penalty) added on
+    its last response token, so the group baseline counts episodes; each earlier segment takes the
+    advantage of its episode's first sampled token on its own response tokens: an outcome estimator
+    (grpo, rloo, ...) gives every segment of an episode the same advantage."""
+    ends = episode_ends(episodes)
+    if ends.all():
+        return compute_advantages(inputs, algo)
+    last, mask = ends.nonzero().squeeze(1), inputs.response_mask.float()
+    rewards = inputs.token_rewards[last].clone()
+    earlier = torch.zeros(len(last)).index_add_(0, episodes, (inputs.token_rewards * mask).sum(-1)) \
+        - (rewards * mask[last]).sum(-1)
+    rows = torch.arange(len(last))
+    rewards[rows, mask.shape[1] - 1 - mask[last].flip(1).argmax(1)] += earlier
+    values = inputs.values[last] if inputs.values is not None else None
+    per_episode = compute_advantages(AdvantageInputs(rewards, inputs.response_mask[last],
+                                                     inputs.group_ids[last], values), algo)
+    first_token = per_episode[rows, mask[last].argmax(1)]
+    advantages = first_token[episodes].unsqueeze(1) * mask
+    advantages[last] = per_episode
+    return advantages
+
+
 @register_advantage("grpo")
 def grpo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
     """(score - group mean) / (group std + 1e-6) on every response token; without

@@ -137,6 +137,17 @@ class RolloutConfig:
     row: dict) -> str or dict` (row: the data row's prompt, data_source, extra_info)."""
     agent_timeout_s: float = Field(default=600.0, gt=0)
     """Time for one run of the openai loop's harness; past it the sample is dropped and counted."""
+    context_hook: str = ""
+    """The tool loop's history before each model turn after the first: path/to/file.py:function, a
+    `hook(messages, tokenizer) -> messages` given the conversation as OpenAI messages, or the built-in
+    drop_tool_outputs (the oldest tool outputs replaced by a note until it fits context_budget tokens). A
+    rewritten history becomes the prompt of a new segment of the episode (train_segments)."""
+    context_budget: int = Field(default=1024, gt=0)
+    """Tokens drop_tool_outputs keeps the conversation within (it always keeps the newest tool output)."""
+    train_segments: Literal["all", "last"] = "all"
+    """The segments of an episode trained on: all (each a row of the batch with the episode's advantage; the
+    group baseline counts episodes), or the last alone. An agent that rewrites its history (a harness's
+    summary, `context_hook`) starts a new segment at each rewrite."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (the tokenizer's EOS always stops). As in VeRL, the reward sees the response's tokens
     decoded, so the text ends with the stop string: the tokens trained on."""

@@ -108,6 +108,11 @@ class RequestEngine:
         return await future
 
     @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and sampled tokens) the engine takes."""
+        return self.llm.llm_engine.model_config.max_model_len
+
+    @property
     def busy(self) -> bool:
         return bool(self._submitted or self._running)
 

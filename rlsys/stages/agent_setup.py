@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rlsys.actors.tool_pool import ToolPool
 from rlsys.agents.chat import ChatTurns, TemplateError
+from rlsys.agents.context_hooks import ContextHook
 from rlsys.agents.loop import resolve_agent_loop
 from rlsys.agents.openai_loop import OpenAILoop
 from rlsys.agents.tool_loop import ToolLoop
@@ -45,9 +46,11 @@ class AgentSetup:
         return ToolPool(self.specs, self.tools.num_workers, self.tools.timeout_s) if self.specs else None
 
 
-def agent_setup(loops: dict[str, str], tools: ToolsConfig, harness: Harness | None = None) -> AgentSetup:
+def agent_setup(loops: dict[str, str], tools: ToolsConfig, harness: Harness | None = None,
+                context_hook: ContextHook | None = None) -> AgentSetup:
     """`loops`: config key -> loop name (`rollout.agent_loop`, `eval.agent_loop`); `harness`: what the
-    openai loop runs. A ConfigError names the key of what does not resolve."""
+    openai loop runs; `context_hook`: what the tool loop runs before each turn (`resolve_context_hook`).
+    A ConfigError names the key of what does not resolve."""
     import rlsys.tools  # noqa: F401  (registers the built-in tools)
 
     specs = load_tools(tools.names, tools.config_file, configs={"python": tools.sandbox})
@@ -61,6 +64,8 @@ def agent_setup(loops: dict[str, str], tools: ToolsConfig, harness: Harness | No
             raise ConfigError(f"{key}: the {name} loop calls tools; give tools.names or tools.config_file")
         if issubclass(classes[name], OpenAILoop):
             classes[name] = classes[name].bind(*_harness(harness, key, name))
+        if issubclass(classes[name], ToolLoop) and context_hook is not None:
+            classes[name] = classes[name].bind(context_hook)
     return AgentSetup(classes, tools, specs)
 
 

@@ -240,6 +240,22 @@ def _check_algorithm_against_job(cfg: RLJobConfig) -> None:
                               "not with train.async_mode")
     if cfg.train.replay is not None:
         _check_replay(cfg)
+    _check_segments(cfg)
+
+
+def _check_segments(cfg: RLJobConfig) -> None:
+    """A context hook needs the tool loop; a critic's returns are per row, not per episode, so
+    gae trains episodes of one segment."""
+    rollout = cfg.rollout
+    if rollout.context_hook and rollout.agent_loop != "tool":
+        raise ConfigError(f"rollout.context_hook: the tool loop runs a context hook, not {rollout.agent_loop}")
+    segmented = rollout.agent_loop == "openai" or bool(rollout.context_hook)
+    if segmented and rollout.train_segments == "all" and cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("rollout.train_segments: gae's critic returns are per segment, not per episode; "
+                          "set rollout.train_segments: last (or an outcome estimator such as grpo)")
+    if rollout.context_hook and cfg.algorithm.router_replay == "r3":
+        raise ConfigError("algorithm.router_replay: r3 not with rollout.context_hook (a rewritten history's "
+                          "segment was routed by no single engine call); use r2")
 
 
 def _check_replay(cfg: RLJobConfig) -> None:

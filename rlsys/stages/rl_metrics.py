@@ -22,16 +22,19 @@ def sample_metrics(samples: list[Trajectory], batch: Batch, times: dict[str, flo
     }
 
 
-def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Turns and tool use of a step's trajectories; the share of response tokens masked out of the loss."""
+def agent_metrics(trajectories: list[Trajectory], rows: list[Trajectory]) -> dict[str, float]:
+    """Turns and tool use of a step's episodes (`trajectories`), the segments of theirs trained on
+    (`rows`) and their response tokens, and the share of those masked out of the loss."""
     count = len(trajectories)
-    response = sum(len(t.response_ids) for t in trajectories)
+    response = sum(len(t.response_ids) for t in rows)
     return {
+        "agent/segments_mean": len(rows) / count,
+        "agent/segment_tokens_mean": response / len(rows),
         "agent/turns_mean": sum(t.num_turns for t in trajectories) / count,
         "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / count,
         "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
         "agent/tool_s_mean": sum(t.tool_seconds for t in trajectories) / count,
-        "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in trajectories) / max(1, response),
+        "agent/masked_token_share": 1 - sum(t.sampled_tokens for t in rows) / max(1, response),
     }
 
 

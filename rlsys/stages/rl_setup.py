@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig
 
+from rlsys.agents.context_hooks import resolve_context_hook
 from rlsys.config.rl import DistillConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.files import DataError
@@ -39,7 +40,8 @@ class RLData:
 def load_rl_data(cfg: RLJobConfig) -> RLData:
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
     agents = agent_setup(_loops(cfg), cfg.tools,
-                         Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"))
+                         Harness(cfg.rollout.agent_entry, cfg.rollout.agent_timeout_s, "rollout.agent_entry"),
+                         resolve_context_hook(cfg.rollout.context_hook, cfg.rollout.context_budget))
     agents.check_template(tokenizer)
     max_images = images_per_prompt(cfg.rollout.engine_kwargs)
     expander = image_expander_of(cfg.model.path, max_images)

@@ -1,9 +1,9 @@
 """The RLVR loop, run by the driver (the single controller).
 
 One step, in data-flow order:
-  prompts -> RolloutGroup.rollout (an agent loop per trajectory) -> rewards (functions in the reward actors,
+  prompts -> RolloutGroup.rollout (an agent loop per episode) -> rewards (functions in the reward actors,
      reward models and judges in their engines; DAPO: again, until the batch has enough groups of mixed
-     rewards; the engines then free their memory)
+     rewards; the engines then free their memory) -> each episode's segments as rows of the batch
   -> the teacher's log-probs (distillation; while the trainer works) -> TrainGroup.compute_logprobs (old,
      unless the update is on-policy or takes the engine's; reference if KL is on) -> KL and the teacher's
      reverse KL in the reward (optional) -> the critic's values (PPO)
@@ -28,9 +28,14 @@ from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.served_models import ServedModelGroup
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
-from rlsys.agents.trajectory import Trajectory
+from rlsys.agents.trajectory import Trajectory, episode_rows
 from rlsys.algorithms.actor_loss import actor_loss
-from rlsys.algorithms.advantages import AdvantageInputs, compute_advantages, gae_advantages_and_returns
+from rlsys.algorithms.advantages import (
+    AdvantageInputs,
+    episode_advantages,
+    episode_ends,
+    gae_advantages_and_returns,
+)
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
 from rlsys.algorithms.distill import reverse_kl, top_k_fields
 from rlsys.algorithms.kl import KLController, kl_in_reward
@@ -160,7 +165,9 @@ class RLVRTrainer:
     def step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, PhaseTimer("rlvr", step)
         started = time.perf_counter()
-        samples, groups, scored, rewards, reward_metrics = self._rollout(step, timer)
+        episodes, groups, scored, rewards, reward_metrics = self._rollout(step, timer)
+        samples, episode_of = episode_rows(episodes, cfg.rollout.train_segments)
+        episode_of = torch.tensor(episode_of)
         prompt_ids, prompt_pixels = self._prompts_with_pictures(samples)
         batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], self.tokenizer.pad_token_id,
                                  [s.response_mask for s in samples], prompt_pixels)
@@ -170,7 +177,8 @@ class RLVRTrainer:
                                                   *self.engine_routing)
         teacher_calls = self._submit_teacher(samples)
         logprob_metrics = self._add_logprobs(batch, engine_logprobs, timer)
-        token_rewards = on_last_response_token(rewards, batch)
+        token_rewards = on_last_response_token(torch.zeros(len(samples)).masked_scatter(episode_ends(episode_of),
+                                                                                        rewards), batch)
         if cfg.algorithm.use_kl_in_reward:
             token_rewards, kl_metrics = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                                      batch["loss_mask"], cfg.algorithm.kl_penalty, self.kl_ctrl)
@@ -183,8 +191,8 @@ class RLVRTrainer:
         if self.with_critic:
             with timer("values"):
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
-        inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups, batch.get("values"))
-        batch["advantages"] = compute_advantages(inputs, cfg.algorithm)
+        inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups[episode_of], batch.get("values"))
+        batch["advantages"] = episode_advantages(inputs, episode_of, cfg.algorithm)
         if distill is not None and distill.mode == "advantage" and not distill.top_k:
             batch["advantages"] = batch["advantages"] - distill.coef * distill_kl
         if self.with_critic:
@@ -203,7 +211,7 @@ class RLVRTrainer:
             **self._accuracy(scored),
             **reward_metrics,
             **sample_metrics(samples, batch, timer.times),
-            **(agent_metrics(samples) if cfg.rollout.agent_loop != "single_turn" else {}),
+            **(agent_metrics(episodes, samples) if cfg.rollout.agent_loop != "single_turn" else {}),
             **(async_metrics(samples, step, self.stream, cfg.train.max_staleness)
                if self.stream is not None else {}),
             **mismatch(sampler_logprobs, engine_logprobs, batch),

@@ -189,8 +189,8 @@ class RolloutStream:
 
 
 def _saved(trajectory: Trajectory) -> dict:
-    """A trajectory as JSON holds it (an MoE routing as its bytes, base64)."""
-    fields = dataclasses.asdict(trajectory)
+    """A trajectory as JSON holds it (an MoE routing as its bytes, base64), its earlier segments too."""
+    fields = {**dataclasses.asdict(trajectory), "earlier": [_saved(segment) for segment in trajectory.earlier]}
     routing = trajectory.routing
     if routing is not None:
         fields["routing"] = {"dtype": str(routing.dtype), "shape": list(routing.shape),
@@ -202,4 +202,5 @@ def _restored(fields: dict) -> Trajectory:
     routing = fields.get("routing")
     if routing is not None:
         routing = np.frombuffer(base64.b64decode(routing["bytes"]), routing["dtype"]).reshape(routing["shape"])
-    return Trajectory(**{**fields, "routing": routing})
+    earlier = [_restored(segment) for segment in fields.get("earlier", [])]
+    return Trajectory(**{**fields, "routing": routing, "earlier": earlier})

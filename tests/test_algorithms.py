@@ -772,3 +772,43 @@ def test_an_episodes_segments_share_its_advantage_and_its_token_rewards_count_on
     assert torch.allclose(result, torch.tensor([0.5, 0.5, -0.5]).unsqueeze(1) * mask)
     plain = episode_advantages(inputs, torch.tensor([0, 1, 2]), AlgorithmConfig(adv_estimator="rloo"))
     assert torch.equal(plain, compute_advantages(inputs, AlgorithmConfig(adv_estimator="rloo")))
+
+
+def test_bypass_mode_corrects_the_ratio_of_the_policy_being_updated():
+    """VeRL's bypass mode: the old log-probs are the engine's. With ppo_clip the loss is PPO-clip of
+    pi / pi_rollout (no importance weight on top) with rejections against the current policy; with
+    reinforce it is -w A log pi, w the truncated weight pi / pi_rollout, as VeRL's
+    compute_policy_loss_bypass_mode computes them."""
+    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+
+    torch.manual_seed(0)
+    batch = rl_batch()
+    logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
+    current = torch.nn.functional.pad(logprobs_of_labels(logits, batch["input_ids"]).detach(), (1, 0))
+    # the engine found row 0's second token 3x less likely than the current policy does, its third 2x likelier
+    rollout = current - torch.tensor([[0.0, 0.0, 0.0, math.log(3.0), math.log(0.5)], [0.0] * 5])
+    bypass = {**batch, "old_logprobs": rollout, "rollout_logprobs": rollout}
+    counts = {"tokens": 4, "sequences": 2}
+
+    clip = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(preset="bypass_ppo_clip"))
+    vanilla = actor_loss(counts, AlgorithmConfig())(logits, {**batch, "old_logprobs": rollout})
+    assert actor_loss(counts, clip)(logits, bypass).loss.item() == pytest.approx(vanilla.loss.item())
+    # seq_mean_k3 rejects row 0 (its mean k3 is (0 + 2 - log 3 + 0.5 - log 0.5) / 3 = 0.4) above 0.01
+    k3 = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(preset="bypass_ppo_clip_k3_rs"))
+    out = actor_loss(counts, k3)(logits, bypass)
+    assert out.loss.item() == pytest.approx(2.0 / 4)  # row 1's token alone: ratio 1, -A = 2
+    assert out.metrics["rollout_corr/rejected_frac"].item() == pytest.approx(3 / 4)
+
+    reinforce = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(preset="bypass_pg_is"))
+    out = actor_loss(counts, reinforce)(logits, bypass)
+    logp = current[:, 1:][batch["loss_mask"][:, 1:].bool()]  # row 0's three tokens, then row 1's
+    w = min(3.0 * 0.5, 2.0)  # row 0's sequence weight: the product of its ratios, truncated at 2
+    assert out.loss.item() == pytest.approx((-1.0 * w * logp[:3].sum() + 2.0 * logp[3]).item() / 4, rel=1e-5)
+    out.loss.backward()
+    expected = logits.grad.clone()
+    logits.grad = None
+    by_hand = -(torch.tensor([w, w, w, 1.0]) * torch.tensor([1.0, 1.0, 1.0, -2.0])
+                * logprobs_of_labels(logits, batch["input_ids"])[batch["loss_mask"][:, 1:].bool()]).sum() / 4
+    by_hand.backward()
+    assert torch.allclose(logits.grad, expected, atol=1e-6)

@@ -125,6 +125,12 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
          "rollout.context_hook: 'drop_old' is neither a built-in hook (drop_tool_outputs) nor path/to/file.py"),
         (("rollout.agent_loop=openai", "rollout.agent_entry=tests/assets/openai_harness.py:run",
           "algorithm.adv_estimator=gae"), "rollout.train_segments: gae's critic returns are per segment"),
+        ("algorithm.rollout_correction.preset=bypass_nope", "algorithm.rollout_correction.preset: unknown "
+                                                            "'bypass_nope'; VeRL's: decoupled_token_is"),
+        (("algorithm.rollout_correction.preset=bypass_pg_is", "algorithm.rollout_correction.rollout_is=token"),
+         "algorithm.rollout_correction.rollout_is: the preset bypass_pg_is sets it to 'sequence'; drop one of them"),
+        (("algorithm.rollout_correction.bypass_mode=true", "algorithm.policy_loss=cispo"),
+         "algorithm.policy_loss: bypass mode picks its loss by rollout_correction.loss_type"),
     ],
 )
 def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, override, expected):

@@ -41,12 +41,21 @@ def actor_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float
     log-probs when `with_logprobs` (each row costs a transfer, and a gather under context
     parallel). Values outside the mask (padding) never reach the loss, NaN included.
     (A partial, see `rlsys.algorithms.lm_loss`.)"""
-    loss_kind = POLICY_LOSSES[algo.policy_loss]
+    loss_kind = POLICY_LOSSES[policy_loss_name(algo)]
     loss_agg = loss_kind.loss_agg or algo.loss_agg
     loss_fn = partial(_actor_loss, loss_kind=loss_kind, loss_agg=loss_agg, counts=counts, algo=algo,
                       temperature=temperature, with_logprobs=with_logprobs)
     per_row = aggregates_per_sequence(loss_agg) or algo.rollout_correction.per_sequence
     return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn
+
+
+def policy_loss_name(algo: AlgorithmConfig) -> str:
+    """The policy loss of the update: `algorithm.policy_loss`, or in bypass mode the one its
+    `loss_type` names (ppo_clip: vanilla; reinforce), as VeRL's bypass_mode loss dispatches."""
+    correction = algo.rollout_correction
+    if correction.bypass_mode:
+        return "reinforce" if correction.loss_type == "reinforce" else "vanilla"
+    return algo.policy_loss
 
 
 def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, loss_agg: str,
@@ -63,8 +72,13 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
     terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
     pg_per_token, is_metrics = terms.per_token, {}
     if "rollout_logprobs" in micro:
-        factors, is_metrics = correction_factors(old_logprobs, micro["rollout_logprobs"][:, 1:], mask,
-                                                 algo.rollout_correction, counts.get("is_weight_mean", 1.0))
+        correction = algo.rollout_correction
+        # bypass mode: the old log-probs are the engine's, and the ratio to correct is the current policy's
+        factors, is_metrics = correction_factors(current if correction.bypass_mode else old_logprobs,
+                                                 micro["rollout_logprobs"][:, 1:], mask, correction,
+                                                 counts.get("is_weight_mean", 1.0),
+                                                 weighted=not (correction.bypass_mode
+                                                               and correction.loss_type == "ppo_clip"))
         pg_per_token = pg_per_token * factors
     per_token, kl = pg_per_token, torch.zeros_like(current)
     if algo.kl_coef > 0:

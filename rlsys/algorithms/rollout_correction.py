@@ -31,19 +31,20 @@ SAFE_LOG_RATIO = 20.0
 
 
 def correction_factors(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-                       cfg: RolloutCorrectionConfig, weight_mean: float = 1.0
+                       cfg: RolloutCorrectionConfig, weight_mean: float = 1.0, weighted: bool = True
                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """[B, T] factors for each token's policy-gradient loss (no gradient): importance weights
-    (divided by `weight_mean`, the batch's mean weight when they are batch-normalised) times 0
-    where a rejection or the veto drops the token; and [B, T] values whose mean over the response
-    tokens is a metric (the weights, where truncation acted, where a token was dropped). Padding
-    (NaN included) gets factor 1."""
+    (divided by `weight_mean`, the batch's mean weight when they are batch-normalised; logged but
+    left out unless `weighted`) times 0 where a rejection or the veto drops the token; and [B, T]
+    values whose mean over the response tokens is a metric (the weights, where truncation acted,
+    where a token was dropped). Padding (NaN included) gets factor 1."""
     log_ratio = masked(old_logprobs.detach() - rollout_logprobs, mask)
     factors, metrics = torch.ones_like(log_ratio), {}
     if cfg.rollout_is != "none":
         factors, truncated = truncated_is_weights(log_ratio, mask, cfg.rollout_is, cfg.rollout_is_threshold)
         factors = factors / weight_mean
         metrics.update({"rollout_corr/is_weight": factors, "rollout_corr/truncated_frac": truncated})
+        factors = factors if weighted else torch.ones_like(log_ratio)
     keep = torch.ones_like(log_ratio)
     bounds = rejection_bounds(cfg)
     for option, (lower, upper) in bounds.items():

@@ -114,6 +114,9 @@ def _describe(schema: type, error: dict) -> str:
         hint = f"; did you mean '{'.'.join(loc[:-1] + close)}'?" if close else ""
         return f"{key}: unknown config key{hint}"
     given = error.get("input")
+    if error["type"] == "value_error" and not isinstance(given, (str, int, float)):
+        # a section's own check (`__post_init__`) raises "field: why"
+        return f"{key}.{error['msg'].removeprefix('Value error, ')}"
     shown = "" if isinstance(given, dict) else f" (got {given!r})"
     return f"{key}: {error['msg']}{shown}"
 

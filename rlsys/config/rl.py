@@ -122,10 +122,32 @@ class RolloutCorrectionConfig:
     rollout_token_veto_threshold: float | None = Field(default=None, gt=0, lt=1)
     """Drop every response holding a token whose ratio is below this (a token the trainer finds
     far less likely than the engine did); None: no veto."""
+    bypass_mode: bool = False
+    """VeRL's bypass mode: the engine's log-probs are the old ones (no trainer pass), and the
+    corrections take the ratio pi / pi_rollout of the policy being updated; `loss_type` picks the loss."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """In bypass mode: ppo_clip clips pi / pi_rollout (the ratio is the correction: no importance
+    weights, rejections apply); reinforce is -w A log pi with w the truncated importance weights."""
+    preset: str = ""
+    """One of VeRL's `RolloutCorrectionConfig` presets by name (decoupled_token_is, bypass_ppo_clip_k3_rs,
+    ...: docs/algorithms.md), which sets the fields above; setting one of those beside it is refused."""
+
+    def __post_init__(self) -> None:
+        if not self.preset:
+            return
+        if self.preset not in ROLLOUT_CORRECTION_PRESETS:
+            raise ValueError(f"preset: unknown {self.preset!r}; VeRL's: {', '.join(ROLLOUT_CORRECTION_PRESETS)}")
+        defaults = RolloutCorrectionConfig()
+        for name, value in ROLLOUT_CORRECTION_PRESETS[self.preset].items():
+            given = getattr(self, name)
+            if given != getattr(defaults, name) and given != value:
+                raise ValueError(f"{name}: the preset {self.preset} sets it to {value!r}; drop one of them")
+            setattr(self, name, value)
 
     @property
     def active(self) -> bool:
-        return self.rollout_is != "none" or bool(self.rejections) or self.rollout_token_veto_threshold is not None
+        return (self.rollout_is != "none" or bool(self.rejections) or self.rollout_token_veto_threshold is not None
+                or self.bypass_mode)
 
     @property
     def per_sequence(self) -> bool:
@@ -138,6 +160,33 @@ class RolloutCorrectionConfig:
         """The rejection criteria, in order (none for "none")."""
         return [] if self.rollout_rs == "none" else [part.strip() for part in self.rollout_rs.split(",")
                                                      if part.strip()]
+
+
+def _preset(rollout_is: str = "none", rs: str = "none", threshold: float | str = 2.0, bypass: str = "") -> dict:
+    """A preset's fields: the importance sampling, the rejection and its threshold, and in bypass mode the loss."""
+    return {"rollout_is": rollout_is, "rollout_is_threshold": 2.0, "rollout_rs": rs, "rollout_rs_threshold": threshold,
+            "bypass_mode": bool(bypass), "loss_type": bypass or "ppo_clip"}
+
+
+GEO = "0.999_1.001"
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict] = {  # VeRL's RolloutCorrectionConfig class methods, default arguments
+    "decoupled_token_is": _preset("token"),
+    "decoupled_seq_is": _preset("sequence"),
+    "decoupled_seq_is_rs": _preset("sequence", "seq_sum_k1", "0.5_2.0"),
+    "decoupled_geo_rs": _preset(rs="seq_mean_k1", threshold=GEO),
+    "decoupled_geo_rs_seq_tis": _preset("sequence", "seq_mean_k1", GEO),
+    "decoupled_geo_rs_token_tis": _preset("token", "seq_mean_k1", GEO),
+    "decoupled_k3_rs": _preset(rs="seq_mean_k3", threshold=0.01),
+    "decoupled_k3_rs_seq_tis": _preset("sequence", "seq_mean_k3", 0.01),
+    "decoupled_k3_rs_token_tis": _preset("token", "seq_mean_k3", 0.01),
+    "bypass_ppo_clip": _preset(bypass="ppo_clip"),
+    "bypass_ppo_clip_geo_rs": _preset(rs="seq_mean_k1", threshold=GEO, bypass="ppo_clip"),
+    "bypass_ppo_clip_k3_rs": _preset(rs="seq_mean_k3", threshold=0.01, bypass="ppo_clip"),
+    "bypass_pg_is": _preset("sequence", bypass="reinforce"),
+    "bypass_pg_geo_rs": _preset(rs="seq_mean_k1", threshold=GEO, bypass="reinforce"),
+    "bypass_pg_geo_rs_seq_tis": _preset("sequence", "seq_mean_k1", GEO, bypass="reinforce"),
+    "bypass_pg_geo_rs_token_tis": _preset("token", "seq_mean_k1", GEO, bypass="reinforce"),
+}
 
 
 @dataclass(config=STRICT)

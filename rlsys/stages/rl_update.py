@@ -22,12 +22,14 @@ def updates_per_step(cfg: RLJobConfig) -> int:
 
 
 def old_logprobs_source(cfg: RLJobConfig) -> Literal["current", "trainer", "rollout"]:
-    """Where the update's old log-probs come from. `auto`: the update's own forward when the
-    update is on-policy (one update a step, synchronous, no KL in the reward, which needs the
-    sampling policy's log-probs first, no R2 routing replay, which records the routing in that
-    pass, no batch-normalised importance weights, whose mean the driver takes over the old
-    log-probs), else a trainer forward pass before the update."""
+    """Where the update's old log-probs come from: the engine's in bypass mode. `auto`: the
+    update's own forward when the update is on-policy (one update a step, synchronous, no KL in
+    the reward, which needs the sampling policy's log-probs first, no R2 routing replay, which
+    records the routing in that pass, no batch-normalised importance weights, whose mean the
+    driver takes over the old log-probs), else a trainer forward pass before the update."""
     algo = cfg.algorithm
+    if algo.rollout_correction.bypass_mode:
+        return "rollout"
     if algo.old_logprobs != "auto":
         return algo.old_logprobs
     on_policy = (updates_per_step(cfg) == 1 and not algo.use_kl_in_reward and algo.router_replay != "r2"

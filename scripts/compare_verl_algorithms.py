@@ -106,6 +106,28 @@ def compare_estimator(verl: dict, name: str, data: dict) -> float:
     return (ours - theirs).abs().max().item()
 
 
+TOKEN_BASELINES = {"optimal_token_baseline": "compute_optimal_token_baseline_advantage",
+                   "tir_optimal_token_baseline": "compute_multi_turn_optimal_token_baseline_advantage"}
+
+
+def compare_token_baseline(verl: dict, name: str, data: dict, seed: int, weighted: bool) -> float:
+    """An optimal-token-baseline estimator on responses with tool turns inside (masked tokens after
+    the first), with the rollout importance weights or without."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = data["mask"] * (torch.rand(data["mask"].shape, generator=generator) > 0.25)
+    mask[:, 0] = 1.0
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+    rewards = torch.zeros_like(data["rewards"])
+    rewards[torch.arange(len(last)), last] = data["rewards"].sum(-1)
+    sum_pi_squared = torch.rand(mask.shape, generator=generator) * data["old"].exp()
+    weights = torch.rand(mask.shape, generator=generator) * 2 if weighted else None
+    ours = ADVANTAGES[name](AdvantageInputs(rewards, mask, data["groups"], old_logprobs=data["old"],
+                                            sum_pi_squared=sum_pi_squared, is_weights=weights), ALGO)
+    theirs, _ = verl[TOKEN_BASELINES[name]](rewards.clone(), mask, data["groups"].numpy(), data["old"],
+                                            sum_pi_squared, rollout_is_weights=weights)
+    return (ours - theirs).abs().max().item()
+
+
 def compare_loss(verl: dict, name: str, data: dict) -> tuple[float, float]:
     kind = POLICY_LOSSES[name]
     loss_agg = kind.loss_agg or "token-mean"
@@ -166,6 +188,10 @@ def main() -> None:
     print("| estimator | largest advantage difference |\n|---|---|")
     for name in ESTIMATORS:
         print(f"| {name} | {max(compare_estimator(verl, name, batch(seed)) for seed in range(args.seeds)):.2e} |")
+    for name in TOKEN_BASELINES:
+        for weighted in (False, True):
+            differ = max(compare_token_baseline(verl, name, batch(seed), seed, weighted) for seed in range(args.seeds))
+            print(f"| {name}{' (IS weights)' if weighted else ''} | {differ:.2e} |")
     print("\n| policy loss | largest loss difference | largest gradient difference |\n|---|---|---|")
     for name in LOSSES:
         results = [compare_loss(verl, name, batch(seed)) for seed in range(args.seeds)]

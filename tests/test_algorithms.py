@@ -330,7 +330,7 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
     from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.loader import ConfigError
-    from rlsys.stages.preflight import check_algorithm
+    from rlsys.stages.algorithm_checks import check_algorithm
 
     extension = tmp_path / "my_algos.py"
     extension.write_text(
@@ -472,7 +472,7 @@ def test_verls_divergence_rejections_and_chained_criteria():
 def test_bad_rejection_settings_name_the_key():
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.loader import ConfigError
-    from rlsys.stages.preflight import check_algorithm
+    from rlsys.stages.algorithm_checks import check_algorithm
 
     for rs, threshold, message in [("token_k9", 1.0, "unknown rejection 'token_k9'"),
                                    ("token_k2", "0.5_2.0", "token_k2 takes an upper bound alone"),
@@ -812,3 +812,26 @@ def test_bypass_mode_corrects_the_ratio_of_the_policy_being_updated():
                 * logprobs_of_labels(logits, batch["input_ids"])[batch["loss_mask"][:, 1:].bool()]).sum() / 4
     by_hand.backward()
     assert torch.allclose(logits.grad, expected, atol=1e-6)
+
+
+def test_the_optimal_token_baseline_weights_each_response_by_its_path_variance():
+    """Two responses to one prompt, each of two sampled tokens (the first column is the prompt's):
+    w = 1 - 2 pi + sum(pi^2) is 0.5 a token for the first and 1.5 for the second, so their
+    cumulative W are [0.5, 1] and [1.5, 3], and the baseline of the returns [1, 1] and [0, 0] is
+    [0.5 / 2, 1 / 4]; the multi-turn variant counts sampled tokens only, so a tool token between the
+    second's two gives the same."""
+    half = math.log(0.5)
+    old = torch.tensor([[0.0, half, half], [0.0, half, half]])
+    sum_pi_squared = torch.tensor([[0.0, 0.5, 0.5], [0.0, 1.5, 1.5]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    inputs = AdvantageInputs(rewards, mask, torch.tensor([7, 7]), old_logprobs=old, sum_pi_squared=sum_pi_squared)
+    expected = torch.tensor([[0.0, 0.75, 0.75], [0.0, -0.25, -0.25]])
+    assert torch.allclose(compute_advantages(inputs, AlgorithmConfig(adv_estimator="optimal_token_baseline")),
+                          expected)
+    tool = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]])
+    spread = lambda x: torch.stack([torch.cat([x[0], x[0, :1]]), torch.stack([x[1, 0], x[1, 1], x[1, 0], x[1, 2]])])  # noqa: E731
+    tir = AdvantageInputs(spread(rewards), tool, torch.tensor([7, 7]), old_logprobs=spread(old),
+                          sum_pi_squared=spread(sum_pi_squared))
+    got = compute_advantages(tir, AlgorithmConfig(adv_estimator="tir_optimal_token_baseline"))
+    assert torch.allclose(got, spread(expected) * tool)

@@ -72,9 +72,9 @@ def sample_across_a_sync(trainer: RLVRTrainer, indices, seed: int):
     prompt_ids, pixels = trainer._prompts_with_pictures(samples)
     batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], trainer.tokenizer.pad_token_id,
                              prompt_pixels=pixels)
-    new = trainer._logprobs(batch)[0]
+    new = trainer.logprob_passes.policy(batch)[0]
     trainer.train_group.on_each(probes.perturb_parameters, -0.05, seed)  # back to version 0's weights
-    return samples, prompt_ids, trainer._logprobs(batch)[0], new
+    return samples, prompt_ids, trainer.logprob_passes.policy(batch)[0], new
 
 
 def assert_each_token_scored_by_its_weights(samples, prompt_ids, old: torch.Tensor, new: torch.Tensor) -> None:

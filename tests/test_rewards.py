@@ -116,7 +116,8 @@ def test_bad_reward_config_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"reward.terms\[0\].function: .* has no function 'missing'"):
         RewardPool(RewardConfig(terms=[RewardTerm(path=FLAKY, function="missing")]))
     with pytest.raises(ConfigError, match=r"reward.terms\[0\]: wrong_arity\(solution_str, ground_truth, rubric\) "
-                                         r"cannot be called with \(data_source, .*missing a required argument: 'rubric'"):
+                                         r"cannot be called with \(data_source, .*missing a required "
+                                         r"argument: 'rubric'"):
         RewardPool(RewardConfig(terms=[RewardTerm(path=TYPES, function="wrong_arity")]))
     broken = tmp_path / "broken.py"
     broken.write_text("import nonexistent_module_xyz\n")

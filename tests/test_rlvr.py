@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import math
 import os
 import resource
 import shutil
@@ -126,7 +127,7 @@ def logprob_gap(trainer: RLVRTrainer) -> float:
     samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, sampling, seed=1)
     batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                              trainer.tokenizer.pad_token_id)
-    ours = trainer._logprobs(batch)[0]
+    ours = trainer.logprob_passes.policy(batch)[0]
     return max((ours[row, len(s.prompt_ids):len(s.prompt_ids) + len(s.response_ids)]
                 - torch.tensor(s.logprobs)).abs().max().item() for row, s in enumerate(samples))
 
@@ -279,9 +280,9 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
         batch = sampled_batch(trainer)
         advantages = torch.tensor([1.0, -1.0] * 8)
         batch["advantages"] = advantages.unsqueeze(1) * batch["loss_mask"]
-        batch["old_logprobs"] = trainer._logprobs(batch)[0]
+        batch["old_logprobs"] = trainer.logprob_passes.policy(batch)[0]
         trainer._update(batch, train_actor=True)
-        change = ((trainer._logprobs(batch)[0] - batch["old_logprobs"]) * batch["loss_mask"]).sum(1)
+        change = ((trainer.logprob_passes.policy(batch)[0] - batch["old_logprobs"]) * batch["loss_mask"]).sum(1)
     finally:
         trainer.shutdown()
     up, down = change[advantages > 0], change[advantages < 0]
@@ -406,3 +407,31 @@ def test_an_openai_client_harness_is_trained_on_and_its_failures_are_dropped(ray
     episodes = len(remainders) - failing
     assert step["agent/segments_mean"] == pytest.approx((episodes + rewritten) / episodes)
     assert step["rollout/logprob_abs_diff"] < 1e-4 and step["actor/entropy"] > 0
+
+
+def test_the_optimal_token_baseline_reads_the_policys_sum_of_squared_probabilities(ray_cluster, rl_config):
+    """algorithm.adv_estimator: optimal_token_baseline takes the old log-probs and each position's
+    sum of squared next-token probabilities from one trainer pass (across the data-parallel ranks:
+    the model's own, within 1e-5), and a step trains on its advantages."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = rl_config("algorithm.adv_estimator=optimal_token_baseline", "eval=null", "algorithm.kl_coef=0")
+    trainer = RLVRTrainer(cfg)
+    try:
+        assert trainer.logprob_passes.source == "trainer"
+        prompts = [(i, trainer.prompts[i].ids, {}) for i in range(4)]
+        samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, trainer.rollout_group.sampling(),
+                                                   seed=1)
+        batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                 trainer.tokenizer.pad_token_id)
+        rows = trainer.logprob_passes._rows("compute_logprobs_and_sum_pi_squared", batch)
+        step = trainer.step(1)
+    finally:
+        trainer.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = torch.softmax(logits[:, :-1] / cfg.rollout.temperature, -1).square().sum(-1)
+    real = batch["attention_mask"][:, 1:].bool()
+    assert (rows["sum_pi_squared"][:, 1:][real] - expected[real]).abs().max() < 1e-5
+    assert math.isfinite(step["actor/pg_loss"]) and step["actor/entropy"] > 0

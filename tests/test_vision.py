@@ -329,7 +329,7 @@ def picture_logprob_gap(trainer) -> float:
     prompt_ids, pixels = trainer._prompts_with_pictures(samples)
     batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], trainer.tokenizer.pad_token_id,
                              prompt_pixels=pixels)
-    ours = trainer._logprobs(batch)[0]
+    ours = trainer.logprob_passes.policy(batch)[0]
     return max((ours[row, len(ids):len(ids) + len(s.response_ids)] - torch.tensor(s.logprobs)).abs().max().item()
                for row, (ids, s) in enumerate(zip(prompt_ids, samples)))
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import transformers
 
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
-from rlsys.algorithms.lm_loss import token_logprobs, top_k_logprobs
+from rlsys.algorithms.lm_loss import logprobs_and_sum_pi_squared, token_logprobs, top_k_logprobs
 from rlsys.algorithms.value_loss import token_values
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import LoraConfig, ModelConfig
@@ -201,6 +201,13 @@ class TrainWorker:
         went to ("routed_experts", [B, T, MoE layers, k]): what routing replay routes the update to."""
         _, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True,
                                                record_routing=True)
+        return rows
+
+    @releases_freed_memory
+    def compute_logprobs_and_sum_pi_squared(self, shard: Batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """compute_logprobs of the policy ("logprobs") and each position's sum of squared next-token
+        probabilities ("sum_pi_squared"): what the optimal-token-baseline estimators read."""
+        _, rows = self.policy.forward_backward(shard, logprobs_and_sum_pi_squared(temperature), forward_only=True)
         return rows
 
     @releases_freed_memory

@@ -10,6 +10,7 @@ estimator registers with `@register_advantage("name")` in a file listed under
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,17 @@ class AdvantageInputs:
     """[N] int: responses to the same prompt draw share an id."""
     values: torch.Tensor | None = None
     """[N, T] the critic's value of the state before each token (gae only)."""
+    old_logprobs: torch.Tensor | None = None
+    """[N, T] the sampling policy's log-prob of each token, from the trainer's pass (the optimal token baselines)."""
+    sum_pi_squared: torch.Tensor | None = None
+    """[N, T] the sum over the vocabulary of the squared next-token probabilities, from the same pass."""
+    is_weights: torch.Tensor | None = None
+    """[N, T] the truncated rollout importance weights, when `rollout_correction.rollout_is` is on."""
+
+    def rows(self, index: torch.Tensor) -> AdvantageInputs:
+        """These inputs for the rows `index` only."""
+        return AdvantageInputs(*(None if value is None else value[index] for value in
+                                 (getattr(self, f.name) for f in dataclasses.fields(self))))
 
 
 AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], torch.Tensor]
@@ -66,9 +78,7 @@ def episode_advantages(inputs: AdvantageInputs, episodes: torch.Tensor, algo: Al
         - (rewards * mask[last]).sum(-1)
     rows = torch.arange(len(last))
     rewards[rows, mask.shape[1] - 1 - mask[last].flip(1).argmax(1)] += earlier
-    values = inputs.values[last] if inputs.values is not None else None
-    per_episode = compute_advantages(AdvantageInputs(rewards, inputs.response_mask[last],
-                                                     inputs.group_ids[last], values), algo)
+    per_episode = compute_advantages(dataclasses.replace(inputs.rows(last), token_rewards=rewards), algo)
     first_token = per_episode[rows, mask[last].argmax(1)]
     advantages = first_token[episodes].unsqueeze(1) * mask
     advantages[last] = per_episode
@@ -174,6 +184,63 @@ def gae(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
     batch's response tokens."""
     advantages, _ = gae_advantages_and_returns(inputs, algo.gamma, algo.lam)
     return masked_whiten(advantages, inputs.response_mask) * inputs.response_mask
+
+
+@register_advantage("optimal_token_baseline")
+def optimal_token_baseline(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """VeRL's optimal token baseline (OTB): the return-to-go G_t less a baseline per response
+    position and group, B_t = sum(G_t W_t) / sum(W_t) over the group's responses, where W_t is
+    the cumulative sum over the response's tokens up to t of 1 - 2 pi_j + sum(pi^2) (each times
+    the squared rollout importance weight when those are on). A group of one keeps its return."""
+    return _optimal_token_baseline(inputs, sampled_only=False, zero_tail=False)
+
+
+@register_advantage("tir_optimal_token_baseline")
+def tir_optimal_token_baseline(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """OTB for multi-turn responses (VeRL's tool-integrated variant): positions count sampled
+    tokens only (tool turns skipped), and where one response of a group is the only one that long,
+    its baseline past the second-longest's length is 0."""
+    return _optimal_token_baseline(inputs, sampled_only=True, zero_tail=True)
+
+
+def _optimal_token_baseline(inputs: AdvantageInputs, sampled_only: bool, zero_tail: bool,
+                            eps: float = 1e-8) -> torch.Tensor:
+    if inputs.old_logprobs is None or inputs.sum_pi_squared is None:
+        raise ValueError("the optimal token baselines need the trainer's old log-probs and sum_pi_squared")
+    mask = inputs.response_mask.float()
+    returns = (inputs.token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    weight = 1 - 2 * inputs.old_logprobs.exp() + inputs.sum_pi_squared
+    if inputs.is_weights is not None:
+        weight = weight * inputs.is_weights.square()
+    cumulative = torch.where(mask.bool(), weight, 0.0).cumsum(-1)  # padding may hold NaN
+    index, valid = _response_positions(mask, sampled_only)
+    aligned_mask = mask.gather(1, index) * valid
+    aligned_returns = returns.gather(1, index) * aligned_mask
+    aligned_weight = cumulative.gather(1, index) * aligned_mask
+    lengths = mask.sum(-1).long()
+    baselines = torch.zeros_like(aligned_returns)
+    for rows in _groups(inputs.group_ids):
+        if len(rows) == 1:
+            continue
+        baselines[rows] = ((aligned_returns[rows] * aligned_weight[rows]).sum(0)
+                           / (aligned_weight[rows].sum(0) + eps))
+        ranked = lengths[rows].sort().values
+        longest = rows[lengths[rows] == ranked[-1]]
+        if zero_tail and len(longest) == 1 and ranked[-1] > ranked[-2]:
+            baselines[longest[0], int(ranked[-2]):] = 0.0
+    advantages = (aligned_returns - baselines) * aligned_mask
+    return torch.zeros_like(returns).scatter_add_(1, index, advantages)
+
+
+def _response_positions(mask: torch.Tensor, sampled_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, T] the column of each row's j-th response position, and 1 where there is one: its
+    sampled tokens in order (`sampled_only`), else every column from its first sampled token on."""
+    columns = torch.arange(mask.shape[1]).expand_as(mask)
+    if sampled_only:
+        index = torch.sort(1 - mask, dim=1, stable=True).indices
+        return index, (columns < mask.sum(-1, keepdim=True)).float()
+    start = mask.argmax(1, keepdim=True)
+    return (start + columns).clamp(max=mask.shape[1] - 1), (start + columns < mask.shape[1]).float()
 
 
 def gae_advantages_and_returns(inputs: AdvantageInputs, gamma: float, lam: float

@@ -119,6 +119,22 @@ def _token_logprobs(logits: torch.Tensor, micro: Batch, *, temperature: float) -
     return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0))})
 
 
+def logprobs_and_sum_pi_squared(temperature: float = 1.0) -> LossFn:
+    """Forward only: `token_logprobs`' rows and, aligned the same way, each position's sum over the
+    vocabulary of the squared probabilities of the next token ("sum_pi_squared", VeRL's sum_pi_squared:
+    what the optimal-token-baseline estimators read)."""
+    return token_level(partial(_logprobs_and_sum_pi_squared, temperature=temperature))
+
+
+def _logprobs_and_sum_pi_squared(logits: torch.Tensor, micro: Batch, *, temperature: float) -> LossOutput:
+    logits = sampling_logits(logits, temperature)
+    logprobs = logprobs_of_labels(logits, micro["input_ids"].to(logits.device))
+    squared = torch.softmax(logits[:, :-1].float(), dim=-1).square().sum(-1)
+    if isinstance(squared, DTensor):  # a vocabulary-parallel sum: every rank holds the whole
+        squared = squared.full_tensor()
+    return LossOutput(None, rows={"logprobs": F.pad(logprobs, (1, 0)), "sum_pi_squared": F.pad(squared, (1, 0))})
+
+
 def top_k_logprobs(k: int) -> LossFn:
     """Forward only, at temperature 1: per-token log-probs [B, T] as `token_logprobs`, and at each
     position the k most likely tokens and their log-probs, [B, T, k] ("top_ids", "top_logprobs",

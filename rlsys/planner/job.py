@@ -14,6 +14,7 @@ from rlsys.planner.estimate import Layout, Precision, Workload
 from rlsys.planner.search import GIB, Cluster, plan, reason, table
 from rlsys.planner.shards import ModelShapes
 from rlsys.stages import preflight
+from rlsys.stages.algorithm_checks import check_algorithm
 from rlsys.stages.rl_update import old_logprobs_source
 
 
@@ -72,7 +73,7 @@ def validator(cfg: RLJobConfig | TrainJobConfig, config) -> Callable[[ParallelCo
         dims = preflight.check_layout(parallel, config)
         preflight.check_lora(cfg.model, parallel, config)
         if isinstance(cfg, RLJobConfig):
-            preflight.check_algorithm(cfg.algorithm, parallel)
+            check_algorithm(cfg.algorithm, parallel)
             preflight.check_rl_batch(cfg, dims.dp_size)
         else:
             preflight.check_train_batch(cfg.train, dims.dp_size)

@@ -4,8 +4,8 @@ One step, in data-flow order:
   prompts -> RolloutGroup.rollout (an agent loop per episode) -> rewards (functions in the reward actors,
      reward models and judges in their engines; DAPO: again, until the batch has enough groups of mixed
      rewards; the engines then free their memory) -> each episode's segments as rows of the batch
-  -> the teacher's log-probs (distillation; while the trainer works) -> TrainGroup.compute_logprobs (old,
-     unless the update is on-policy or takes the engine's; reference if KL is on) -> KL and the teacher's
+  -> the teacher's log-probs (distillation; while the trainer works) -> the trainer's passes (rl_logprobs:
+     old log-probs unless the update is on-policy or takes the engine's; reference if KL is on) -> KL and the teacher's
      reverse KL in the reward (optional) -> the critic's values (PPO)
   -> advantages (+ the teacher's sampled-token signal; or its top-k tokens join the batch, for the loss)
   -> per mini-batch: critic_step with the value loss (PPO), then train_step with the policy loss
@@ -56,6 +56,7 @@ from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.preflight import check_rl_job
+from rlsys.stages.rl_logprobs import SUM_PI_SQUARED, LogprobPasses, is_weights
 from rlsys.stages.rl_metrics import agent_metrics, async_metrics, dropped_metrics, mismatch, sample_metrics
 from rlsys.stages.rl_setup import (
     RLData,
@@ -70,7 +71,6 @@ from rlsys.stages.rl_update import (
     loss_counts,
     mini_batches_per_step,
     needs_reference,
-    old_logprobs_source,
     updates_per_step,
 )
 from rlsys.stages.rollout_stream import RolloutStream
@@ -92,7 +92,6 @@ class RLVRTrainer:
         self.evaluator, self.agents, self.expander = data.evaluator, data.agents, data.expander
         self.sampler = EpochSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.seed)
         self.updates_per_step = updates_per_step(cfg)
-        self.old_logprobs = old_logprobs_source(cfg)
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
         self.engine_routing = engine_routing_shape(cfg)
@@ -112,6 +111,7 @@ class RLVRTrainer:
                                      teacher=teacher_in_trainer(cfg))
             train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, colocated_engines(cfg))
             self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
+            self.logprob_passes = LogprobPasses(self.train_group, cfg)
             self._start_served_models(engine_gpus)
             self.rollout_group = RolloutGroup(cfg.model.path, replace(cfg.rollout, max_model_len=data.engine_length),
                                               cfg.seed, self.train_group.placement,
@@ -176,7 +176,7 @@ class RLVRTrainer:
             batch[ROUTING_FIELD] = engine_routing([s.routing for s in samples], batch["input_ids"].shape[1],
                                                   *self.engine_routing)
         teacher_calls = self._submit_teacher(samples)
-        logprob_metrics = self._add_logprobs(batch, engine_logprobs, timer)
+        logprob_metrics = self.logprob_passes.add(batch, engine_logprobs, timer)
         token_rewards = on_last_response_token(torch.zeros(len(samples)).masked_scatter(episode_ends(episode_of),
                                                                                         rewards), batch)
         if cfg.algorithm.use_kl_in_reward:
@@ -191,7 +191,8 @@ class RLVRTrainer:
         if self.with_critic:
             with timer("values"):
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
-        inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups[episode_of], batch.get("values"))
+        inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups[episode_of], batch.get("values"),
+                                 batch.get("old_logprobs"), batch.pop(SUM_PI_SQUARED, None), is_weights(cfg, batch))
         batch["advantages"] = episode_advantages(inputs, episode_of, cfg.algorithm)
         if distill is not None and distill.mode == "advantage" and not distill.top_k:
             batch["advantages"] = batch["advantages"] - distill.coef * distill_kl
@@ -340,41 +341,6 @@ class RLVRTrainer:
                                                  self.cfg.reward.overlong_penalty_factor)
         return rewards
 
-    def _add_logprobs(self, batch: Batch, engine_logprobs: torch.Tensor, timer: PhaseTimer) -> dict[str, float]:
-        """The log-prob fields the update reads: old (a trainer pass, or the engine's), the
-        engine's for rollout importance sampling, the reference's for a KL term. With R3 and a
-        trainer pass, returns how often its routers chose the engine's experts
-        (`router/engine_agreement`: the trainer on the weights that sampled)."""
-        algo, metrics = self.cfg.algorithm, {}
-        if self.old_logprobs == "trainer" and algo.router_replay == "r2":
-            with timer("old_logprob"):
-                batch["old_logprobs"], batch[ROUTING_FIELD] = self._logprobs_and_routing(batch)
-        elif self.old_logprobs == "trainer":
-            with timer("old_logprob"):
-                batch["old_logprobs"], pass_metrics = self._logprobs(batch)
-            if "router/replay_agreement" in pass_metrics:  # R3: the batch carries the engine's experts
-                metrics["router/engine_agreement"] = pass_metrics["router/replay_agreement"]
-        elif self.old_logprobs == "rollout":
-            batch["old_logprobs"] = on_response_tokens(engine_logprobs, batch)
-        if algo.rollout_correction.active:
-            batch["rollout_logprobs"] = on_response_tokens(engine_logprobs, batch)
-        if needs_reference(algo):
-            with timer("reference"):
-                batch["ref_logprobs"], _ = self._logprobs(batch, reference=True)
-        return metrics
-
-    def _logprobs_and_routing(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The old log-probs and the experts each token went to in the same pass (R2)."""
-        shards = self.train_group.run_data_parallel("compute_logprobs_and_routing", batch,
-                                                    temperature=self.cfg.rollout.temperature)
-        return torch.cat([rows["logprobs"] for rows in shards]), torch.cat([rows[ROUTING_FIELD] for rows in shards])
-
-    def _logprobs(self, batch: Batch, reference: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-        """The batch's log-probs from the policy (or the reference), and the pass's metrics."""
-        shards = self.train_group.run_data_parallel("compute_logprobs", batch, temperature=self.cfg.rollout.temperature,
-                                                    reference=reference)
-        return torch.cat([logprobs for logprobs, _ in shards]), shards[0][1]
-
     def _update(self, batch: Batch, train_actor: bool) -> tuple[dict[str, float], torch.Tensor | None]:
         """ppo_epochs passes over the batch in mini-batches of whole prompt groups, each updating
         the critic (PPO) and then, unless the critic is warming up, the policy. Returns the mean
@@ -383,7 +349,7 @@ class RLVRTrainer:
         any optimizer step (None when neither exists)."""
         algo = self.cfg.algorithm
         num_minis = mini_batches_per_step(self.cfg)
-        sampler_logprobs = batch["old_logprobs"] if self.old_logprobs == "trainer" else None
+        sampler_logprobs = batch["old_logprobs"] if self.logprob_passes.source == "trainer" else None
         weight_mean = batch_is_weight_mean(self.cfg, batch)
         sums = {"rollout_corr/batch_norm_factor": weight_mean} if weight_mean is not None else {}
         for _ in range(algo.ppo_epochs):

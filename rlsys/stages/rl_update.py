@@ -26,16 +26,23 @@ def old_logprobs_source(cfg: RLJobConfig) -> Literal["current", "trainer", "roll
     update's own forward when the update is on-policy (one update a step, synchronous, no KL in
     the reward, which needs the sampling policy's log-probs first, no R2 routing replay, which
     records the routing in that pass, no batch-normalised importance weights, whose mean the
-    driver takes over the old log-probs), else a trainer forward pass before the update."""
+    driver takes over the old log-probs, no optimal token baseline, which reads that pass), else a
+    trainer forward pass before the update."""
     algo = cfg.algorithm
     if algo.rollout_correction.bypass_mode:
         return "rollout"
     if algo.old_logprobs != "auto":
         return algo.old_logprobs
     on_policy = (updates_per_step(cfg) == 1 and not algo.use_kl_in_reward and algo.router_replay != "r2"
+                 and not needs_sum_pi_squared(algo)  # read from the same pass, before the advantages
                  and not algo.rollout_correction.rollout_is_batch_normalize  # a mean over the batch's old ones
                  and cfg.train.async_mode == "off")  # asynchronous: older weights sampled
     return "current" if on_policy else "trainer"
+
+
+def needs_sum_pi_squared(algo: AlgorithmConfig) -> bool:
+    """The optimal token baselines read each position's sum of squared probabilities."""
+    return algo.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def needs_reference(algo: AlgorithmConfig) -> bool:

@@ -128,6 +128,15 @@ def compare_token_baseline(verl: dict, name: str, data: dict, seed: int, weighte
     return (ours - theirs).abs().max().item()
 
 
+def compare_remax(verl: dict, data: dict, seed: int) -> float:
+    """ReMax with random greedy scores; VeRL's leaves the return on padding, which no loss reads."""
+    baselines = torch.rand(len(data["mask"]), generator=torch.Generator().manual_seed(seed))
+    ours = ADVANTAGES["remax"](AdvantageInputs(data["rewards"], data["mask"], data["groups"],
+                                               reward_baselines=baselines), ALGO)
+    theirs, _ = verl["compute_remax_outcome_advantage"](data["rewards"].clone(), baselines, data["mask"])
+    return ((ours - theirs) * data["mask"]).abs().max().item()
+
+
 def compare_loss(verl: dict, name: str, data: dict) -> tuple[float, float]:
     kind = POLICY_LOSSES[name]
     loss_agg = kind.loss_agg or "token-mean"
@@ -188,6 +197,8 @@ def main() -> None:
     print("| estimator | largest advantage difference |\n|---|---|")
     for name in ESTIMATORS:
         print(f"| {name} | {max(compare_estimator(verl, name, batch(seed)) for seed in range(args.seeds)):.2e} |")
+    differ = max(compare_remax(verl, batch(seed), seed) for seed in range(args.seeds))
+    print(f"| remax (on response tokens) | {differ:.2e} |")
     for name in TOKEN_BASELINES:
         for weighted in (False, True):
             differ = max(compare_token_baseline(verl, name, batch(seed), seed, weighted) for seed in range(args.seeds))

@@ -835,3 +835,11 @@ def test_the_optimal_token_baseline_weights_each_response_by_its_path_variance()
                           sum_pi_squared=spread(sum_pi_squared))
     got = compute_advantages(tir, AlgorithmConfig(adv_estimator="tir_optimal_token_baseline"))
     assert torch.allclose(got, spread(expected) * tool)
+
+
+def test_remax_subtracts_the_greedy_responses_score():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    inputs = AdvantageInputs(rewards, mask, torch.tensor([0, 1]), reward_baselines=torch.tensor([0.25, 1.0]))
+    result = compute_advantages(inputs, AlgorithmConfig(adv_estimator="remax"))
+    assert torch.allclose(result, torch.tensor([[0.0, 0.75, 0.75], [-0.5, -0.5, 0.0]]))

@@ -435,3 +435,18 @@ def test_the_optimal_token_baseline_reads_the_policys_sum_of_squared_probabiliti
     real = batch["attention_mask"][:, 1:].bool()
     assert (rows["sum_pi_squared"][:, 1:][real] - expected[real]).abs().max() < 1e-5
     assert math.isfinite(step["actor/pg_loss"]) and step["actor/entropy"] > 0
+
+
+def test_remax_generates_and_scores_a_greedy_response_per_prompt_in_the_step(ray_cluster, rl_config):
+    """algorithm.adv_estimator: remax: the step's rollout adds one greedy response per prompt, scored
+    by the run's reward, whose scores are the step's baselines."""
+    cfg = rl_config("algorithm.adv_estimator=remax", "eval=null", "algorithm.kl_coef=0")
+    trainer = RLVRTrainer(cfg)
+    try:
+        indices = copy.deepcopy(trainer.sampler).next_indices()
+        step = trainer.step(1)
+        baselines = dict(trainer.greedy_baselines)
+    finally:
+        trainer.shutdown()
+    assert sorted(baselines) == sorted(indices) and set(baselines.values()) <= {0.0, 1.0}
+    assert 0 < sum(baselines.values()) and math.isfinite(step["actor/pg_loss"])

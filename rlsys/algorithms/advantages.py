@@ -36,6 +36,8 @@ class AdvantageInputs:
     """[N, T] the sum over the vocabulary of the squared next-token probabilities, from the same pass."""
     is_weights: torch.Tensor | None = None
     """[N, T] the truncated rollout importance weights, when `rollout_correction.rollout_is` is on."""
+    reward_baselines: torch.Tensor | None = None
+    """[N] the score of a greedy response to each response's prompt (remax)."""
 
     def rows(self, index: torch.Tensor) -> AdvantageInputs:
         """These inputs for the rows `index` only."""
@@ -150,6 +152,17 @@ def rloo(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
     others = size.clamp(min=2) - 1
     advantages = torch.where(size == 1, scores, (scores * size - mean * size) / others)
     return _on_responses(advantages, inputs)
+
+
+@register_advantage("remax")
+def remax(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
+    """ReMax ([Li et al. 2023](https://arxiv.org/abs/2310.10505)): the return-to-go less the score
+    of the greedy response to the same prompt, which the step generates beside the samples."""
+    if inputs.reward_baselines is None:
+        raise ValueError("remax needs the greedy responses' scores (reward_baselines)")
+    mask = inputs.response_mask.float()
+    returns = (inputs.token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    return (returns - inputs.reward_baselines.unsqueeze(-1)) * mask
 
 
 @register_advantage("reinforce_plus_plus")

@@ -106,6 +106,9 @@ def check_algorithm_against_job(cfg: RLJobConfig) -> None:
         raise ConfigError(f"algorithm.adv_estimator: {algo.adv_estimator} reads the sums of squared probabilities "
                           "of the trainer's old-log-prob pass: needs old_logprobs: auto or trainer, without "
                           "router_replay: r2 or bypass_mode")
+    if algo.adv_estimator == "remax" and cfg.train.async_mode != "off":
+        raise ConfigError("algorithm.adv_estimator: remax generates its greedy baselines in the step; not with "
+                          "train.async_mode")
     if algo.adv_estimator == "grpo_passk" and cfg.rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator: grpo_passk compares a group's best two responses; "
                           "needs rollout.n >= 2")

@@ -94,6 +94,8 @@ class RLVRTrainer:
         self.updates_per_step = updates_per_step(cfg)
         self.kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
         self.with_critic = cfg.algorithm.adv_estimator == "gae"
+        self.greedy_baselines: dict[int, float] | None = {} if cfg.algorithm.adv_estimator == "remax" else None
+        """ReMax: the score of the greedy response to each prompt of the step, by prompt index."""
         self.engine_routing = engine_routing_shape(cfg)
         """R3: the layers of the engines' routing that the trainer's MoE blocks replay, and top-k."""
         self.checkpoints = checkpoints or CheckpointDir(cfg.output_dir, cfg.train.keep_last)
@@ -192,7 +194,8 @@ class RLVRTrainer:
             with timer("values"):
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
         inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups[episode_of], batch.get("values"),
-                                 batch.get("old_logprobs"), batch.pop(SUM_PI_SQUARED, None), is_weights(cfg, batch))
+                                 batch.get("old_logprobs"), batch.pop(SUM_PI_SQUARED, None), is_weights(cfg, batch),
+                                 self._greedy_scores(episodes)[episode_of] if self.greedy_baselines else None)
         batch["advantages"] = episode_advantages(inputs, episode_of, cfg.algorithm)
         if distill is not None and distill.mode == "advantage" and not distill.top_k:
             batch["advantages"] = batch["advantages"] - distill.coef * distill_kl
@@ -280,13 +283,25 @@ class RLVRTrainer:
         cfg = self.cfg
         if self.stream is not None:
             return [t for group in self.stream.take(cfg.train.prompts_per_step, version=step - 1) for t in group]
-        indices = self.sampler.next_indices()
-        samples, engine_times = self.rollout_group.rollout(
-            [(i, self.prompts[i].ids, self.prompts[i].row) for i in indices], cfg.rollout.agent_loop,
-            cfg.rollout.n, self.rollout_group.sampling(), cfg.seed * 100_003 + step + draw * 1_000_000_007,
-            version=step - 1)  # the policy the last step synced
+        indices, seed = self.sampler.next_indices(), cfg.seed * 100_003 + step + draw * 1_000_000_007
+        prompts = [(i, self.prompts[i].ids, self.prompts[i].row) for i in indices]
+        samples, engine_times = self.rollout_group.rollout(prompts, cfg.rollout.agent_loop, cfg.rollout.n,
+                                                           self.rollout_group.sampling(), seed,
+                                                           version=step - 1)  # the policy the last step synced
         timer.times["time/engine_s"] = timer.times.get("time/engine_s", 0.0) + engine_times["engine_s"]
+        if self.greedy_baselines is not None:
+            self._score_greedy(prompts, seed, step)
         return samples
+
+    def _score_greedy(self, prompts: list[tuple], seed: int, step: int) -> None:
+        """ReMax's baselines: the score of a greedy response to each of `prompts`."""
+        greedy, _ = self.rollout_group.rollout(prompts, self.cfg.rollout.agent_loop, 1,
+                                               self.rollout_group.sampling(temperature=0.0), seed, version=step - 1)
+        scored, _ = self.reward_pool.score(reward_inputs(greedy, self.prompts), exchanges(greedy, self.prompts))
+        self.greedy_baselines.update({g.prompt_index: s.score for g, s in zip(greedy, scored)})
+
+    def _greedy_scores(self, episodes: list[Trajectory]) -> torch.Tensor:
+        return torch.tensor([self.greedy_baselines[e.prompt_index] for e in episodes])
 
     def _accuracy(self, scored: list[ScoredSample]) -> dict[str, float]:
         """The share of responses the first reward term scores 1 or more (none without terms)."""

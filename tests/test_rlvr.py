@@ -437,10 +437,12 @@ def test_the_optimal_token_baseline_reads_the_policys_sum_of_squared_probabiliti
     assert math.isfinite(step["actor/pg_loss"]) and step["actor/entropy"] > 0
 
 
-def test_remax_generates_and_scores_a_greedy_response_per_prompt_in_the_step(ray_cluster, rl_config):
+def test_remax_in_bypass_mode_generates_and_scores_a_greedy_response_per_prompt(ray_cluster, rl_config):
     """algorithm.adv_estimator: remax: the step's rollout adds one greedy response per prompt, scored
-    by the run's reward, whose scores are the step's baselines."""
-    cfg = rl_config("algorithm.adv_estimator=remax", "eval=null", "algorithm.kl_coef=0")
+    by the run's reward, whose scores are the step's baselines; VeRL's bypass_pg_is preset trains
+    on them with the engine's log-probs as the old ones (no trainer pass) and importance weights."""
+    cfg = rl_config("algorithm.adv_estimator=remax", "eval=null", "algorithm.kl_coef=0",
+                    "algorithm.rollout_correction.preset=bypass_pg_is")
     trainer = RLVRTrainer(cfg)
     try:
         indices = copy.deepcopy(trainer.sampler).next_indices()
@@ -449,4 +451,5 @@ def test_remax_generates_and_scores_a_greedy_response_per_prompt_in_the_step(ray
     finally:
         trainer.shutdown()
     assert sorted(baselines) == sorted(indices) and set(baselines.values()) <= {0.0, 1.0}
-    assert 0 < sum(baselines.values()) and math.isfinite(step["actor/pg_loss"])
+    assert math.isfinite(step["actor/pg_loss"]) and "time/old_logprob_s" not in step
+    assert 0 < step["rollout_corr/is_weight"] <= 2.0

@@ -43,6 +43,8 @@ from rlsys.agents.openai_stream import ChunkStream, TextDeltas, include_usage
 from rlsys.agents.trajectory import RolloutRequest, Sampling
 
 MODEL_NAME = "policy"
+LISTEN_BACKLOG = 4096
+"""Connections waiting to be accepted (the kernel caps it at net.core.somaxconn)."""
 
 
 @dataclass
@@ -90,8 +92,10 @@ class OpenAIEndpoint:
                         web.get("/v1/models", self._models)])
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        listener = socket.create_server((self.host, 0))  # a free port, on this address only
-        await web.SockSite(runner, listener).start()
+        # a free port, on this address only; a backlog for every session of a step connecting at once
+        # (a full accept queue drops connections, which the clients retry after a second or more)
+        listener = socket.create_server((self.host, 0), backlog=LISTEN_BACKLOG)
+        await web.SockSite(runner, listener, backlog=LISTEN_BACKLOG).start()
         return f"http://{self.host}:{listener.getsockname()[1]}"
 
     def open(self, request: RolloutRequest, sampling: Sampling) -> tuple[str, Session]:

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from rlsys.agents.chat import ChatTurns
 from rlsys.agents.loop import AgentContext, AgentLoop, register_agent_loop
-from rlsys.agents.openai_endpoint import OpenAIEndpoint
+from rlsys.agents.openai_endpoint import LISTEN_BACKLOG, OpenAIEndpoint
 from rlsys.agents.tool_parsers import TOOL_PARSERS
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory
 
@@ -69,15 +69,20 @@ class OpenAILoop(AgentLoop):
     def _http_client(self):
         """One HTTP client for every session's OpenAI client on this event loop: a client of its own
         would cost each trajectory an SSL context and a connection, and httpx's pool slows with
-        hundreds of connections at once, which aiohttp's does not."""
+        hundreds of connections at once, which aiohttp's does not. It holds as many connections as the
+        endpoint's backlog, open from step to step (the client's default keeps 100, for 5 s), so
+        that a step's sessions do not open hundreds of new ones at once."""
         import openai
 
         loop = asyncio.get_running_loop()
         if self._http is None or self._http_loop is not loop:
+            limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=LISTEN_BACKLOG,
+                                                            max_keepalive_connections=LISTEN_BACKLOG,
+                                                            keepalive_expiry=self.timeout_s)
             try:
-                self._http = openai.DefaultAioHttpClient()
+                self._http = openai.DefaultAioHttpClient(limits=limits)
             except RuntimeError:  # an openai without its aiohttp transport
-                self._http = openai.DefaultAsyncHttpxClient()
+                self._http = openai.DefaultAsyncHttpxClient(limits=limits)
             self._http_loop = loop
         return self._http
 

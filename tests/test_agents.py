@@ -402,7 +402,7 @@ def test_a_context_hook_that_rewrites_the_history_starts_a_new_segment(engine, c
     """The tool loop hands the hook the conversation before each turn after the first; the hook
     here drops the question after the tool's answer, so the second turn's prompt is the template's
     rendering of what it returned, and the first turn (the call) is the episode's earlier segment,
-    with the prompt the row began with."""
+    with the prompt the row began with. A hook that raises leaves the history as it is."""
     tokenizer = engine.tokenizer
     schemas = [s.schema for s in calculator_tools]
     messages, prompt_ids = _question(tokenizer, schemas)
@@ -412,12 +412,20 @@ def test_a_context_hook_that_rewrites_the_history_starts_a_new_segment(engine, c
         seen.append(history)
         return [m for m in history if m["role"] != "user"] if history[-1]["role"] == "tool" else history
 
+    def broken(history: list[dict], tokenizer) -> list[dict]:
+        raise RuntimeError("a bug in the user's hook")
+
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=100, max_response_tokens=200)
-    engine.loops["hooked"] = type(engine.loops["tool"]).bind(forget_the_question)(engine.loops["tool"].context)
+    bound = type(engine.loops["tool"]).bind
+    engine.loops["hooked"] = bound(forget_the_question)(engine.loops["tool"].context)
+    engine.loops["broken"] = bound(broken)(engine.loops["tool"].context)
     try:
         columns = asyncio.run(engine.rollout([(0, prompt_ids, {"prompt": messages})], "hooked", 4, sampling, seed=5))
+        unhooked = asyncio.run(engine.rollout([(0, prompt_ids, {"prompt": messages})], "broken", 4, sampling,
+                                              seed=5)).unpack({0: prompt_ids})
     finally:
-        del engine.loops["hooked"]
+        del engine.loops["hooked"], engine.loops["broken"]
+    assert not any(t.earlier for t in unhooked) and sum(t.tool_calls for t in unhooked) >= 3  # as if it had none
     episodes = [t for t in columns.unpack({0: prompt_ids}) if t.tool_calls == 1]
     assert len(episodes) >= 3 and len(seen) >= len(episodes)
     for episode in episodes:

@@ -18,6 +18,7 @@ response budget counts each segment's own tokens.
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 from rlsys.agents.chat import ChatTurns
@@ -26,6 +27,8 @@ from rlsys.agents.tool_parsers import TOOL_PARSERS, ToolCall
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory
 from rlsys.data.examples import chat_ids
 from rlsys.tools.base import ToolResult
+
+log = logging.getLogger(__name__)
 
 
 @register_agent_loop("tool")
@@ -83,8 +86,16 @@ class ToolLoop(AgentLoop):
                 state.add_message(message)
 
     def _rewrite_history(self, state: _State) -> None:
-        """The hook's history for the next turn: a rewritten one starts a new segment."""
-        messages = self.context_hook([dict(m) for m in state.messages], self.tokenizer)
+        """The hook's history for the next turn: a rewritten one starts a new segment. A hook that
+        raises or returns something else than messages leaves the history as it is (logged)."""
+        try:
+            messages = self.context_hook([dict(m) for m in state.messages], self.tokenizer)
+            if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+                raise TypeError(f"returned {type(messages).__name__}, not a non-empty list of messages")
+        except Exception as err:  # the user's hook: the trajectory goes on with its history
+            log.warning("rollout.context_hook failed on prompt %d: %s: %s", state.request.prompt_index,
+                        type(err).__name__, err)
+            return
         if messages != state.messages:
             schemas = self.context.tool_schemas or None
             state.new_segment(chat_ids(messages, self.tokenizer, add_generation_prompt=True, tools=schemas), messages)

@@ -193,9 +193,10 @@ class RLVRTrainer:
         if self.with_critic:
             with timer("values"):
                 batch["values"] = torch.cat(self.train_group.run_data_parallel("compute_values", batch))
+        greedy = self._greedy_scores(episodes)[episode_of] if self.greedy_baselines is not None else None
         inputs = AdvantageInputs(token_rewards, batch["loss_mask"], groups[episode_of], batch.get("values"),
                                  batch.get("old_logprobs"), batch.pop(SUM_PI_SQUARED, None), is_weights(cfg, batch),
-                                 self._greedy_scores(episodes)[episode_of] if self.greedy_baselines else None)
+                                 greedy)
         batch["advantages"] = episode_advantages(inputs, episode_of, cfg.algorithm)
         if distill is not None and distill.mode == "advantage" and not distill.top_k:
             batch["advantages"] = batch["advantages"] - distill.coef * distill_kl

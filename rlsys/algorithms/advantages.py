@@ -161,7 +161,7 @@ def remax(inputs: AdvantageInputs, algo: AlgorithmConfig) -> torch.Tensor:
     if inputs.reward_baselines is None:
         raise ValueError("remax needs the greedy responses' scores (reward_baselines)")
     mask = inputs.response_mask.float()
-    returns = (inputs.token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    returns = _returns_to_go(inputs.token_rewards, mask)
     return (returns - inputs.reward_baselines.unsqueeze(-1)) * mask
 
 
@@ -221,7 +221,7 @@ def _optimal_token_baseline(inputs: AdvantageInputs, sampled_only: bool, zero_ta
     if inputs.old_logprobs is None or inputs.sum_pi_squared is None:
         raise ValueError("the optimal token baselines need the trainer's old log-probs and sum_pi_squared")
     mask = inputs.response_mask.float()
-    returns = (inputs.token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    returns = _returns_to_go(inputs.token_rewards, mask)
     weight = 1 - 2 * inputs.old_logprobs.exp() + inputs.sum_pi_squared
     if inputs.is_weights is not None:
         weight = weight * inputs.is_weights.square()
@@ -243,6 +243,11 @@ def _optimal_token_baseline(inputs: AdvantageInputs, sampled_only: bool, zero_ta
             baselines[longest[0], int(ranked[-2]):] = 0.0
     advantages = (aligned_returns - baselines) * aligned_mask
     return torch.zeros_like(returns).scatter_add_(1, index, advantages)
+
+
+def _returns_to_go(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] each token's sum of the rewards on it and on the response tokens after it (undiscounted)."""
+    return (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
 
 
 def _response_positions(mask: torch.Tensor, sampled_only: bool) -> tuple[torch.Tensor, torch.Tensor]:

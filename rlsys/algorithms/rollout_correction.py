@@ -59,12 +59,18 @@ def correction_factors(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     return factors * keep, metrics
 
 
+def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       cfg: RolloutCorrectionConfig) -> torch.Tensor:
+    """[B, T] the truncated importance weights of pi_old / pi_rollout at `cfg.rollout_is`'s level."""
+    log_ratio = masked(old_logprobs - rollout_logprobs, mask)
+    return truncated_is_weights(log_ratio, mask, cfg.rollout_is, cfg.rollout_is_threshold)[0]
+
+
 def is_weight_mean(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                    cfg: RolloutCorrectionConfig) -> float:
     """The mean truncated importance weight over the batch's response tokens (`token`), or over its
     responses (`sequence`: one weight each), as VeRL's `rollout_is_batch_normalize` takes it."""
-    log_ratio = masked(old_logprobs - rollout_logprobs, mask)
-    weights, _ = truncated_is_weights(log_ratio, mask, cfg.rollout_is, cfg.rollout_is_threshold)
+    weights = rollout_is_weights(old_logprobs, rollout_logprobs, mask, cfg)
     if cfg.rollout_is == "sequence":
         responses = mask.sum(-1) > 0
         return weights[:, 0][responses].mean().item()

@@ -57,7 +57,7 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
                           "use old_logprobs: auto or trainer (or bypass_mode: true)")
 
 
-def _check_bypass_mode(algo) -> None:
+def _check_bypass_mode(algo: AlgorithmConfig) -> None:
     """Bypass mode takes the engine's log-probs as the old ones and its loss from loss_type."""
     if algo.policy_loss != "vanilla":
         raise ConfigError(f"algorithm.policy_loss: bypass mode picks its loss by rollout_correction.loss_type "

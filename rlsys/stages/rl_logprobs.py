@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlsys.actors.phases import PhaseTimer
-from rlsys.algorithms.rollout_correction import truncated_is_weights
+from rlsys.algorithms.rollout_correction import rollout_is_weights
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch, on_response_tokens
 from rlsys.parallel.router_replay import ROUTING_FIELD
@@ -68,12 +68,9 @@ class LogprobPasses:
 
 
 def is_weights(cfg: RLJobConfig, batch: Batch) -> torch.Tensor | None:
-    """[B, T] the truncated rollout importance weights of the old policy against the engine's, when
-    `rollout_correction.rollout_is` is on (what the optimal token baselines weight by)."""
+    """[B, T] the truncated rollout importance weights of the old policy against the engine's, for
+    the optimal token baselines, which weight by them, when `rollout_correction.rollout_is` is on."""
     correction = cfg.algorithm.rollout_correction
-    if correction.rollout_is == "none" or "rollout_logprobs" not in batch or "old_logprobs" not in batch:
+    if not needs_sum_pi_squared(cfg.algorithm) or correction.rollout_is == "none" or "rollout_logprobs" not in batch:
         return None
-    mask = batch["loss_mask"]
-    log_ratio = torch.where(mask.bool(), batch["old_logprobs"] - batch["rollout_logprobs"], 0.0)
-    weights, _ = truncated_is_weights(log_ratio, mask, correction.rollout_is, correction.rollout_is_threshold)
-    return weights
+    return rollout_is_weights(batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"], correction)

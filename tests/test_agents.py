@@ -358,8 +358,9 @@ def test_a_streamed_call_samples_and_records_what_the_unstreamed_call_does(engin
     plain, streamed = rollout("openai", {"prompt": messages}), rollout("streaming", {"prompt": messages})
     assert sum(t.tool_calls for t in streamed) >= 4 and not any(t.dropped for t in streamed)
     for a, b in zip(plain, streamed):
-        assert (a.prompt_ids, a.response_ids, a.response_mask, a.logprobs, a.text, a.num_turns, a.tool_calls) == \
-            (b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.text, b.num_turns, b.tool_calls)
+        assert (a.prompt_ids, a.response_ids, a.response_mask, a.text, a.num_turns, a.tool_calls) == \
+            (b.prompt_ids, b.response_ids, b.response_mask, b.text, b.num_turns, b.tool_calls)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)  # batches differ: float sums move
 
     text, _ = _question_text(tokenizer, QUESTION)
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=24, max_response_tokens=24)
@@ -368,7 +369,8 @@ def test_a_streamed_call_samples_and_records_what_the_unstreamed_call_does(engin
                                             "extra_info": {"api": api, "text": text, "stream": stream}})
                            for stream in (False, True))
         for a, b in zip(plain, streamed):
-            assert (a.response_ids, a.logprobs, a.text) == (b.response_ids, b.logprobs, b.text) and not b.dropped
+            assert (a.response_ids, a.text) == (b.response_ids, b.text) and not b.dropped
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)  # batches differ: float sums move
             assert b.reward_info["finish"] == a.reward_info["finish"] == a.finish_reason
             assert b.reward_info["tokens"] == len(b.response_ids)
             assert b.reward_info["chunks"] > 1 or len(b.response_ids) <= 2, (api, b.text)

@@ -4,13 +4,22 @@ the endpoint (`rollout.agent_loop: openai`). Both sample the same tokens (the sa
 and sampling), so the difference in the generate phase is the endpoint's: HTTP, JSON, the chat
 template, the session's recording. Each run's mean over its steps after the first.
 
+Beside them, the floor: the harness's calls, as many as a step makes, through the same OpenAI
+client and transport against a server in the same process that answers each at once with a
+fixed reply (no engine, no template). What the harness and HTTP alone cost a step on one event
+loop, which no change to the endpoint can take below.
+
     .venv/bin/python benchmarks/openai_endpoint.py --model runs/arith/sft/hf_model \\
         --data runs/arith/data/rl_train.parquet
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import statistics
+import time
 
 from rl_runs import quick_job_args, side_by_side
 
@@ -23,13 +32,62 @@ async def one_call(client, row: dict) -> str:
     return reply.choices[0].message.content or ""
 
 
+_FIXED_REPLY = json.dumps({
+    "id": "floor", "object": "chat.completion", "created": 0, "model": "policy",
+    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "42"}}],
+    "usage": {"prompt_tokens": 32, "completion_tokens": 2, "total_tokens": 34}})
+
+
+async def client_floor(rows: list[dict], steps: int) -> float:
+    """The mean seconds of a step's `one_call`s (one per row, all at once) through the endpoint's
+    OpenAI client setup, against an in-process server that answers at once; steps after the first."""
+    import openai
+    from aiohttp import web
+
+    from rlsys.agents.openai_endpoint import LISTEN_BACKLOG
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.json()
+        return web.Response(text=_FIXED_REPLY, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=LISTEN_BACKLOG)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=LISTEN_BACKLOG,
+                                                    max_keepalive_connections=LISTEN_BACKLOG, keepalive_expiry=60)
+    async with openai.DefaultAioHttpClient(limits=limits) as http:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="floor", max_retries=0,
+                                    http_client=http)
+        seconds = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            await asyncio.gather(*(one_call(client, row) for row in rows))
+            seconds.append(time.perf_counter() - start)
+    await runner.cleanup()
+    return statistics.mean(seconds[1:])
+
+
+def step_rows(data: str, prompts: int, n: int = 8) -> list[dict]:
+    """A step's harness inputs: the first `prompts` rows of the parquet file, each `n` times."""
+    import pandas
+
+    return [{"prompt": list(row)} for row in pandas.read_parquet(data)["prompt"][:prompts] for _ in range(n)]
+
+
 def main() -> None:
     args = quick_job_args(__doc__, "runs/bench/openai_endpoint")
     harness = f"{os.path.abspath(__file__)}:one_call"
     runs = {"single_turn": [], "openai endpoint": ["rollout.agent_loop=openai", f"rollout.agent_entry={harness}"]}
     results = side_by_side(args, runs, FIGURES)
     base, endpoint = results["single_turn"]["time/generate_s"], results["openai endpoint"]["time/generate_s"]
+    floor = asyncio.run(client_floor(step_rows(args.data, args.prompts), args.steps))
     print(f"\ngenerate phase through the endpoint / single_turn: {endpoint / base:.2f}")
+    print(f"the harness's calls against a server that answers at once: {floor:.3f} s a step, "
+          f"{floor / base:.2f} x single_turn's generate phase")
 
 
 if __name__ == "__main__":

@@ -215,11 +215,28 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
     assert (got[~real] == 0).all()
 
 
-def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir):
+def test_a_group_shares_its_prompt_in_the_chunks_that_cost_least():
+    """8 samples of a 4-token prompt with 12-token responses: counting tokens alone, all 8 share
+    one copy; where a pair of a row's columns costs 0.003 of a token, pairs of samples share (116
+    tokens in rows of 29: less than 128 in rows of 16, or 110 in rows of 55); at a pair's cost of
+    a token, none does."""
+    from rlsys.data.packing import ShareCost, pack_rows
+
+    batch = collate_rollouts([[5, 6, 7, 8]] * 8, [list(range(10, 22))] * 8, pad_id=0)
+    for pair_cost, prompt_rows, width in [(0.0, [0] * 8, 3 + 8 * 13), (0.003, [0, 0, 2, 2, 4, 4, 6, 6], 3 + 2 * 13),
+                                          (1.0, list(range(8)), 16)]:
+        packing = pack_rows(batch, ShareCost(1.0, pair_cost))
+        assert packing.prompt_row.tolist() == prompt_rows and packing.batch["input_ids"].shape[1] == width
+    assert pack_rows(batch, None).shared_length.tolist() == [0] * 8
+
+
+@pytest.mark.parametrize(("pair_cost", "prompt_copies"), [(0.0, [0, 4]), (0.1, [0, 2, 4, 6])],
+                         ids=["whole-groups", "pairs"])
+def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir, pair_cost, prompt_copies):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
-    is packed once, yet every token's log-prob and the gradient of a token-level loss are those
-    of the padded rows."""
-    from rlsys.data.packing import block_causal_mask, pack_rows
+    is packed once (or once for each pair of its samples, where wider rows cost more), yet every
+    token's log-prob and the gradient of a token-level loss are those of the padded rows."""
+    from rlsys.data.packing import ShareCost, block_causal_mask, pack_rows
 
     generator = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(3, 100, (n,), generator=generator).tolist()  # noqa: E731
@@ -227,11 +244,13 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
     group_of = [0, 0, 0, 0, 1, 1, 1, 1, 2, 3]
     batch = collate_rollouts([prompts[g] for g in group_of], [ids(1 + i % 4) for i in range(10)], pad_id=0)
     batch["advantages"] = torch.randn(10, 1, generator=generator) * batch["loss_mask"]
-    packing = pack_rows(batch)
+    packing = pack_rows(batch, ShareCost(1.0, pair_cost))
     packed = packing.batch
-    assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - 2 * 3 * 5
+    assert sorted(set(packing.prompt_row[:8].tolist())) == prompt_copies
+    saved = (8 - len(prompt_copies)) * 5  # each sample beyond its copy's first skips 5 prompt tokens
+    assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - saved
     assert int(packed["loss_mask"][:, 1:].sum()) == int(batch["loss_mask"][:, 1:].sum())
-    assert pack_rows(batch, share_prompts=False).batch["attention_mask"].sum() == batch["attention_mask"].sum()
+    assert pack_rows(batch, share=None).batch["attention_mask"].sum() == batch["attention_mask"].sum()
 
     def grads_and_logprobs(fields, **inputs):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

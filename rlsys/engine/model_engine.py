@@ -32,7 +32,7 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
-from rlsys.data.packing import block_causal_mask, pack_rows
+from rlsys.data.packing import ShareCost, block_causal_mask, pack_rows
 from rlsys.engine.grad_norm import clip_grad_norm
 from rlsys.engine.loading import load_parallel_model
 from rlsys.engine.schedule import lr_multiplier
@@ -89,6 +89,8 @@ class ModelEngine:
         self.pp_rank = mesh["pp"].get_local_rank()
         self.vision = vision_tower(self.parts[0]) is not None
         """A vision-language model: its batches may carry pictures (`rlsys.data.image_tokens`)."""
+        self.share_cost = ShareCost.of(self.parts[0].config) if spec.parallel.share_prompts else None
+        """How packing weighs a group's shared prompt against wider rows (None: never shares)."""
         self.moe_blocks = [block for part in self.parts for block in moe_blocks(part)]
         self.router = self._router_balance()
         # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
@@ -206,7 +208,7 @@ class ModelEngine:
                 self._defer_gradient_reduction(not forward_only and index < passes - 1)
                 filler = index >= len(micros)
                 micro = {k: v[:1] for k, v in micros[0].items()} if filler else micros[index]
-                packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
+                packing = pack_rows(micro, self.share_cost) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 if self.router is not None and filler:
                     self.router.skip_pass()

@@ -1,21 +1,24 @@
 """What laying a GRPO group's prompt out once saves the update, side by side in one run: the
 forward and backward of a token-level loss over the same RL batch packed three ways, at
 prompt:response token ratios 1:4, 1:1 and 4:1, n samples a prompt: with every sample's prompt
-(`parallel.share_prompts=false`), with each group's prompt once for all its samples, and as the
-training ranks pack it (`rlsys.data.packing`: the chunk of samples sharing a prompt copy that
-the model's `ShareCost` finds cheapest). One process with all threads; medians of repeats.
+(`parallel.share_prompts=false`); with each group's prompt once under a dense block-causal mask
+(attention over each row's whole width); and with each group's prompt once, attending span by
+span, as the training ranks run it (`rlsys.parallel.span_attention`). One process with all
+threads; medians of repeats, the three taking turns.
 
     .venv/bin/python benchmarks/shared_prefix.py                      # the random 22.7 M model
-    .venv/bin/python benchmarks/shared_prefix.py --model runs/smollm/base --tokens 160
+    .venv/bin/python benchmarks/shared_prefix.py --model runs/smollm/base --groups 2
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from unittest import mock
 
 import torch
-from vs_trl import ensure_random_model, forward_backward_s
+from vs_trl import ensure_random_model
 
 RATIOS = ((1, 4), (1, 1), (4, 1))
 
@@ -31,20 +34,27 @@ def group_batch(prompt_len: int, response_len: int, groups: int, n: int, vocab: 
                             pad_id=0)
 
 
-def update_s(model, batch, shares: list, repeats: int) -> list[tuple[float, int, int]]:
-    """For each packing of `batch` (`pack_rows` with each of `shares`): its forward/backward
-    seconds (the median of `repeats`, the packings taking turns so that the machine's drift
-    reaches them alike), its packed tokens (padding included) and its widest row."""
-    from rlsys.data.packing import block_causal_mask, pack_rows
+def model_inputs(batch, share: bool, spans: bool) -> tuple[dict, dict]:
+    """The packed micro-batch (every group's prompt shared if `share`) and its forward's inputs."""
+    from rlsys.data import packing
+    from rlsys.parallel.span_attention import SharedPrefixSpans
 
-    packed = [pack_rows(batch, share).batch for share in shares]
-    inputs = [(p, block_causal_mask(p["segment_ids"], p["prefix_ids"]), p["position_ids"]) for p in packed]
-    seconds = [[] for _ in shares]
-    for _ in range(repeats):
-        for times, args in zip(seconds, inputs):
-            times.append(forward_backward_s(model, *args, repeats=1))
-    return [(statistics.median(times), p["input_ids"].numel(), p["input_ids"].shape[1])
-            for times, p in zip(seconds, packed)]
+    with mock.patch.object(packing, "MIN_SHARED_FRACTION", 0.0):
+        packed = packing.pack_rows(batch, share_prompts=share).batch
+    segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
+    attention = ({"attention_mask": None, "shared_spans": SharedPrefixSpans(segments, prefixes)} if spans
+                 else {"attention_mask": packing.block_causal_mask(segments, prefixes)})
+    return packed, {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"], **attention}
+
+
+def forward_backward_s(model, packed: dict, inputs: dict) -> float:
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+
+    started = time.perf_counter()
+    logits = model(**inputs, use_cache=False).logits
+    (logprobs_of_labels(logits, packed["input_ids"]) * packed["loss_mask"][:, 1:]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -57,23 +67,33 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from rlsys.data.packing import ShareCost
+    from rlsys.data.packing import MIN_SHARED_FRACTION, pack_rows
+    from rlsys.parallel.span_attention import apply_span_attention
 
     if args.model.endswith("random22m-v103"):
         ensure_random_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    packings = {"unshared": None, "whole groups": ShareCost(), "rlsys (ShareCost)": ShareCost.of(model.config)}
+    apply_span_attention(model)
+    modes = {"unshared": (False, False), "shared, dense mask": (True, False), "shared, span attention": (True, True)}
     print(f"{args.model}: {args.groups} groups x {args.n} samples of {args.tokens} tokens, "
-          f"{torch.get_num_threads()} threads; seconds (packed tokens, widest row)")
-    print("| prompt + response | " + " | ".join(packings) + " | unshared / rlsys |")
-    print("|---|" + "---|" * (len(packings) + 1))
+          f"{torch.get_num_threads()} threads; forward/backward seconds (packed tokens)")
+    print("| prompt + response | " + " | ".join(modes) + " | unshared / span attention "
+          f"| shared by default (saves >= {MIN_SHARED_FRACTION:.0%} of the tokens) |")
+    print("|---|" + "---|" * (len(modes) + 2))
     for prompt_part, response_part in RATIOS:
         prompt_len = args.tokens * prompt_part // (prompt_part + response_part)
         batch = group_batch(prompt_len, args.tokens - prompt_len, args.groups, args.n, model.config.vocab_size, 0)
-        results = update_s(model, batch, list(packings.values()), args.repeats)
-        cells = " | ".join(f"{s:.3f} ({tokens}, {width})" for s, tokens, width in results)
-        print(f"| {prompt_len} + {args.tokens - prompt_len} | {cells} | **{results[0][0] / results[-1][0]:.2f}** |",
-              flush=True)
+        inputs = [model_inputs(batch, *mode) for mode in modes.values()]
+        seconds = [[] for _ in modes]
+        for _ in range(args.repeats):
+            for times, (packed, forward) in zip(seconds, inputs):
+                times.append(forward_backward_s(model, packed, forward))
+        medians = [statistics.median(times) for times in seconds]
+        by_default = bool(pack_rows(batch).prompt_row.unique().numel() < len(batch["input_ids"]))
+        cells = " | ".join(f"{s:.3f} ({packed['attention_mask'].sum()})" for s, (packed, _) in zip(medians, inputs))
+        print(f"| {prompt_len} + {args.tokens - prompt_len} | {cells} | **{medians[0] / medians[-1]:.2f}** "
+              f"| {'yes' if by_default else 'no'} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -83,7 +83,7 @@ def floor_step(cfg, prompts) -> tuple[float, float, float, float]:
     from transformers import AutoModelForCausalLM
 
     from rlsys.data.batching import collate_rollouts
-    from rlsys.data.packing import ShareCost, block_causal_mask, pack_rows
+    from rlsys.data.packing import block_causal_mask, pack_rows
 
     generate_s, outputs = bare_vllm_generate(cfg, prompts, repeats=3)
     prompt_ids = [ids for (_, ids), out in zip(prompts, outputs) for _ in out.outputs]
@@ -92,8 +92,8 @@ def floor_step(cfg, prompts) -> tuple[float, float, float, float]:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     padded_s = forward_backward_s(model, padded, padded["attention_mask"], None)
     packed_s = []
-    for share in (None, ShareCost.of(model.config)):
-        packed = pack_rows(padded, share).batch
+    for share_prompts in (False, True):
+        packed = pack_rows(padded, share_prompts).batch
         mask = block_causal_mask(packed["segment_ids"], packed["prefix_ids"])
         packed_s.append(forward_backward_s(model, packed, mask, packed["position_ids"]))
     return generate_s, padded_s, *packed_s

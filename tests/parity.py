@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import worker_probes as probes
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
@@ -15,7 +15,7 @@ from rlsys.config.rl import AlgorithmConfig, DistillConfig
 from rlsys.config.training import DataConfig
 from rlsys.data.batching import collate, collate_rollouts, micro_batches, num_targets
 from rlsys.data.examples import load_sft_examples
-from rlsys.data.packing import ShareCost, pack_rows
+from rlsys.data.packing import pack_rows
 
 MICRO_BATCH = 3
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1,
@@ -41,9 +41,8 @@ def parity_batches(tiny_model_dir: str, arith_files: dict[str, str], max_seq_len
     prompt_of = lambda e: e.input_ids[:e.loss_mask.index(1)]  # noqa: E731
     rl = collate_rollouts([prompt_of(examples[i - i % MICRO_BATCH]) for i in range(12)],
                           [e.input_ids[len(prompt_of(e)):] for e in examples[:12]], tokenizer.pad_token_id)
-    share = ShareCost.of(AutoConfig.from_pretrained(tiny_model_dir))  # as the training ranks weigh it
     for micro in micro_batches(rl, MICRO_BATCH):
-        assert pack_rows(micro, share).batch["attention_mask"].sum() < micro["attention_mask"].sum()
+        assert pack_rows(micro).batch["attention_mask"].sum() < micro["attention_mask"].sum()
     generator = torch.Generator().manual_seed(0)
     logprobs = reference_logprobs(tiny_model_dir, rl)
     noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
@@ -111,6 +110,7 @@ def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, fl
         results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
         logprobs = torch.cat([lp for lp, _ in group.run_data_parallel("compute_logprobs", sft)])
         shapes = group.on_each(probes.local_shapes)
+        assert group.on_each(probes.attends_spans) == [cfg.parallel.cp == 1] * len(shapes)  # cp: Ulysses
         if then is not None:
             then(group)
         return results, logprobs, shapes

@@ -215,28 +215,14 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
     assert (got[~real] == 0).all()
 
 
-def test_a_group_shares_its_prompt_in_the_chunks_that_cost_least():
-    """8 samples of a 4-token prompt with 12-token responses: counting tokens alone, all 8 share
-    one copy; where a pair of a row's columns costs 0.003 of a token, pairs of samples share (116
-    tokens in rows of 29: less than 128 in rows of 16, or 110 in rows of 55); at a pair's cost of
-    a token, none does."""
-    from rlsys.data.packing import ShareCost, pack_rows
-
-    batch = collate_rollouts([[5, 6, 7, 8]] * 8, [list(range(10, 22))] * 8, pad_id=0)
-    for pair_cost, prompt_rows, width in [(0.0, [0] * 8, 3 + 8 * 13), (0.003, [0, 0, 2, 2, 4, 4, 6, 6], 3 + 2 * 13),
-                                          (1.0, list(range(8)), 16)]:
-        packing = pack_rows(batch, ShareCost(1.0, pair_cost))
-        assert packing.prompt_row.tolist() == prompt_rows and packing.batch["input_ids"].shape[1] == width
-    assert pack_rows(batch, None).shared_length.tolist() == [0] * 8
-
-
-@pytest.mark.parametrize(("pair_cost", "prompt_copies"), [(0.0, [0, 4]), (0.1, [0, 2, 4, 6])],
-                         ids=["whole-groups", "pairs"])
-def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir, pair_cost, prompt_copies):
+@pytest.mark.parametrize("attention", ["dense-mask", "spans"])
+def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir, attention):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
-    is packed once (or once for each pair of its samples, where wider rows cost more), yet every
-    token's log-prob and the gradient of a token-level loss are those of the padded rows."""
-    from rlsys.data.packing import ShareCost, block_causal_mask, pack_rows
+    is packed once, yet every token's log-prob and the gradient of a token-level loss are those
+    of the padded rows, under a dense block-causal mask and attending span by span (the
+    training ranks' path: `rlsys.parallel.span_attention`)."""
+    from rlsys.data.packing import block_causal_mask, pack_rows
+    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, uses_span_attention
 
     generator = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(3, 100, (n,), generator=generator).tolist()  # noqa: E731
@@ -244,27 +230,29 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
     group_of = [0, 0, 0, 0, 1, 1, 1, 1, 2, 3]
     batch = collate_rollouts([prompts[g] for g in group_of], [ids(1 + i % 4) for i in range(10)], pad_id=0)
     batch["advantages"] = torch.randn(10, 1, generator=generator) * batch["loss_mask"]
-    packing = pack_rows(batch, ShareCost(1.0, pair_cost))
+    packing = pack_rows(batch)
     packed = packing.batch
-    assert sorted(set(packing.prompt_row[:8].tolist())) == prompt_copies
-    saved = (8 - len(prompt_copies)) * 5  # each sample beyond its copy's first skips 5 prompt tokens
-    assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - saved
+    assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - 2 * 3 * 5
     assert int(packed["loss_mask"][:, 1:].sum()) == int(batch["loss_mask"][:, 1:].sum())
-    assert pack_rows(batch, share=None).batch["attention_mask"].sum() == batch["attention_mask"].sum()
+    assert pack_rows(batch, share_prompts=False).batch["attention_mask"].sum() == batch["attention_mask"].sum()
 
-    def grads_and_logprobs(fields, **inputs):
+    def grads_and_logprobs(fields, spans: bool = False, **inputs):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        if spans:
+            apply_span_attention(model)
+            assert uses_span_attention(model)
         logprobs = logprobs_of_labels(model(input_ids=fields["input_ids"], **inputs).logits, fields["input_ids"])
         (logprobs * (fields["loss_mask"] * fields["advantages"])[:, 1:]).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         return grads, torch.nn.functional.pad(logprobs.detach(), (1, 0))
 
     expected_grads, expected = grads_and_logprobs(batch, attention_mask=batch["attention_mask"])
-    grads, logprobs = grads_and_logprobs(
-        packed, attention_mask=block_causal_mask(packed["segment_ids"], packed["prefix_ids"]),
-        position_ids=packed["position_ids"])
+    segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
+    mask = (dict(attention_mask=None, shared_spans=SharedPrefixSpans(segments, prefixes)) if attention == "spans"
+            else dict(attention_mask=block_causal_mask(segments, prefixes)))
+    grads, logprobs = grads_and_logprobs(packed, attention == "spans", position_ids=packed["position_ids"], **mask)
     got = packing.unpack(logprobs)
     real = batch["attention_mask"].bool()
     real[:, 0] = False
-    assert torch.allclose(got[real], expected[real], atol=1e-5)
-    assert torch.allclose(grads, expected_grads, rtol=1e-5, atol=1e-6 * expected_grads.abs().max())
+    assert (got[real] - expected[real]).abs().max() < 1e-6
+    assert (grads - expected_grads).abs().max() < 1e-6 * expected_grads.abs().max()

@@ -67,6 +67,11 @@ def local_shapes(worker) -> dict[str, tuple[int, ...]]:
             for name, p in worker.policy.named_parameters()}
 
 
+def attends_spans(worker) -> bool:
+    """Whether the policy's packed micro-batches that share prompts attend span by span."""
+    return worker.policy.span_attention
+
+
 def perturb_parameters(worker, scale: float, seed: int, trained_only: bool = False, names: str = "") -> None:
     """Add seeded noise to every parameter of the policy (with `trained_only`, to those it trains:
     LoRA's adapters; with `names`, to those whose names start with it), the same in any layout

@@ -16,15 +16,14 @@ sample's last prompt token and response, whose tokens also attend to the shared 
 (`prefix_ids`). Every token sees what it saw in its own row, so activations are the
 same and the shared span's gradient is the sum of the copies' gradients; repeating the
 last prompt token keeps each response's first label next to the logits that predict
-it.
-
-Sharing is not free: a shared unit is one span as wide as its samples together, and
-attention under a dense mask costs every pair of a row's columns, so a short prompt
-before long responses saves fewer tokens than the wider rows cost. `ShareCost` weighs
-the two (a token's projection and MLP work against a pair's attention work, from the
-model's config), and the micro-batch's groups share in chunks of the size that makes
-the packed batch cheapest: all samples of a group where the prompt is long beside its
-responses, pairs of them where it is short, none where no chunk pays.
+it. The training ranks attend such a batch span by span (`rlsys.parallel.span_attention`):
+each response's queries see its shared prompt's keys and its own, so the attention a
+group computes shrinks with its tokens. A group shares only where that removes at least
+`MIN_SHARED_FRACTION` of its tokens: on `benchmarks/shared_prefix.py`'s 22.7 M model,
+sharing at prompt:response 1:4 (17.5% of the tokens) gains 1.06x attending by spans and
+loses 0.85x under a dense block-causal mask (a shared group is one row as wide as all its
+samples, whose every pair of columns a dense mask scores), the fallback for a model whose
+attention cannot take spans.
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed
@@ -40,28 +39,8 @@ import torch
 
 from rlsys.data.batching import Batch
 
-
-@dataclass(frozen=True)
-class ShareCost:
-    """What a packed micro-batch's forward and backward cost, in any one unit: `token` for each
-    token (its projections and MLP), `pair` for each pair of columns of a row attention scores
-    under a dense mask. Only their ratio matters; the default counts tokens alone."""
-    token: float = 1.0
-    pair: float = 0.0
-
-    @classmethod
-    def of(cls, config) -> ShareCost:
-        """A decoder's multiply-adds per token and per attended pair, over its layers, from a
-        transformers config (a vision-language one's text model; an MoE layer's MLP counted at
-        its active experts' width)."""
-        config = getattr(config, "text_config", None) or config
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        mlp = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        mlp *= getattr(config, "num_experts_per_tok", None) or 1
-        projections = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * mlp
-        return cls(token=config.num_hidden_layers * projections, pair=config.num_hidden_layers * 2 * heads * head_dim)
+MIN_SHARED_FRACTION = 0.25
+"""Share a group's prompt only if that drops at least this fraction of the group's tokens."""
 
 
 @dataclass
@@ -104,12 +83,11 @@ class _Span:
     """Also attends to its unit's first span: the prompt it shares."""
 
 
-def pack_rows(batch: Batch, share: ShareCost | None = ShareCost()) -> Packing:
+def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
-    wide as the batch, or as its widest shared group; rows with the same prompt share it where
-    `share` finds that cheaper (never if None)."""
+    wide as the batch, or as its widest shared group."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    units, prompt_row, shared_length = _units(batch, lengths, share)
+    units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
     unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
     width = max(batch["attention_mask"].shape[1], *unit_lengths)
     placement = _first_fit_decreasing(unit_lengths, width)
@@ -156,29 +134,25 @@ def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> t
     return torch.tensor(entries, dtype=torch.long).T
 
 
-def _units(batch: Batch, lengths: list[int], share: ShareCost | None):
-    """The spans packed together, each unit into one row: a row on its own, or a chunk of a
-    group's samples after their shared prompt. Also each row's `prompt_row` and `shared_length`."""
+def _units(batch: Batch, lengths: list[int], share_prompts: bool):
+    """The spans packed together, each unit into one row: a row on its own, or a group's
+    shared prompt followed by its samples. Also each row's `prompt_row` and `shared_length`."""
     rows = len(lengths)
     prompt_row, shared_length = list(range(rows)), [0] * rows
     units, alone = [], set(range(rows))
-    groups = _prompt_groups(batch) if share is not None else []
-    chunk = _cheapest_chunk(groups, lengths, batch["attention_mask"].shape[1], share) if groups else 1
-    for members, prompt in groups if chunk > 1 else []:
-        for start in range(0, len(members) - 1, chunk):  # a lone last sample shares nothing
-            sharing = members[start:start + chunk]
-            units.append([_Span(sharing[0], 0, prompt - 1)] +
-                         [_Span(r, prompt - 1, lengths[r], True) for r in sharing])
-            for r in sharing:
-                prompt_row[r], shared_length[r] = sharing[0], prompt
-            alone -= set(sharing)
+    for members, prompt in _prompt_groups(batch, lengths) if share_prompts else []:
+        first = members[0]
+        units.append([_Span(first, 0, prompt - 1)] + [_Span(r, prompt - 1, lengths[r], True) for r in members])
+        for r in members:
+            prompt_row[r], shared_length[r] = first, prompt
+        alone -= set(members)
     units += [[_Span(r, 0, lengths[r])] for r in sorted(alone)]
     return units, prompt_row, shared_length
 
 
-def _prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
-    """(rows, prompt length) of each set of two or more rows with the same prompt (the tokens
-    before the first loss token) of at least 2 tokens."""
+def _prompt_groups(batch: Batch, lengths: list[int]) -> list[tuple[list[int], int]]:
+    """(rows, prompt length) of each set of rows with the same prompt (the tokens before the
+    first loss token) worth sharing."""
     if "loss_mask" not in batch:
         return []
     has_target = batch["loss_mask"].bool()
@@ -187,23 +161,12 @@ def _prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
     for row, (ids, prompt) in enumerate(zip(batch["input_ids"].tolist(), prompt_lengths)):
         if prompt >= 2:
             groups.setdefault(tuple(ids[:prompt]), []).append(row)
-    return [(members, len(prompt_ids)) for prompt_ids, members in groups.items() if len(members) > 1]
-
-
-def _cheapest_chunk(groups: list[tuple[list[int], int]], lengths: list[int], width: int, share: ShareCost) -> int:
-    """How many samples share each copy of their prompt (1: none) so that the packed batch costs
-    least: `share.token` per token, `share.pair` per attended pair, a full row of width W scoring
-    W pairs per token."""
-    def cost(chunk: int) -> float:
-        tokens, widest = sum(lengths), width
-        for members, prompt in groups if chunk > 1 else []:
-            for start in range(0, len(members) - 1, chunk):
-                sharing = members[start:start + chunk]
-                tokens -= (len(sharing) - 1) * (prompt - 1)
-                widest = max(widest, prompt - 1 + sum(lengths[r] - prompt + 1 for r in sharing))
-        return tokens * (share.token + share.pair * widest)
-
-    return min(range(1, max(len(members) for members, _ in groups) + 1), key=cost)
+    worth = []
+    for prompt_ids, members in groups.items():
+        saved = (len(members) - 1) * (len(prompt_ids) - 1)
+        if len(members) > 1 and saved >= MIN_SHARED_FRACTION * sum(lengths[r] for r in members):
+            worth.append((members, len(prompt_ids)))
+    return worth
 
 
 def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int]]:

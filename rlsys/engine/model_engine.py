@@ -32,7 +32,7 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
-from rlsys.data.packing import ShareCost, block_causal_mask, pack_rows
+from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.grad_norm import clip_grad_norm
 from rlsys.engine.loading import load_parallel_model
 from rlsys.engine.schedule import lr_multiplier
@@ -59,6 +59,7 @@ from rlsys.parallel.router_replay import (
     take_recorded,
     whole_model_routing,
 )
+from rlsys.parallel.span_attention import SharedPrefixSpans, uses_span_attention
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class ModelEngine:
         self.pp_rank = mesh["pp"].get_local_rank()
         self.vision = vision_tower(self.parts[0]) is not None
         """A vision-language model: its batches may carry pictures (`rlsys.data.image_tokens`)."""
-        self.share_cost = ShareCost.of(self.parts[0].config) if spec.parallel.share_prompts else None
-        """How packing weighs a group's shared prompt against wider rows (None: never shares)."""
+        self.span_attention = uses_span_attention(self.parts[0])
+        """Packed spans that share a prompt attend span by span (`rlsys.parallel.span_attention`)."""
         self.moe_blocks = [block for part in self.parts for block in moe_blocks(part)]
         self.router = self._router_balance()
         # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
@@ -208,7 +209,7 @@ class ModelEngine:
                 self._defer_gradient_reduction(not forward_only and index < passes - 1)
                 filler = index >= len(micros)
                 micro = {k: v[:1] for k, v in micros[0].items()} if filler else micros[index]
-                packing = pack_rows(micro, self.share_cost) if packs else None
+                packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 if self.router is not None and filler:
                     self.router.skip_pass()
@@ -359,9 +360,8 @@ class ModelEngine:
         if ROUTING_FIELD in seq.fields:
             moe["moe_routing"] = seq.fields[ROUTING_FIELD][:, :ids.shape[1]].to(self.device)
         images = self._image_inputs(seq, ids.shape[1])
-        return self.parts[0](input_ids=ids, attention_mask=self._attention_mask(seq),
-                             position_ids=None if images else positions.to(self.device), use_cache=False,
-                             **moe, **images).logits
+        return self.parts[0](input_ids=ids, position_ids=None if images else positions.to(self.device), use_cache=False,
+                             **self._attention_inputs(seq), **moe, **images).logits
 
     def _image_inputs(self, seq: RankSequence, width: int) -> dict:
         """A vision-language model's pictures in the micro-batch (the forward derives its own 3-D
@@ -388,18 +388,21 @@ class ModelEngine:
             weights = weights * sharing[segments].clamp(min=1)
         return weights
 
-    def _attention_mask(self, seq: RankSequence) -> torch.Tensor | None:
-        """The padding mask; block-causal over packed sequences and the prompts they share; none
-        under context parallel, whose attention is causal over the gathered right-padded
-        sequence; prepared at full length under sequence parallel, where HF would build it at
-        the split length."""
+    def _attention_inputs(self, seq: RankSequence) -> dict:
+        """The padding mask; block-causal over packed sequences, or their spans where some share a
+        prompt (`rlsys.parallel.span_attention`); none under context parallel, whose attention is
+        causal over the gathered right-padded sequence; prepared at full length under sequence
+        parallel, where HF would build it at the split length."""
         if seq.chunked:
-            return None
-        if "segment_ids" in seq.fields:
-            fields = seq.fields
-            return block_causal_mask(fields["segment_ids"].to(self.device), fields["prefix_ids"].to(self.device))
-        mask = seq.fields["attention_mask"].to(self.device)
-        return block_causal_mask(mask) if self.sequence_multiple > 1 else mask
+            return {"attention_mask": None}
+        fields = seq.fields
+        if "segment_ids" in fields:
+            segments, prefixes = fields["segment_ids"].to(self.device), fields["prefix_ids"].to(self.device)
+            if self.span_attention and bool(prefixes.any()):
+                return {"attention_mask": None, "shared_spans": SharedPrefixSpans(segments, prefixes)}
+            return {"attention_mask": block_causal_mask(segments, prefixes)}
+        mask = fields["attention_mask"].to(self.device)
+        return {"attention_mask": block_causal_mask(mask) if self.sequence_multiple > 1 else mask}
 
     def _loss_context(self):
         return loss_parallel() if self.spec.parallel.loss_parallel else contextlib.nullcontext()

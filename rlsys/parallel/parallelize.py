@@ -1,5 +1,6 @@
 """Apply a parallel layout to a model, in torchtitan's order: tensor parallel (with sequence
-and loss parallel), expert parallel, context parallel attention, then activation checkpointing, then FSDP2
+and loss parallel), expert parallel, context parallel attention (or, without it, attention over
+packed spans), then activation checkpointing, then FSDP2
 over the data-parallel submesh. Each step is one small function in its own
 module; FSDP comes last because it shards whatever the steps before left,
 plain tensors or tensor-parallel DTensors alike. As in torchtitan, a data-parallel
@@ -20,6 +21,7 @@ from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.expert_parallel import apply_ep, apply_moe_tp
 from rlsys.parallel.fsdp import apply_fsdp
 from rlsys.parallel.moe_block import install_moe_blocks
+from rlsys.parallel.span_attention import apply_span_attention
 from rlsys.parallel.tp import apply_tp
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel
         apply_ep(model, expert_mesh["ep"])
     if dims.cp > 1:
         apply_cp(model, mesh["cp"])
+    else:
+        apply_span_attention(model)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     fsdp_mesh = dims.fsdp_mesh(mesh)

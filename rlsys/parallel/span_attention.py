@@ -1,0 +1,123 @@
+"""Attention over packed spans, each a sequence or a response continuing the prompt its group
+shares (`rlsys.data.packing`), computed span by span instead of over a row's whole width.
+
+Packing lays a GRPO group out as one span for its prompt followed by a span for each sample;
+under a dense block-causal mask attention scores every pair of the row's columns, so a row as
+wide as the group's samples together costs more attention than the unshared rows it
+replaces. Here each span's queries attend to its shared prompt's keys and its own, nothing
+else: the scores a span computes are the ones its tokens use, so sharing the prompt saves
+attention as it saves the projections and the MLP. Spans are gathered into batches of like
+spans (those continuing a prompt, those that do not), padded to the longest of each, and run
+through PyTorch's scaled_dot_product_attention with their own masks; the outputs are scattered
+back to the packed positions. Every token sees exactly what it sees in its own unpacked row.
+
+It is registered with transformers' AttentionInterface as "rlsys_spans" and set on a model
+whose attention is SDPA (`apply_span_attention`); a forward without `shared_spans` runs SDPA
+itself, with SDPA's masks, so only packed micro-batches with shared prompts take this path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION = "rlsys_spans"
+
+
+@dataclass
+class _SpanBatch:
+    """Like spans, padded to the longest: where their queries and keys sit in the flattened
+    [rows x width] positions, and which key each query sees."""
+    queries: torch.Tensor
+    """[S, Lq] flat position of each span's i-th token (0 where the span is shorter)."""
+    real: torch.Tensor
+    """[S, Lq] bool: a real query."""
+    keys: torch.Tensor
+    """[S, Lk] flat position of each key: the shared prompt's, then the span's own."""
+    mask: torch.Tensor
+    """[S, 1, Lq, Lk] bool: what each query sees (a padded query sees something, to stay finite)."""
+    targets: torch.Tensor
+    """[real queries]: their flat positions, in `real`'s order."""
+
+
+class SharedPrefixSpans:
+    """The spans of a packed micro-batch (`segment_ids` from 1 per span, 0 for padding;
+    `prefix_ids` the segment a span continues, 0 for none), grouped into `_SpanBatch`es."""
+
+    def __init__(self, segment_ids: torch.Tensor, prefix_ids: torch.Tensor):
+        rows, width = segment_ids.shape
+        segments, prefixes = segment_ids.flatten(), prefix_ids.flatten()
+        real = segments > 0
+        ids, positions = segments[real], torch.arange(rows * width, device=segments.device)[real]
+        count = int(ids.max()) + 1
+        zeros = torch.zeros(count, dtype=torch.long, device=ids.device)
+        lengths = zeros.index_add(0, ids, torch.ones_like(ids))
+        starts = zeros.scatter_reduce(0, ids, positions, "amin", include_self=False)
+        continues = zeros.index_put((ids,), prefixes[real])[1:]
+        span_starts, span_lengths = starts[1:], lengths[1:]
+        prefix_lengths = torch.where(continues > 0, lengths[continues], 0)
+        prefix_starts = starts[continues]
+        self.batches = [_span_batch(span_starts[chosen], span_lengths[chosen], prefix_starts[chosen],
+                                    prefix_lengths[chosen])
+                        for chosen in (continues > 0, continues == 0) if chosen.any()]
+
+
+def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
+                prefix_lengths: torch.Tensor) -> _SpanBatch:
+    query = torch.arange(int(lengths.max()), device=starts.device)
+    real = query[None] < lengths[:, None]
+    key = torch.arange(int((prefix_lengths + lengths).max()), device=starts.device)
+    in_prefix = key[None] < prefix_lengths[:, None]
+    own = key[None] - prefix_lengths[:, None]  # the key's index in the span itself
+    keys = torch.where(in_prefix, prefix_starts[:, None] + key[None], starts[:, None] + own.clamp(min=0))
+    key_real = in_prefix | ((own >= 0) & (own < lengths[:, None]))
+    sees = key_real[:, None, :] & (in_prefix[:, None, :] | (own[:, None, :] <= query[None, :, None]))
+    queries = torch.where(real, starts[:, None] + query[None], 0)
+    return _SpanBatch(queries, real, keys, (sees | ~real[:, :, None])[:, None], queries[real])
+
+
+def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                   shared_spans: SharedPrefixSpans | None = None, **kwargs):
+    """[B, heads, T, D] in, [B, T, heads, D] out, as HF attention functions; SDPA's own forward
+    where the micro-batch has no `shared_spans`."""
+    if shared_spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
+    out = query.new_zeros(batch * length, heads, dim)
+    for spans in shared_spans.batches:
+        count, width = spans.queries.shape
+        q = flat_q[spans.queries.flatten()].view(count, width, heads, dim).transpose(1, 2)
+        k, v = (x[spans.keys.flatten()].view(count, -1, kv_heads, dim).transpose(1, 2) for x in (flat_k, flat_v))
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=spans.mask, scale=scaling,
+                                                  dropout_p=dropout if module.training else 0.0,
+                                                  enable_gqa=kv_heads != heads)
+        out = out.index_copy(0, spans.targets, attended.transpose(1, 2)[spans.real])
+    return out.view(batch, length, heads, dim), None
+
+
+AttentionInterface.register(ATTENTION, span_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+
+
+def apply_span_attention(model: nn.Module) -> None:
+    """Route `model`'s attention through `span_attention` where it is SDPA over full causal
+    layers (a vision-language model, sliding-window layers or another implementation keep their
+    own, and packed shared prompts a dense mask)."""
+    config = model.config
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    if config._attn_implementation == "sdpa" and not sliding and not hasattr(config, "vision_config"):
+        config._attn_implementation = ATTENTION
+
+
+def uses_span_attention(model: nn.Module) -> bool:
+    return model.config._attn_implementation == ATTENTION

@@ -7,7 +7,7 @@ span, as the training ranks run it (`rlsys.parallel.span_attention`). One proces
 threads; medians of repeats, the three taking turns.
 
     .venv/bin/python benchmarks/shared_prefix.py                      # the random 22.7 M model
-    .venv/bin/python benchmarks/shared_prefix.py --model runs/smollm/base --groups 2
+    .venv/bin/python benchmarks/shared_prefix.py --model runs/smollm/model --groups 2
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from rlsys.data.packing import MIN_SHARED_FRACTION, pack_rows
-    from rlsys.parallel.span_attention import apply_span_attention
+    from rlsys.data.packing import pack_rows
+    from rlsys.parallel.span_attention import MIN_SHARED_FRACTION, apply_span_attention
 
     if args.model.endswith("random22m-v103"):
         ensure_random_model(args.model)
@@ -89,7 +89,8 @@ def main() -> None:
             for times, (packed, forward) in zip(seconds, inputs):
                 times.append(forward_backward_s(model, packed, forward))
         medians = [statistics.median(times) for times in seconds]
-        by_default = bool(pack_rows(batch).prompt_row.unique().numel() < len(batch["input_ids"]))
+        shared = pack_rows(batch, True, MIN_SHARED_FRACTION).shared_length
+        by_default = bool(shared.any())
         cells = " | ".join(f"{s:.3f} ({packed['attention_mask'].sum()})" for s, (packed, _) in zip(medians, inputs))
         print(f"| {prompt_len} + {args.tokens - prompt_len} | {cells} | **{medians[0] / medians[-1]:.2f}** "
               f"| {'yes' if by_default else 'no'} |", flush=True)

@@ -18,12 +18,10 @@ same and the shared span's gradient is the sum of the copies' gradients; repeati
 last prompt token keeps each response's first label next to the logits that predict
 it. The training ranks attend such a batch span by span (`rlsys.parallel.span_attention`):
 each response's queries see its shared prompt's keys and its own, so the attention a
-group computes shrinks with its tokens. A group shares only where that removes at least
-`MIN_SHARED_FRACTION` of its tokens: on `benchmarks/shared_prefix.py`'s 22.7 M model,
-sharing at prompt:response 1:4 (17.5% of the tokens) gains 1.06x attending by spans and
-loses 0.85x under a dense block-causal mask (a shared group is one row as wide as all its
-samples, whose every pair of columns a dense mask scores), the fallback for a model whose
-attention cannot take spans.
+group computes shrinks with its tokens. A group shares only where that removes enough of
+its tokens to pay for itself: under a dense block-causal mask (the fallback for a model
+whose attention cannot take spans) a shared group is one row as wide as all its samples,
+whose every pair of columns the mask scores, so there the bar is `MIN_SHARED_FRACTION`.
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed
@@ -40,7 +38,8 @@ import torch
 from rlsys.data.batching import Batch
 
 MIN_SHARED_FRACTION = 0.25
-"""Share a group's prompt only if that drops at least this fraction of the group's tokens."""
+"""Under a dense block-causal mask, share a group's prompt only if that drops at least this
+fraction of the group's tokens (`rlsys.parallel.span_attention` sets its own)."""
 
 
 @dataclass
@@ -83,11 +82,12 @@ class _Span:
     """Also attends to its unit's first span: the prompt it shares."""
 
 
-def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
+def pack_rows(batch: Batch, share_prompts: bool = True, min_shared_fraction: float = MIN_SHARED_FRACTION) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
-    wide as the batch, or as its widest shared group."""
+    wide as the batch, or as its widest shared group; a group shares its prompt where that drops
+    at least `min_shared_fraction` of its tokens."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
+    units, prompt_row, shared_length = _units(batch, lengths, share_prompts, min_shared_fraction)
     unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
     width = max(batch["attention_mask"].shape[1], *unit_lengths)
     placement = _first_fit_decreasing(unit_lengths, width)
@@ -134,13 +134,13 @@ def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> t
     return torch.tensor(entries, dtype=torch.long).T
 
 
-def _units(batch: Batch, lengths: list[int], share_prompts: bool):
+def _units(batch: Batch, lengths: list[int], share_prompts: bool, min_shared_fraction: float):
     """The spans packed together, each unit into one row: a row on its own, or a group's
     shared prompt followed by its samples. Also each row's `prompt_row` and `shared_length`."""
     rows = len(lengths)
     prompt_row, shared_length = list(range(rows)), [0] * rows
     units, alone = [], set(range(rows))
-    for members, prompt in _prompt_groups(batch, lengths) if share_prompts else []:
+    for members, prompt in _prompt_groups(batch, lengths, min_shared_fraction) if share_prompts else []:
         first = members[0]
         units.append([_Span(first, 0, prompt - 1)] + [_Span(r, prompt - 1, lengths[r], True) for r in members])
         for r in members:
@@ -150,7 +150,7 @@ def _units(batch: Batch, lengths: list[int], share_prompts: bool):
     return units, prompt_row, shared_length
 
 
-def _prompt_groups(batch: Batch, lengths: list[int]) -> list[tuple[list[int], int]]:
+def _prompt_groups(batch: Batch, lengths: list[int], min_shared_fraction: float) -> list[tuple[list[int], int]]:
     """(rows, prompt length) of each set of rows with the same prompt (the tokens before the
     first loss token) worth sharing."""
     if "loss_mask" not in batch:
@@ -164,7 +164,7 @@ def _prompt_groups(batch: Batch, lengths: list[int]) -> list[tuple[list[int], in
     worth = []
     for prompt_ids, members in groups.items():
         saved = (len(members) - 1) * (len(prompt_ids) - 1)
-        if len(members) > 1 and saved >= MIN_SHARED_FRACTION * sum(lengths[r] for r in members):
+        if len(members) > 1 and saved >= min_shared_fraction * sum(lengths[r] for r in members):
             worth.append((members, len(prompt_ids)))
     return worth
 

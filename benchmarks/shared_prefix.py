@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from unittest import mock
 
 import torch
 from vs_trl import ensure_random_model
@@ -39,8 +38,7 @@ def model_inputs(batch, share: bool, spans: bool) -> tuple[dict, dict]:
     from rlsys.data import packing
     from rlsys.parallel.span_attention import SharedPrefixSpans
 
-    with mock.patch.object(packing, "MIN_SHARED_FRACTION", 0.0):
-        packed = packing.pack_rows(batch, share_prompts=share).batch
+    packed = packing.pack_rows(batch, share_prompts=share, min_shared_fraction=0.0).batch
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
     attention = ({"attention_mask": None, "shared_spans": SharedPrefixSpans(segments, prefixes)} if spans
                  else {"attention_mask": packing.block_causal_mask(segments, prefixes)})

@@ -394,16 +394,18 @@ class ModelEngine:
 
     def _attention_inputs(self, seq: RankSequence) -> dict:
         """The padding mask; block-causal over packed sequences, or their spans where some share a
-        prompt (`rlsys.parallel.span_attention`); none under context parallel, whose attention is
-        causal over the gathered right-padded sequence; prepared at full length under sequence
-        parallel, where HF would build it at the split length."""
+        prompt and the spans score far fewer pairs (`rlsys.parallel.span_attention`); none under
+        context parallel, whose attention is causal over the gathered right-padded sequence;
+        prepared at full length under sequence parallel, where HF would build it at the split
+        length."""
         if seq.chunked:
             return {"attention_mask": None}
         fields = seq.fields
         if "segment_ids" in fields:
             segments, prefixes = fields["segment_ids"].to(self.device), fields["prefix_ids"].to(self.device)
-            if self.span_attention and bool(prefixes.any()):
-                return {"attention_mask": None, "shared_spans": SharedPrefixSpans(segments, prefixes)}
+            spans = SharedPrefixSpans(segments, prefixes) if self.span_attention and bool(prefixes.any()) else None
+            if spans is not None and spans.worth_it:
+                return {"attention_mask": None, "shared_spans": spans}
             return {"attention_mask": block_causal_mask(segments, prefixes)}
         mask = fields["attention_mask"].to(self.device)
         return {"attention_mask": block_causal_mask(mask) if self.sequence_multiple > 1 else mask}

@@ -65,8 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from rlsys.data.packing import pack_rows
-    from rlsys.parallel.span_attention import MIN_SHARED_FRACTION, apply_span_attention
+    from rlsys.data.packing import MIN_SHARED_FRACTION, pack_rows
+    from rlsys.parallel.span_attention import apply_span_attention
 
     if args.model.endswith("random22m-v103"):
         ensure_random_model(args.model)

@@ -56,8 +56,8 @@ class ParallelConfig:
     pp or cp."""
     share_prompts: bool = True
     """With pack_sequences: rows with the same prompt (a GRPO group's samples) share one copy of it in
-    the forward and backward pass, attending span by span, where that removes at least 15% of their
-    tokens (a quarter for a model whose attention takes only a dense mask); the gradient is the same."""
+    the forward and backward pass where that removes at least a quarter of their tokens; the gradient
+    is the same."""
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
 

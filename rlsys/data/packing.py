@@ -16,12 +16,14 @@ sample's last prompt token and response, whose tokens also attend to the shared 
 (`prefix_ids`). Every token sees what it saw in its own row, so activations are the
 same and the shared span's gradient is the sum of the copies' gradients; repeating the
 last prompt token keeps each response's first label next to the logits that predict
-it. The training ranks attend such a batch span by span (`rlsys.parallel.span_attention`):
-each response's queries see its shared prompt's keys and its own, so the attention a
-group computes shrinks with its tokens. A group shares only where that removes enough of
-its tokens to pay for itself: under a dense block-causal mask (the fallback for a model
-whose attention cannot take spans) a shared group is one row as wide as all its samples,
-whose every pair of columns the mask scores, so there the bar is `MIN_SHARED_FRACTION`.
+it. The training ranks attend such a batch span by span where that scores far fewer
+pairs than a dense block-causal mask (`rlsys.parallel.span_attention`). A group shares
+only where that removes at least `MIN_SHARED_FRACTION` of its tokens: under a dense mask
+a shared group is one row as wide as all its samples, whose every pair of columns the
+mask scores, so a short prompt before long responses saves less than the wider rows
+cost (at prompt:response 1:4, 17.5% of the tokens, sharing loses 0.85x under the dense
+mask and gains 1.15x attending by spans: `benchmarks/shared_prefix.py`; the guard does
+not know beforehand which the batch will take).
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed
@@ -38,8 +40,7 @@ import torch
 from rlsys.data.batching import Batch
 
 MIN_SHARED_FRACTION = 0.25
-"""Under a dense block-causal mask, share a group's prompt only if that drops at least this
-fraction of the group's tokens (`rlsys.parallel.span_attention` sets its own)."""
+"""Share a group's prompt only if that drops at least this fraction of the group's tokens."""
 
 
 @dataclass

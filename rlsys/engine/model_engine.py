@@ -32,7 +32,7 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
-from rlsys.data.packing import MIN_SHARED_FRACTION, block_causal_mask, pack_rows
+from rlsys.data.packing import block_causal_mask, pack_rows
 from rlsys.engine.grad_norm import clip_grad_norm
 from rlsys.engine.loading import load_parallel_model
 from rlsys.engine.schedule import lr_multiplier
@@ -59,7 +59,6 @@ from rlsys.parallel.router_replay import (
     take_recorded,
     whole_model_routing,
 )
-from rlsys.parallel.span_attention import MIN_SHARED_FRACTION as SPANS_MIN_SHARED_FRACTION
 from rlsys.parallel.span_attention import SharedPrefixSpans, uses_span_attention
 
 
@@ -93,8 +92,6 @@ class ModelEngine:
         """A vision-language model: its batches may carry pictures (`rlsys.data.image_tokens`)."""
         self.span_attention = uses_span_attention(self.parts[0])
         """Packed spans that share a prompt attend span by span (`rlsys.parallel.span_attention`)."""
-        self.min_shared_fraction = SPANS_MIN_SHARED_FRACTION if self.span_attention else MIN_SHARED_FRACTION
-        """How much of a group's tokens sharing its prompt must save: less attending by spans."""
         self.moe_blocks = [block for part in self.parts for block in moe_blocks(part)]
         self.router = self._router_balance()
         # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
@@ -212,8 +209,7 @@ class ModelEngine:
                 self._defer_gradient_reduction(not forward_only and index < passes - 1)
                 filler = index >= len(micros)
                 micro = {k: v[:1] for k, v in micros[0].items()} if filler else micros[index]
-                share = self.spec.parallel.share_prompts
-                packing = pack_rows(micro, share, self.min_shared_fraction) if packs else None
+                packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 if self.router is not None and filler:
                     self.router.skip_pass()

@@ -36,13 +36,6 @@ as much again as scoring them. On the arithmetic RL step (64 prompts of ~30 toke
 of <= 8 tokens each: half the pairs) spans made the update 1.5x slower; on the 22.7 M model's
 1:1 and 1:4 batches (5-7x fewer pairs) 1.2-1.6x faster than the dense mask."""
 
-MIN_SHARED_FRACTION = 0.15
-"""Attending span by span, share a group's prompt where that drops at least this fraction of its
-tokens. Spans gathered for attention cost unshared sequences 1.04-1.09x a dense mask's time
-(the 22.7 M benchmark model), so a group must save more than that; at prompt:response 1:4
-(17.5% saved) sharing gains 1.06x there and 1.16x on SmolLM2-135M (`benchmarks/shared_prefix.py`)."""
-
-
 @dataclass
 class _SpanBatch:
     """Like spans, padded to the longest: where their queries and keys sit in the flattened

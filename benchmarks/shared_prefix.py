@@ -40,7 +40,7 @@ def model_inputs(batch, share: bool, spans: bool) -> tuple[dict, dict]:
 
     packed = packing.pack_rows(batch, share_prompts=share, min_shared_fraction=0.0).batch
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    attention = ({"attention_mask": None, "shared_spans": SharedPrefixSpans(segments, prefixes)} if spans
+    attention = ({"attention_mask": None, "shared_spans": SharedPrefixSpans.of(segments, prefixes, 0)} if spans
                  else {"attention_mask": packing.block_causal_mask(segments, prefixes)})
     return packed, {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"], **attention}
 

@@ -215,6 +215,21 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
     assert (got[~real] == 0).all()
 
 
+def test_shared_prompts_attend_by_spans_only_where_they_score_far_fewer_pairs():
+    """8 samples of an 80-token prompt with 80-token answers: one row of 727 columns, whose dense
+    mask scores 528,529 pairs, against 110,241 attending by spans: spans. With 3-token answers
+    to a 30-token prompt the row is 61 wide (3,721 pairs) and its spans would score 1,897: the
+    dense mask."""
+    from rlsys.data.packing import pack_rows
+    from rlsys.parallel.span_attention import SharedPrefixSpans
+
+    for prompt, answer, spans in [(80, 80, True), (30, 3, False)]:
+        batch = collate_rollouts([list(range(3, 3 + prompt))] * 8, [[7] * answer] * 8, pad_id=0)
+        packed = pack_rows(batch).batch
+        assert packed["input_ids"].shape[1] == prompt - 1 + 8 * (answer + 1)
+        assert (SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"]) is not None) == spans
+
+
 @pytest.mark.parametrize("attention", ["dense-mask", "spans"])
 def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir, attention):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
@@ -248,7 +263,7 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
 
     expected_grads, expected = grads_and_logprobs(batch, attention_mask=batch["attention_mask"])
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    mask = (dict(attention_mask=None, shared_spans=SharedPrefixSpans(segments, prefixes)) if attention == "spans"
+    mask = (dict(attention_mask=None, shared_spans=SharedPrefixSpans.of(segments, prefixes, 0)) if attention == "spans"
             else dict(attention_mask=block_causal_mask(segments, prefixes)))
     grads, logprobs = grads_and_logprobs(packed, attention == "spans", position_ids=packed["position_ids"], **mask)
     got = packing.unpack(logprobs)

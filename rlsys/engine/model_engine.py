@@ -399,8 +399,8 @@ class ModelEngine:
         fields = seq.fields
         if "segment_ids" in fields:
             segments, prefixes = fields["segment_ids"].to(self.device), fields["prefix_ids"].to(self.device)
-            spans = SharedPrefixSpans(segments, prefixes) if self.span_attention and bool(prefixes.any()) else None
-            if spans is not None and spans.worth_it:
+            spans = SharedPrefixSpans.of(segments, prefixes) if self.span_attention and bool(prefixes.any()) else None
+            if spans is not None:
                 return {"attention_mask": None, "shared_spans": spans}
             return {"attention_mask": block_causal_mask(segments, prefixes)}
         mask = fields["attention_mask"].to(self.device)

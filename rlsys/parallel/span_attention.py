@@ -53,29 +53,35 @@ class _SpanBatch:
 
 
 class SharedPrefixSpans:
-    """The spans of a packed micro-batch (`segment_ids` from 1 per span, 0 for padding;
-    `prefix_ids` the segment a span continues, 0 for none), grouped into `_SpanBatch`es."""
+    """The spans of a packed micro-batch, grouped into `_SpanBatch`es (`of`)."""
 
-    def __init__(self, segment_ids: torch.Tensor, prefix_ids: torch.Tensor):
+    def __init__(self, batches: list[_SpanBatch]):
+        self.batches = batches
+
+    @classmethod
+    def of(cls, segment_ids: torch.Tensor, prefix_ids: torch.Tensor,
+           min_pairs_saved: float = MIN_PAIRS_SAVED) -> SharedPrefixSpans | None:
+        """The spans of a packed micro-batch (`segment_ids` from 1 per span, 0 for padding;
+        `prefix_ids` the segment a span continues, 0 for none), or None where a dense mask would
+        score fewer than `min_pairs_saved` times their (padded) query-key pairs."""
         rows, width = segment_ids.shape
         segments, prefixes = segment_ids.flatten(), prefix_ids.flatten()
         real = segments > 0
         ids, positions = segments[real], torch.arange(rows * width, device=segments.device)[real]
-        count = int(ids.max()) + 1
-        zeros = torch.zeros(count, dtype=torch.long, device=ids.device)
+        zeros = torch.zeros(int(ids.max()) + 1, dtype=torch.long, device=ids.device)
         lengths = zeros.index_add(0, ids, torch.ones_like(ids))
         starts = zeros.scatter_reduce(0, ids, positions, "amin", include_self=False)
         continues = zeros.index_put((ids,), prefixes[real])[1:]
         span_starts, span_lengths = starts[1:], lengths[1:]
         prefix_lengths = torch.where(continues > 0, lengths[continues], 0)
+        kinds = [chosen for chosen in (continues > 0, continues == 0) if chosen.any()]
+        keys = prefix_lengths + span_lengths
+        pairs = sum(int(chosen.sum()) * int(span_lengths[chosen].max()) * int(keys[chosen].max()) for chosen in kinds)
+        if pairs * min_pairs_saved > rows * width * width:
+            return None
         prefix_starts = starts[continues]
-        self.batches = [_span_batch(span_starts[chosen], span_lengths[chosen], prefix_starts[chosen],
-                                    prefix_lengths[chosen])
-                        for chosen in (continues > 0, continues == 0) if chosen.any()]
-        self.pairs = sum(spans.mask[:, 0].numel() for spans in self.batches)
-        """The query-key pairs attention scores, padding included."""
-        self.worth_it = self.pairs * MIN_PAIRS_SAVED <= rows * width * width
-        """Whether they are few enough beside a dense mask's (`MIN_PAIRS_SAVED`)."""
+        return cls([_span_batch(span_starts[chosen], span_lengths[chosen], prefix_starts[chosen],
+                                prefix_lengths[chosen]) for chosen in kinds])
 
 
 def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,

@@ -25,9 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-ATTENTION = "rlsys_spans"
 
 MIN_PAIRS_SAVED = 3.0
 """Attend by spans only where a dense mask would score at least this many times the (padded)
@@ -121,19 +118,17 @@ def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     return out.view(batch, length, heads, dim), None
 
 
-AttentionInterface.register(ATTENTION, span_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
-
-
 def apply_span_attention(model: nn.Module) -> None:
-    """Route `model`'s attention through `span_attention` where it is SDPA over full causal
-    layers (a vision-language model, sliding-window layers or another implementation keep their
-    own, and packed shared prompts a dense mask)."""
+    """Let `model`'s SDPA attention take `shared_spans` where it runs SDPA over full causal layers
+    (a vision-language model, sliding-window layers or another implementation keep their own,
+    and packed shared prompts a dense mask). SDPA's entry in transformers' attention interface
+    becomes `span_attention`, which is SDPA itself for every call without `shared_spans`."""
     config = model.config
     sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
     if config._attn_implementation == "sdpa" and not sliding and not hasattr(config, "vision_config"):
-        config._attn_implementation = ATTENTION
+        AttentionInterface.register("sdpa", span_attention)
+        model.span_attention = True
 
 
 def uses_span_attention(model: nn.Module) -> bool:
-    return model.config._attn_implementation == ATTENTION
+    return getattr(model, "span_attention", False)

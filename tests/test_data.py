@@ -217,9 +217,9 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
 
 def test_shared_prompts_attend_by_spans_only_where_they_score_far_fewer_pairs():
     """8 samples of an 80-token prompt with 80-token answers: one row of 727 columns, whose dense
-    mask scores 528,529 pairs, against 110,241 attending by spans: spans. With 3-token answers
-    to a 30-token prompt the row is 61 wide (3,721 pairs) and its spans would score 1,897: the
-    dense mask."""
+    mask scores 528,529 pairs, against 110,241 attending by spans (575 fewer a token): spans.
+    With 3-token answers to a 30-token prompt the row is 61 wide (3,721 pairs) and its spans would
+    score 1,897 (30 fewer a token): the dense mask."""
     from rlsys.data.packing import pack_rows
     from rlsys.parallel.span_attention import SharedPrefixSpans
 

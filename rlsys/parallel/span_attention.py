@@ -26,12 +26,12 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-MIN_PAIRS_SAVED = 3.0
-"""Attend by spans only where a dense mask would score at least this many times the (padded)
-pairs the spans score: gathering each span's keys, its shared prompt's among them, costs about
-as much again as scoring them. On the arithmetic RL step (64 prompts of ~30 tokens, 8 answers
-of <= 8 tokens each: half the pairs) spans made the update 1.5x slower; on the 22.7 M model's
-1:1 and 1:4 batches (5-7x fewer pairs) 1.2-1.6x faster than the dense mask."""
+MIN_PAIRS_SAVED_PER_TOKEN = 128
+"""Attend by spans only where that scores at least this many fewer query-key pairs than a dense
+mask would, per token of the micro-batch: gathering each span's keys (its shared prompt's among
+them) costs a roughly fixed amount per token. The arithmetic RL step (prompts of ~8 tokens, 8
+answers of <= 8 each: ~50 pairs saved a token) ran its update 1.3x slower by spans; the 22.7 M
+model's batches of 160-token samples (240-900 a token) 1.0-1.6x faster (`benchmarks/shared_prefix.py`)."""
 
 @dataclass
 class _SpanBatch:
@@ -57,10 +57,10 @@ class SharedPrefixSpans:
 
     @classmethod
     def of(cls, segment_ids: torch.Tensor, prefix_ids: torch.Tensor,
-           min_pairs_saved: float = MIN_PAIRS_SAVED) -> SharedPrefixSpans | None:
+           min_pairs_saved: float = MIN_PAIRS_SAVED_PER_TOKEN) -> SharedPrefixSpans | None:
         """The spans of a packed micro-batch (`segment_ids` from 1 per span, 0 for padding;
-        `prefix_ids` the segment a span continues, 0 for none), or None where a dense mask would
-        score fewer than `min_pairs_saved` times their (padded) query-key pairs."""
+        `prefix_ids` the segment a span continues, 0 for none), or None where their (padded)
+        query-key pairs are not at least `min_pairs_saved` per token fewer than a dense mask's."""
         rows, width = segment_ids.shape
         segments, prefixes = segment_ids.flatten(), prefix_ids.flatten()
         real = segments > 0
@@ -74,7 +74,7 @@ class SharedPrefixSpans:
         kinds = [chosen for chosen in (continues > 0, continues == 0) if chosen.any()]
         keys = prefix_lengths + span_lengths
         pairs = sum(int(chosen.sum()) * int(span_lengths[chosen].max()) * int(keys[chosen].max()) for chosen in kinds)
-        if pairs * min_pairs_saved > rows * width * width:
+        if rows * width * width - pairs < min_pairs_saved * len(ids):
             return None
         prefix_starts = starts[continues]
         return cls([_span_batch(span_starts[chosen], span_lengths[chosen], prefix_starts[chosen],

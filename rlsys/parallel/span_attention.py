@@ -11,9 +11,10 @@ spans (those continuing a prompt, those that do not), padded to the longest of e
 through PyTorch's scaled_dot_product_attention with their own masks; the outputs are scattered
 back to the packed positions. Every token sees exactly what it sees in its own unpacked row.
 
-It is registered with transformers' AttentionInterface as "rlsys_spans" and set on a model
-whose attention is SDPA (`apply_span_attention`); a forward without `shared_spans` runs SDPA
-itself, with SDPA's masks, so only packed micro-batches with shared prompts take this path.
+It takes SDPA's entry in transformers' attention interface (`apply_span_attention`, for a model
+whose attention is SDPA over full causal layers) and is SDPA itself for every call without
+`shared_spans`: only packed micro-batches whose spans save enough (`SharedPrefixSpans.of`) take
+this path.
 """
 
 from __future__ import annotations

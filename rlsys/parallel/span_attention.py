@@ -34,6 +34,7 @@ them) costs a roughly fixed amount per token. The arithmetic RL step (prompts of
 answers of <= 8 each: ~50 pairs saved a token) ran its update 1.3x slower by spans; the 22.7 M
 model's batches of 160-token samples (240-900 a token) 1.0-1.6x faster (`benchmarks/shared_prefix.py`)."""
 
+
 @dataclass
 class _SpanBatch:
     """Like spans, padded to the longest: where their queries and keys sit in the flattened

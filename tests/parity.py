@@ -43,16 +43,32 @@ def parity_batches(tiny_model_dir: str, arith_files: dict[str, str], max_seq_len
                           [e.input_ids[len(prompt_of(e)):] for e in examples[:12]], tokenizer.pad_token_id)
     for micro in micro_batches(rl, MICRO_BATCH):
         assert pack_rows(micro).batch["attention_mask"].sum() < micro["attention_mask"].sum()
+    return sft, rl, with_rl_fields(tiny_model_dir, rl, len(tokenizer))
+
+
+def long_answer_batch(tiny_model_dir: str):
+    """An RL mini-batch of 4 GRPO groups of 3 random 80-token answers to a random 80-token prompt,
+    with the fields of `parity_batches`'s: each micro-batch (a group) attends span by span."""
+    vocab = len(AutoTokenizer.from_pretrained(tiny_model_dir))
+    generator = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=generator).tolist()  # noqa: E731
+    prompts = [ids(80) for _ in range(4)]
+    rl = collate_rollouts([prompts[i // MICRO_BATCH] for i in range(12)], [ids(80) for _ in range(12)], pad_id=0)
+    return rl, with_rl_fields(tiny_model_dir, rl, vocab)
+
+
+def with_rl_fields(model_dir: str, rl, vocab: int) -> dict[str, int]:
+    """Per-row advantages on the response tokens, old and reference log-probs near the model's, a
+    teacher's top-4 tokens a position, added to `rl`; the loss's counts."""
     generator = torch.Generator().manual_seed(0)
-    logprobs = reference_logprobs(tiny_model_dir, rl)
+    logprobs = reference_logprobs(model_dir, rl)
     noise = lambda: 0.05 * torch.randn(logprobs.shape, generator=generator)  # noqa: E731
-    rl.update(advantages=torch.randn(12, 1, generator=generator) * rl["loss_mask"],
+    rows = len(rl["input_ids"])
+    rl.update(advantages=torch.randn(rows, 1, generator=generator) * rl["loss_mask"],
               old_logprobs=logprobs + noise(), ref_logprobs=logprobs + noise())
-    vocab = len(tokenizer)
     teacher = torch.randn(*logprobs.shape, vocab, generator=generator).mul(3).log_softmax(-1)
     rl[TOP_LOGPROBS], rl[TOP_IDS] = teacher.topk(ALGO.distill.top_k, dim=-1)  # distillation's dense term
-    counts = {"tokens": num_targets(rl), "sequences": 12}
-    return sft, rl, counts
+    return {"tokens": num_targets(rl), "sequences": rows}
 
 
 def reference_model(model_dir: str):
@@ -110,7 +126,7 @@ def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, fl
         results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
         logprobs = torch.cat([lp for lp, _ in group.run_data_parallel("compute_logprobs", sft)])
         shapes = group.on_each(probes.local_shapes)
-        assert group.on_each(probes.attends_spans) == [cfg.parallel.cp == 1] * len(shapes)  # cp: Ulysses
+        assert all(group.on_each(probes.attends_spans_where_it_can))
         if then is not None:
             then(group)
         return results, logprobs, shapes

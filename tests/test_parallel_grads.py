@@ -2,7 +2,8 @@
 global batch: FSDP2, HSDP, tensor parallel with sequence and loss parallel, FSDP2 x TP (with
 and without them), pipeline parallel (three schedules, and composed with FSDP2, with FSDP2 x
 TP, and with context parallel and TP with sequence and loss parallel) and context parallel
-with FSDP2, for the SFT loss and the RL policy loss with a KL term. Plain tp2, pp2 x tp2 and
+with FSDP2, for the SFT loss and the RL policy loss with a KL term; long answers to shared
+prompts attending span by span under FSDP2 x TP with sequence and loss parallel. Plain tp2, pp2 x tp2 and
 cp2 passed too when measured; each is a part of a composition here, left out for the
 suite's time."""
 
@@ -16,6 +17,7 @@ from parity import (
     MICRO_BATCH,
     assert_gradients_match,
     assert_layout_matches_single_process,
+    long_answer_batch,
     parity_batches,
     reference_gradients,
     reference_logprobs,
@@ -27,7 +29,9 @@ from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
-from rlsys.data.batching import num_targets, split_rows, token_budget_sizes
+from rlsys.data.batching import micro_batches, num_targets, split_rows, token_budget_sizes
+from rlsys.data.packing import pack_rows
+from rlsys.parallel.span_attention import SharedPrefixSpans
 
 LAYOUTS = {  # name: overrides
     "fsdp2": ["parallel.dp_shard=2"],
@@ -77,6 +81,21 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
     shards = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp  # FSDP2 shards over dp_shard x cp
     q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
     assert local_shapes[0]["model.layers.0.self_attn.q_proj.weight"][0] == q_rows // shards  # sharded, not copied
+
+
+@pytest.mark.timeout(600)
+def test_long_answers_attend_by_spans_and_match_one_process(ray_cluster, sft_config, tiny_model_dir, batches):
+    """4 GRPO groups of 3 answers of 80 tokens to an 80-token prompt: each micro-batch (a group)
+    shares its prompt and attends span by span (182 fewer pairs a token than a dense mask), and
+    FSDP2 x TP with sequence and loss parallel gives one process's RL-loss gradients."""
+    sft, _, _ = batches
+    rl, counts = long_answer_batch(tiny_model_dir)
+    for micro in micro_batches(rl, MICRO_BATCH):
+        packed = pack_rows(micro).batch
+        assert SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"]) is not None
+    cfg = sft_config(*LAYOUTS["fsdp2xtp2-sp-lp"], f"train.micro_batch_size={MICRO_BATCH}",
+                     f"model.path={tiny_model_dir}")
+    assert_layout_matches_single_process(cfg, tiny_model_dir, sft, rl, counts)
 
 
 @pytest.mark.timeout(600)

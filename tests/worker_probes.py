@@ -67,9 +67,11 @@ def local_shapes(worker) -> dict[str, tuple[int, ...]]:
             for name, p in worker.policy.named_parameters()}
 
 
-def attends_spans(worker) -> bool:
-    """Whether the policy's packed micro-batches that share prompts attend span by span."""
-    return worker.policy.span_attention
+def attends_spans_where_it_can(worker) -> bool:
+    """Whether the policy's packed micro-batches that share prompts attend span by span exactly
+    where they can: a text model without context parallel (whose attention is Ulysses')."""
+    policy = worker.policy
+    return policy.span_attention == (policy.spec.dims.cp == 1 and not policy.vision)
 
 
 def perturb_parameters(worker, scale: float, seed: int, trained_only: bool = False, names: str = "") -> None:

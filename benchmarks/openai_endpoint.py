@@ -56,7 +56,7 @@ async def client_floor(rows: list[dict], steps: int) -> float:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=LISTEN_BACKLOG)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = runner.addresses[0][1]
     limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=LISTEN_BACKLOG,
                                                     max_keepalive_connections=LISTEN_BACKLOG, keepalive_expiry=60)
     async with openai.DefaultAioHttpClient(limits=limits) as http:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from update_pass import forward_backward_s, packed_inputs
 from vs_trl import ensure_random_model
 
 RATIOS = ((1, 4), (1, 1), (4, 1))
@@ -31,28 +31,6 @@ def group_batch(prompt_len: int, response_len: int, groups: int, n: int, vocab: 
     prompts = [ids(prompt_len) for _ in range(groups)]
     return collate_rollouts([p for p in prompts for _ in range(n)], [ids(response_len) for _ in range(groups * n)],
                             pad_id=0)
-
-
-def model_inputs(batch, share: bool, spans: bool) -> tuple[dict, dict]:
-    """The packed micro-batch (every group's prompt shared if `share`) and its forward's inputs."""
-    from rlsys.data import packing
-    from rlsys.parallel.span_attention import SharedPrefixSpans
-
-    packed = packing.pack_rows(batch, share_prompts=share, min_shared_fraction=0.0).batch
-    segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    attention = ({"attention_mask": None, "shared_spans": SharedPrefixSpans.of(segments, prefixes, 0)} if spans
-                 else {"attention_mask": packing.block_causal_mask(segments, prefixes)})
-    return packed, {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"], **attention}
-
-
-def forward_backward_s(model, packed: dict, inputs: dict) -> float:
-    from rlsys.algorithms.lm_loss import logprobs_of_labels
-
-    started = time.perf_counter()
-    logits = model(**inputs, use_cache=False).logits
-    (logprobs_of_labels(logits, packed["input_ids"]) * packed["loss_mask"][:, 1:]).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -81,11 +59,11 @@ def main() -> None:
     for prompt_part, response_part in RATIOS:
         prompt_len = args.tokens * prompt_part // (prompt_part + response_part)
         batch = group_batch(prompt_len, args.tokens - prompt_len, args.groups, args.n, model.config.vocab_size, 0)
-        inputs = [model_inputs(batch, *mode) for mode in modes.values()]
+        inputs = [packed_inputs(batch, share, spans, min_shared_fraction=0.0) for share, spans in modes.values()]
         seconds = [[] for _ in modes]
         for _ in range(args.repeats):
             for times, (packed, forward) in zip(seconds, inputs):
-                times.append(forward_backward_s(model, packed, forward))
+                times.append(forward_backward_s(model, packed, **forward))
         medians = [statistics.median(times) for times in seconds]
         shared = pack_rows(batch, True, MIN_SHARED_FRACTION).shared_length
         by_default = bool(shared.any())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from rlvr_bench import bare_vllm_generate, bench_config, rlsys_steps
+from update_pass import forward_backward_s, packed_inputs
 
 
 @dataclass(frozen=True)
@@ -78,39 +79,26 @@ class Result:
 def floor_step(cfg, prompts) -> tuple[float, float, float, float]:
     """Bare vLLM generate of the prompts, plus one forward/backward over what it generated
     in this process with all threads, on padded rows (as TRL runs it), on the same rows
-    packed, and packed with each prompt laid out once for its samples (`rlsys.data.packing`):
+    packed, and packed with each prompt laid out once for its samples (`rlsys.data.packing`),
+    attending by spans where the training ranks would (`rlsys.parallel.span_attention`):
     (generate s, then forward/backward s padded, packed, packed with shared prompts)."""
     from transformers import AutoModelForCausalLM
 
     from rlsys.data.batching import collate_rollouts
-    from rlsys.data.packing import block_causal_mask, pack_rows
+    from rlsys.parallel.span_attention import apply_span_attention
 
     generate_s, outputs = bare_vllm_generate(cfg, prompts, repeats=3)
     prompt_ids = [ids for (_, ids), out in zip(prompts, outputs) for _ in out.outputs]
     response_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
     padded = collate_rollouts(prompt_ids, response_ids, pad_id=0)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    padded_s = forward_backward_s(model, padded, padded["attention_mask"], None)
+    apply_span_attention(model)
+    padded_s = forward_backward_s(model, padded, repeats=3, attention_mask=padded["attention_mask"])
     packed_s = []
-    for share_prompts in (False, True):
-        packed = pack_rows(padded, share_prompts).batch
-        mask = block_causal_mask(packed["segment_ids"], packed["prefix_ids"])
-        packed_s.append(forward_backward_s(model, packed, mask, packed["position_ids"]))
+    for share_prompts in (False, True):  # as the training ranks pack and attend
+        packed, inputs = packed_inputs(padded, share_prompts)
+        packed_s.append(forward_backward_s(model, packed, repeats=3, **inputs))
     return generate_s, padded_s, *packed_s
-
-
-def forward_backward_s(model, batch, attention_mask, position_ids, repeats: int = 3) -> float:
-    from rlsys.algorithms.lm_loss import logprobs_of_labels
-
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids).logits
-        loss = (logprobs_of_labels(logits, batch["input_ids"]) * batch["loss_mask"][:, 1:]).sum()
-        loss.backward()
-        times.append(time.perf_counter() - started)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
 
 
 def trl_steps(args, cfg) -> Result:

@@ -142,13 +142,15 @@ def assert_gradients_match(got: dict, expected: dict, tolerance: float = 1e-5) -
 
 
 def assert_layout_matches_single_process(cfg, model_dir: str, sft, rl, counts, logprob_tolerance: float = 1e-5,
-                                         grad_tolerance: float = 1e-5) -> tuple[dict[str, torch.Tensor], list[dict]]:
+                                         grad_tolerance: float = 1e-5, then=None
+                                         ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The layout of `cfg` gives one process's SFT loss and gradients, RL-loss gradients and
-    log-probs on the same batches. Returns the reference SFT gradients and each rank's local
-    parameter shapes, for a test's checks of how the layout holds them."""
+    log-probs on the same batches (`then(group)` runs last, as in `layout_run`). Returns the
+    reference SFT gradients and each rank's local parameter shapes, for a test's checks of how
+    the layout holds them."""
     sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
     _, rl_grads = reference_gradients(model_dir, rl, actor_loss(counts, ALGO))
-    [(metrics, got_sft), (_, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts)
+    [(metrics, got_sft), (_, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts, then)
     assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
     assert_gradients_match(got_sft, sft_grads, grad_tolerance)
     assert_gradients_match(got_rl, rl_grads, grad_tolerance)

@@ -9,6 +9,8 @@ suite's time."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import worker_probes as probes
@@ -28,7 +30,7 @@ from parity import (
 from rlsys.actors.train_group import TrainGroup
 from rlsys.actors.train_worker import build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
-from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
+from rlsys.algorithms.lm_loss import is_token_level, logprobs_of_labels, nll_loss
 from rlsys.data.batching import micro_batches, num_targets, split_rows, token_budget_sizes
 from rlsys.data.packing import pack_rows
 from rlsys.parallel.span_attention import SharedPrefixSpans
@@ -84,18 +86,30 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
 
 
 @pytest.mark.timeout(600)
-def test_long_answers_attend_by_spans_and_match_one_process(ray_cluster, sft_config, tiny_model_dir, batches):
+@pytest.mark.parametrize("layout", ["fsdp2xtp2-sp-lp", "cp2xfsdp2"])
+def test_long_answers_attend_by_spans_and_match_one_process(ray_cluster, sft_config, tiny_model_dir, batches,
+                                                            layout):
     """4 GRPO groups of 3 answers of 80 tokens to an 80-token prompt: each micro-batch (a group)
-    shares its prompt and attends span by span (182 fewer pairs a token than a dense mask), and
-    FSDP2 x TP with sequence and loss parallel gives one process's RL-loss gradients."""
+    shares its prompt and attends span by span (182 fewer pairs a token than a dense mask).
+    FSDP2 x TP with sequence and loss parallel, and context parallel x FSDP2 (Ulysses attending
+    by the spans over the gathered sequence; the SFT batch by the dense packed mask), give one
+    process's log-probs and RL-loss gradients; without context parallel so does GSPO's
+    sequence-level loss, which reads the packed forward's logits laid back out as rows."""
     sft, _, _ = batches
     rl, counts = long_answer_batch(tiny_model_dir)
     for micro in micro_batches(rl, MICRO_BATCH):
         packed = pack_rows(micro).batch
         assert SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"]) is not None
-    cfg = sft_config(*LAYOUTS["fsdp2xtp2-sp-lp"], f"train.micro_batch_size={MICRO_BATCH}",
-                     f"model.path={tiny_model_dir}")
-    assert_layout_matches_single_process(cfg, tiny_model_dir, sft, rl, counts)
+    gspo = actor_loss(counts, replace(ALGO, policy_loss="gspo"))
+    assert not is_token_level(gspo)
+    _, gspo_grads = reference_gradients(tiny_model_dir, rl, gspo)
+    sequence_level = []
+    cfg = sft_config(*LAYOUTS[layout], f"train.micro_batch_size={MICRO_BATCH}", f"model.path={tiny_model_dir}")
+    then = None if cfg.parallel.cp > 1 else lambda group: sequence_level.extend(trained_gradients(group, (rl, gspo)))
+    assert_layout_matches_single_process(cfg, tiny_model_dir, sft, rl, counts, then=then)
+    if then is not None:
+        [(_, got_gspo)] = sequence_level
+        assert_gradients_match(got_gspo, gspo_grads)
 
 
 @pytest.mark.timeout(600)

@@ -69,9 +69,9 @@ def local_shapes(worker) -> dict[str, tuple[int, ...]]:
 
 def attends_spans_where_it_can(worker) -> bool:
     """Whether the policy's packed micro-batches that share prompts attend span by span exactly
-    where they can: a text model without context parallel (whose attention is Ulysses')."""
+    where they can: a text model's (under context parallel, by Ulysses' attention)."""
     policy = worker.policy
-    return policy.span_attention == (policy.spec.dims.cp == 1 and not policy.vision)
+    return policy.span_attention == (not policy.vision)
 
 
 def perturb_parameters(worker, scale: float, seed: int, trained_only: bool = False, names: str = "") -> None:

@@ -34,8 +34,9 @@ LossFn = Callable[[torch.Tensor, Batch], LossOutput]
 
 def token_level(loss_fn: LossFn) -> LossFn:
     """Mark a loss function whose loss, metrics and rows are all sums or values over tokens:
-    the engine may then pack several sequences into one row (`rlsys.data.packing`). A term
-    taken per row (a sequence's mean) would mix the sequences packed into it."""
+    the engine may then take it on packed rows of several sequences (`rlsys.data.packing`). A
+    term taken per row (a sequence's mean) would mix the sequences packed into a row, so any
+    other loss gets the packed forward's logits laid back out as its rows."""
     loss_fn.token_level = True
     return loss_fn
 

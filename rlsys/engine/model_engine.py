@@ -49,6 +49,7 @@ from rlsys.parallel.rank_sequence import (
     loss_logits,
     pad_columns,
     rank_sequence,
+    unpacked_logits,
     whole_positions,
     whole_rows,
 )
@@ -217,7 +218,11 @@ class ModelEngine:
                     self.router.start(passes)
                 if record_routing:
                     start_recording(self.moe_blocks)
-                out = loss_fn(loss_logits(self._forward(seq, filler), seq), seq.fields)
+                logits, fields = loss_logits(self._forward(seq, filler), seq), seq.fields
+                reads_rows = packing is not None and not is_token_level(loss_fn)
+                if reads_rows:  # a loss reading each row as one sequence gets the rows it was given
+                    logits, fields = unpacked_logits(logits, packing), micro
+                out = loss_fn(logits, fields)
                 if not forward_only:
                     (out.loss * 0 if filler else out.loss).backward()
                 if filler:
@@ -227,7 +232,7 @@ class ModelEngine:
                 for name, value in out.metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
                 for name, value in out.rows.items():  # micro-batches are trimmed: pad back to the shard's width
-                    if name != ROUTING_FIELD:
+                    if name != ROUTING_FIELD and not reads_rows:
                         value = whole_rows(value.detach(), seq, self.cp_group)
                         value = packing.unpack(value) if packing else value
                     width = shard["input_ids"].shape[1] - value.shape[1]
@@ -336,12 +341,13 @@ class ModelEngine:
             part.set_reshard_after_backward(not defer)
 
     def _packs(self, loss_fn: LossFn) -> bool:
-        """Pack sequences (`rlsys.data.packing`) for a token-level loss, outside pipeline and
-        context parallel (whose schedules and attention split rows and sequences themselves), and
-        not a vision-language model's (whose rotary positions its forward derives per row)."""
+        """Pack sequences (`rlsys.data.packing`) outside a pipeline (whose schedule fixes every
+        micro-batch's shape), and not a vision-language model's (whose rotary positions its
+        forward derives per row). A loss that is not token-level reads the packed forward's
+        logits laid back out as its rows: whole rows, so not under context parallel."""
         dims = self.spec.dims
-        return (self.spec.parallel.pack_sequences and is_token_level(loss_fn) and dims.pp == 1 and dims.cp == 1
-                and not self.vision)
+        return (self.spec.parallel.pack_sequences and dims.pp == 1 and not self.vision
+                and (dims.cp == 1 or is_token_level(loss_fn)))
 
     def _rank_sequence(self, batch: Batch) -> RankSequence:
         return rank_sequence(batch, self.spec.dims.cp, self.cp_rank, self.sequence_multiple)
@@ -352,7 +358,8 @@ class ModelEngine:
         would otherwise count them at the split length. An MoE model's layers get the tokens
         their routers balance over (none in a pass that adds nothing)."""
         ids = seq.input_ids.to(self.device)
-        positions = seq.fields["position_ids"] if "position_ids" in seq.fields else seq.positions.expand_as(ids)
+        positions = seq.fields["position_ids"][:, :ids.shape[1]] if "position_ids" in seq.fields \
+            else seq.positions.expand_as(ids)
         moe = {}
         if self.router is not None:
             weights = self._token_weights(seq)
@@ -380,30 +387,31 @@ class ModelEngine:
         width = seq.input_ids.shape[1]
         fields = {name: value[:, :width] for name, value in seq.fields.items()}
         weights = fields["attention_mask"].float()
-        if "prefix_ids" in fields:
-            segments, prefixes = fields["segment_ids"], fields["prefix_ids"]
+        if "prefix_ids" in fields:  # the rows sharing each prompt, counted over every rank's chunk
+            segments, prefixes = seq.whole["segment_ids"], seq.whole["prefix_ids"]
             continued = prefixes > 0
             pairs = torch.unique(torch.stack([segments[continued], prefixes[continued]]), dim=1)
             sharing = torch.bincount(pairs[1], minlength=int(segments.max()) + 1)
-            weights = weights * sharing[segments].clamp(min=1)
+            weights = weights * sharing[fields["segment_ids"]].clamp(min=1)
         return weights
 
     def _attention_inputs(self, seq: RankSequence) -> dict:
-        """The padding mask; block-causal over packed sequences, or their spans where some share a
-        prompt and the spans score far fewer pairs (`rlsys.parallel.span_attention`); none under
+        """The padding mask; over packed sequences block-causal, or their spans where some share a
+        prompt and the spans score far fewer pairs (`rlsys.parallel.span_attention`), both over
+        the whole sequence that context parallel's attention gathers from the ranks' chunks, and
+        chosen on the host copy of the packing (no device sync); none for unpacked rows under
         context parallel, whose attention is causal over the gathered right-padded sequence;
         prepared at full length under sequence parallel, where HF would build it at the split
         length."""
-        if seq.chunked:
-            return {"attention_mask": None}
-        fields = seq.fields
-        if "segment_ids" in fields:
-            segments, prefixes = fields["segment_ids"].to(self.device), fields["prefix_ids"].to(self.device)
+        if "segment_ids" in seq.whole:
+            segments, prefixes = seq.whole["segment_ids"], seq.whole["prefix_ids"]
             spans = SharedPrefixSpans.of(segments, prefixes) if self.span_attention and bool(prefixes.any()) else None
             if spans is not None:
-                return {"attention_mask": None, "shared_spans": spans}
-            return {"attention_mask": block_causal_mask(segments, prefixes)}
-        mask = fields["attention_mask"].to(self.device)
+                return {"attention_mask": None, "shared_spans": spans.to(self.device)}
+            return {"attention_mask": block_causal_mask(segments.to(self.device), prefixes.to(self.device))}
+        if seq.chunked:
+            return {"attention_mask": None}
+        mask = seq.fields["attention_mask"].to(self.device)
         return {"attention_mask": block_causal_mask(mask) if self.sequence_multiple > 1 else mask}
 
     def _loss_context(self):

@@ -6,8 +6,10 @@ two all-to-alls: sequence-split, all heads -> all tokens, 1/cp of the heads -> a
 It needs no attention kernel support, so it runs on CPU (PyTorch's ring attention has
 no CPU kernels). It is registered with transformers' AttentionInterface under
 "ulysses" and selected per model; causal attention over the gathered sequence needs no
-padding mask because batches are right-padded. Which tokens a rank holds, and
-how its per-token outputs are put back in order: `rlsys.parallel.rank_sequence`.
+padding mask because batches are right-padded. A packed micro-batch (`rlsys.data.packing`)
+brings its block-causal mask over the whole sequence, or the spans of its shared prompts
+(`rlsys.parallel.span_attention`), which the gathered heads attend by. Which tokens a rank
+holds, and how its per-token outputs are put back in order: `rlsys.parallel.rank_sequence`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
+from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans
+
 log = logging.getLogger(__name__)
 
 ATTENTION = "ulysses"
@@ -33,18 +37,26 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         if hasattr(module, "o_proj") and hasattr(module, "q_proj"):
             module.cp_group = group
     model.config._attn_implementation = ATTENTION
+    model.span_attention = True  # packed shared prompts attend by spans (`uses_span_attention`)
     log.info("context parallel over %d ranks (Ulysses all-to-all attention)", cp_mesh.size())
 
 
 def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """[B, heads, T/cp, D] per rank in, [B, T/cp, heads, D] out, as HF attention functions."""
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      shared_spans: SharedPrefixSpans | None = None, **kwargs):
+    """[B, heads, T/cp, D] per rank in, [B, T/cp, heads, D] out, as HF attention functions.
+    `attention_mask`: None (causal), or a packed micro-batch's [B, 1, T, T] over the whole
+    sequence; `shared_spans`: its spans over the whole sequence."""
     group = module.cp_group
     query, key, value = (_seq_to_heads(t, group) for t in (query, key, value))
-    repeats = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0)
+    dropout = dropout if module.training else 0.0
+    if shared_spans is not None:
+        out = attend_spans(module, query, key, value, shared_spans, dropout, scaling).transpose(1, 2)
+    else:
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             is_causal=attention_mask is None, scale=scaling, dropout_p=dropout)
     return _heads_to_seq(out, group).transpose(1, 2).contiguous(), None
 
 

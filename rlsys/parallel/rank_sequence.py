@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from rlsys.data.batching import Batch
+from rlsys.data.packing import Packing
 
 
 @dataclass
@@ -34,6 +35,9 @@ class RankSequence:
     """The batch's own sequence length."""
     chunked: bool
     """Context parallel: the fields carry the next chunk's first token."""
+    whole: Batch
+    """The fields over every rank's input columns, [B, cp x span] (the fields without context
+    parallel): what attention across the ranks' chunks is built from."""
 
 
 def rank_sequence(batch: Batch, cp: int, cp_rank: int, multiple: int) -> RankSequence:
@@ -42,13 +46,14 @@ def rank_sequence(batch: Batch, cp: int, cp_rank: int, multiple: int) -> RankSeq
     if cp == 1:
         fields = _pad_columns(batch, -length % multiple)
         span = fields["input_ids"].shape[1]
-        return RankSequence(fields, fields["input_ids"], torch.arange(span).unsqueeze(0), length, chunked=False)
+        return RankSequence(fields, fields["input_ids"], torch.arange(span).unsqueeze(0), length, chunked=False,
+                            whole=fields)
     chunk = -(-length // (cp * multiple)) * multiple
     padded = _pad_columns(batch, chunk * cp + 1 - length)
     start = cp_rank * chunk
     fields = {name: value[:, start:start + chunk + 1] for name, value in padded.items()}
     return RankSequence(fields, fields["input_ids"][:, :chunk], torch.arange(start, start + chunk).unsqueeze(0),
-                        length, chunked=True)
+                        length, chunked=True, whole={name: value[:, :chunk * cp] for name, value in padded.items()})
 
 
 def loss_logits(logits: torch.Tensor, seq: RankSequence) -> torch.Tensor:
@@ -62,6 +67,19 @@ def loss_logits(logits: torch.Tensor, seq: RankSequence) -> torch.Tensor:
         return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False,
                                   shape=(rows, length + 1, vocab), stride=((length + 1) * vocab, vocab, 1))
     return F.pad(logits, (0, 0, 0, 1))
+
+
+def unpacked_logits(logits: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """A packed micro-batch's logits laid back out as its rows, [B, T, vocab], each row's as its
+    own forward gives them (0 on padding), for a loss that reads each row as one sequence; the
+    gradient flows back to the packed logits. Vocabulary-sharded logits (loss parallel) stay sharded."""
+    if isinstance(logits, DTensor):
+        local = packing.unpack(logits.to_local(), per_label=False)
+        rows, length = packing.shape
+        vocab = logits.shape[-1]
+        return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False,
+                                  shape=(rows, length, vocab), stride=(length * vocab, vocab, 1))
+    return packing.unpack(logits, per_label=False)
 
 
 def whole_rows(rows: torch.Tensor, seq: RankSequence, cp_group) -> torch.Tensor:

@@ -57,6 +57,11 @@ class SharedPrefixSpans:
     def __init__(self, batches: list[_SpanBatch]):
         self.batches = batches
 
+    def to(self, device: torch.device) -> SharedPrefixSpans:
+        """The spans' index tensors on `device` (they are chosen on the host copy of the packing)."""
+        return SharedPrefixSpans([_SpanBatch(**{name: value.to(device) for name, value in vars(spans).items()})
+                                  for spans in self.batches])
+
     @classmethod
     def of(cls, segment_ids: torch.Tensor, prefix_ids: torch.Tensor,
            min_pairs_saved: float = MIN_PAIRS_SAVED_PER_TOKEN) -> SharedPrefixSpans | None:
@@ -105,6 +110,13 @@ def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     if shared_spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return attend_spans(module, query, key, value, shared_spans, dropout, scaling), None
+
+
+def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 shared_spans: SharedPrefixSpans, dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+    """[B, heads, T, D] in (keys and values may have fewer heads), [B, T, heads, D] out: each span's
+    queries attend to its shared prompt's keys and its own."""
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
@@ -117,7 +129,7 @@ def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
                                                   dropout_p=dropout if module.training else 0.0,
                                                   enable_gqa=kv_heads != heads)
         out = out.index_copy(0, spans.targets, attended.transpose(1, 2)[spans.real])
-    return out.view(batch, length, heads, dim), None
+    return out.view(batch, length, heads, dim)
 
 
 def apply_span_attention(model: nn.Module) -> None:

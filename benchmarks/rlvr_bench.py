@@ -67,8 +67,9 @@ def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None, export: str 
     trainer.rollout_group.rollout = recorded
     try:
         for step in range(1, cfg.train.steps + 1):
-            first_call = len(calls)
+            first_call, started = len(calls), time.perf_counter()
             rows.append(trainer.step(step))
+            rows[-1]["bench/step_wall_s"] = time.perf_counter() - started  # the step's metrics included
             calls_by_step.append(calls[first_call:])
             if bare is not None:
                 replays.append(bare.replay_paired(calls_by_step[-1], paused_first=step % 2 == 0))

@@ -230,6 +230,27 @@ def test_shared_prompts_attend_by_spans_only_where_they_score_far_fewer_pairs():
         assert (SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"]) is not None) == spans
 
 
+def test_span_attention_is_attention_under_the_block_causal_mask():
+    """Spans of any lengths in any order, the packed rows' last span shorter than the longest
+    response (whose keys the shorter ones are padded to): each token's attention output is the
+    dense block-causal mask's, with grouped key/value heads."""
+    from rlsys.data.packing import block_causal_mask
+    from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans
+
+    # row 0: a prompt (segment 1), a 10-token and a 2-token answer to it; row 1: a lone sequence,
+    # then a prompt and its 3-token answer
+    segments = torch.tensor([[1] * 4 + [2] * 10 + [3] * 2, [4] * 9 + [5] * 4 + [6] * 3])
+    prefixes = torch.tensor([[0] * 4 + [1] * 12, [0] * 13 + [5] * 3])
+    spans = SharedPrefixSpans.of(segments, prefixes, min_pairs_saved=float("-inf"))
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 16, 8, generator=generator)
+    key, value = (torch.randn(2, 2, 16, 8, generator=generator) for _ in range(2))
+    got = attend_spans(torch.nn.Module(), query, key, value, spans)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=block_causal_mask(segments, prefixes), enable_gqa=True).transpose(1, 2)
+    assert (got - expected).abs().max() < 1e-6
+
+
 @pytest.mark.parametrize("attention", ["dense-mask", "spans"])
 def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir, attention):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt

@@ -95,8 +95,10 @@ def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torc
     key = torch.arange(int((prefix_lengths + lengths).max()), device=starts.device)
     in_prefix = key[None] < prefix_lengths[:, None]
     own = key[None] - prefix_lengths[:, None]  # the key's index in the span itself
-    keys = torch.where(in_prefix, prefix_starts[:, None] + key[None], starts[:, None] + own.clamp(min=0))
     key_real = in_prefix | ((own >= 0) & (own < lengths[:, None]))
+    # a padded key reads the span's first token (masked out): past its end may lie past the batch's
+    keys = torch.where(in_prefix, prefix_starts[:, None] + key[None], starts[:, None] + own.clamp(min=0))
+    keys = torch.where(key_real, keys, starts[:, None])
     sees = key_real[:, None, :] & (in_prefix[:, None, :] | (own[:, None, :] <= query[None, :, None]))
     queries = torch.where(real, starts[:, None] + query[None], 0)
     return _SpanBatch(queries, real, keys, (sees | ~real[:, :, None])[:, None], queries[real])

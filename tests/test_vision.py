@@ -475,4 +475,6 @@ def test_ppo_critic_reads_the_pictures(ray_cluster, rl_config, vl_dirs, dots_fil
         trainer.shutdown()
     assert all(row["critic/grad_norm"] > 0 for row in rows)
     first_response = values[:, len(prompt_ids[0])]
-    assert (first_response - first_response[0]).abs().max() > 1e-4, first_response
+    # ~1e-2 values after two updates differ by 2e-5..8e-5 with the picture: far above float32's
+    # noise at that size (~1e-9), which is all the same text would give without its pictures
+    assert (first_response - first_response[0]).abs().max() > 1e-5, first_response

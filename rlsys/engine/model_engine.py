@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
-from rlsys.algorithms.lm_loss import LossFn, is_token_level
+from rlsys.algorithms.lm_loss import LossFn, LossOutput, is_token_level
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
@@ -218,11 +218,8 @@ class ModelEngine:
                     self.router.start(passes)
                 if record_routing:
                     start_recording(self.moe_blocks)
-                logits, fields = loss_logits(self._forward(seq, filler), seq), seq.fields
                 reads_rows = packing is not None and not is_token_level(loss_fn)
-                if reads_rows:  # a loss reading each row as one sequence gets the rows it was given
-                    logits, fields = unpacked_logits(logits, packing), micro
-                out = loss_fn(logits, fields)
+                out = self._loss(loss_fn, seq, micro if reads_rows else None, packing, filler)
                 if not forward_only:
                     (out.loss * 0 if filler else out.loss).backward()
                 if filler:
@@ -238,6 +235,16 @@ class ModelEngine:
                     width = shard["input_ids"].shape[1] - value.shape[1]
                     rows.setdefault(name, []).append(pad_columns(value.cpu(), width))
         return sums, {name: torch.cat(parts) for name, parts in rows.items()}
+
+    def _loss(self, loss_fn: LossFn, seq: RankSequence, rows: Batch | None, packing, filler: bool) -> LossOutput:
+        """`loss_fn` on the forward's logits of `seq`: on its (packed) rows, or, given the
+        micro-batch's `rows`, on the packed logits laid back out as those rows (a loss reading
+        each row as one sequence). No reference to the logits outlives the call: the backward
+        frees them as it goes."""
+        logits = loss_logits(self._forward(seq, filler), seq)
+        if rows is not None:
+            return loss_fn(unpacked_logits(logits, packing), rows)
+        return loss_fn(logits, seq.fields)
 
     def _recorded_routing(self, seq: RankSequence, packing) -> torch.Tensor:
         """The experts the last forward routed `seq`'s tokens to, [B, T, MoE layers, k] for the

@@ -203,6 +203,7 @@ class ModelEngine:
         rows: dict[str, list[torch.Tensor]] = {}
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         packs = self._packs(loss_fn)
+        reads_rows = packs and not is_token_level(loss_fn)  # the loss takes the rows, not the packing's
         micros, fillers = self._micro_batches(shard)
         passes = len(micros) + fillers
         with grad, self._loss_context():
@@ -218,7 +219,6 @@ class ModelEngine:
                     self.router.start(passes)
                 if record_routing:
                     start_recording(self.moe_blocks)
-                reads_rows = packing is not None and not is_token_level(loss_fn)
                 out = self._loss(loss_fn, seq, micro if reads_rows else None, packing, filler)
                 if not forward_only:
                     (out.loss * 0 if filler else out.loss).backward()

@@ -10,12 +10,19 @@ RLSYS_VERBOSE=1) shows all of it on the console instead, as before.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
+
+import psutil
 
 VERBOSE_ENV = "RLSYS_VERBOSE"
 LOG_FILE_ENV = "RLSYS_LOG_FILE"
+STARTUP_LOG_ENV = "RLSYS_STARTUP_LOG"
+"""A file that every actor (and the driver's Ray start) appends a line to when it is ready:
+what its start-up cost (`record_startup`)."""
 LOGS_DIR = "logs"
 
 log = logging.getLogger("rlsys")
@@ -80,15 +87,51 @@ def redirect_actor_output() -> None:
     os.dup2(target, 1)
     os.dup2(target, 2)
     os.close(target)
-    _quiet_libraries()
+    os.environ.update(QUIET_LIBRARIES_ENV)  # for the libraries this actor imports from now on
+    _quiet_libraries(imported_only=True)
 
 
-def _quiet_libraries() -> None:
-    """No progress bars or info chatter from the data and model libraries."""
-    import datasets
-    import transformers
+QUIET_LIBRARIES_ENV = {"TRANSFORMERS_VERBOSITY": "warning", "DATASETS_VERBOSITY": "warning",
+                       "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""What `_quiet_libraries` sets, as the environment variables the libraries read when imported: an
+actor that never imports them (a reward worker) does not pay seconds of imports to quiet them."""
 
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_warning()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_warning()
+
+class StartupClock:
+    """Started where an actor's (or a component's) start-up begins; `record_startup` reads it."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+
+def record_startup(kind: str, clock: StartupClock) -> None:
+    """Log how long `kind` (train, rollout, reward, tool, a served model's engine, the Ray cluster)
+    took to start: since `clock` (wall and CPU seconds), and for an actor's own process the CPU it
+    has used since it began, its imports included. With RLSYS_STARTUP_LOG set, also append it
+    there as a JSON line (the test suite counts start-ups per test this way)."""
+    record = {"kind": kind, "pid": os.getpid(), "time": time.time(),
+              "init_s": round(time.perf_counter() - clock.wall, 3),
+              "init_cpu_s": round(time.process_time() - clock.cpu, 3),
+              "process_cpu_s": round(time.process_time(), 3),
+              "process_s": round(time.time() - psutil.Process().create_time(), 3)}
+    log.info("%s started in %.1f s (%.1f CPU-s; the process: %.1f CPU-s in %.1f s)", kind, record["init_s"],
+             record["init_cpu_s"], record["process_cpu_s"], record["process_s"])
+    path = os.environ.get(STARTUP_LOG_ENV)
+    if path:
+        with open(path, "a") as f:  # one short write: lines from concurrent processes stay whole
+            f.write(json.dumps(record) + "\n")
+
+
+def _quiet_libraries(imported_only: bool = False) -> None:
+    """No progress bars or info chatter from the data and model libraries (`imported_only`: from
+    those this process has imported already)."""
+    if not imported_only or "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_warning()
+    if not imported_only or "transformers" in sys.modules:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_warning()

@@ -13,7 +13,7 @@ import ray
 
 from rlsys.config.layout import RayConfig
 from rlsys.config.loader import ConfigError
-from rlsys.console import LOG_FILE_ENV, verbose
+from rlsys.console import LOG_FILE_ENV, StartupClock, record_startup, verbose
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def ensure_ray(cfg: RayConfig) -> None:
     stay off the console unless the run is verbose."""
     if ray.is_initialized():
         return
+    startup = StartupClock()
     quiet = {} if verbose() else {"log_to_driver": False, "logging_level": logging.ERROR}
     runtime_env = {"env_vars": WORKER_ENV}
     if os.environ.get("RAY_ADDRESS"):
@@ -51,6 +52,7 @@ def ensure_ray(cfg: RayConfig) -> None:
             **quiet,
         )
         where = "started a local Ray cluster"
+        record_startup("ray_cluster", startup)
     dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     log.info("%s%s", where, dashboard)
     if quiet:

@@ -18,7 +18,7 @@ import torch
 from rlsys.agents.loop import AgentContext, AgentLoop
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Trajectory
 from rlsys.config.rollout import RolloutConfig, ToolsConfig
-from rlsys.console import redirect_actor_output
+from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory, releases_freed_memory
 from rlsys.models.lora import peft_name
 from rlsys.models.moe import moe_family
@@ -76,6 +76,7 @@ class RolloutWorker:
         generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once;
         `fp32_head`: logits in fp32 (`model.fp32_lm_head`); `return_routing`: trajectories carry the
         experts an MoE model routed their tokens to (`algorithm.router_replay: r3`)."""
+        startup = StartupClock()
         redirect_actor_output()
         set_engine_threads(num_threads, cfg.tensor_parallel_size)
         on_gpu = torch.cuda.is_available()
@@ -90,6 +91,7 @@ class RolloutWorker:
         self.tokenizer = self.llm.get_tokenizer()
         context = AgentContext(self.engine, self.tokenizer, tool_client, tool_schemas or [], tools or ToolsConfig())
         self.loops = {name: cls(context) for name, cls in (loops or {}).items()}
+        record_startup("rollout", startup)
 
     async def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                       seed: int, version: int | None = None) -> Trajectories:

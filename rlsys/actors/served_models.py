@@ -17,7 +17,7 @@ from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ActorGroup, Call, contiguous_shares
 from rlsys.algorithms.distill import TeacherTokens
 from rlsys.config.rollout import ServingConfig
-from rlsys.console import redirect_actor_output
+from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.rewards.model_terms import Exchange, reward_model_text
 from rlsys.rollout.vllm_engine import create_served_llm, set_engine_threads
 
@@ -25,10 +25,12 @@ from rlsys.rollout.vllm_engine import create_served_llm, set_engine_threads
 class ServedModelWorker:
     def __init__(self, model_path: str, cfg: ServingConfig, seed: int, num_threads: int, pooling: bool):
         """`pooling`: a reward model (vLLM's pooling runner); else a causal LM."""
+        startup = StartupClock()
         redirect_actor_output()
         set_engine_threads(num_threads, cfg.tensor_parallel_size)
         self.llm = create_served_llm(model_path, cfg, seed, pooling)
         self.tokenizer = self.llm.get_tokenizer()
+        record_startup("served", startup)
 
     def reward_scores(self, exchanges: list[Exchange]) -> list[float]:
         """The reward model's logit for each exchange, rendered as it reads conversations

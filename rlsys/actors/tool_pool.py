@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from rlsys.actors.cluster import actor_name, kill_named, spawn
-from rlsys.console import redirect_actor_output
+from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.tools.base import AgentData, ToolResult, response_text
 from rlsys.tools.registry import ToolSpec
 
@@ -31,12 +31,14 @@ _MARGIN_S = 5.0
 
 class ToolWorker:
     def __init__(self, specs: list[ToolSpec]):
+        startup = StartupClock()
         redirect_actor_output()
         self.tools = {spec.name: spec.build() for spec in specs}
         self.takes_agent_data = {name: _takes(tool.execute, "agent_data") for name, tool in self.tools.items()}
         """Tools written for VeRL's current agent loop read `agent_data=` in `execute`."""
         self.instances: dict[str, dict[str, str]] = {}
         """Per trajectory key: each tool's instance id."""
+        record_startup("tool", startup)
 
     async def call(self, key: str, name: str, arguments: dict[str, Any], create_kwargs: dict,
                    timeout_s: float) -> ToolResult:

@@ -24,7 +24,7 @@ from rlsys.config.model import LoraConfig, ModelConfig
 from rlsys.config.rl import CriticConfig
 from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.config.training import OptimConfig
-from rlsys.console import redirect_actor_output
+from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
 from rlsys.engine.state import export_hf
@@ -112,6 +112,7 @@ def build_worker_spec(cfg: TrainJobConfig | RLJobConfig, micro_batch_size: int, 
 
 class TrainWorker:
     def __init__(self, rank: int, spec: TrainWorkerSpec):
+        self.startup = StartupClock()
         redirect_actor_output()
         self.rank, self.spec = rank, spec
         torch.set_num_threads(spec.num_threads)
@@ -148,6 +149,7 @@ class TrainWorker:
         self.teacher = ModelEngine(spec.teacher_engine_spec(), mesh, self.device, trainable=False) \
             if spec.teacher else None
         self.where = spec.dims.coordinates(self.rank)
+        record_startup("train", self.startup)
         return self.where.dp_rank, self.where.collected
 
     # -- training -----------------------------------------------------------

@@ -29,6 +29,10 @@ from rlsys.tools.builtin import calculator
 from rlsys.tools.registry import load_tools
 from rlsys.user_code import import_user_code
 
+# One xdist worker runs this module (scripts/test.sh): the tool-calling model and its engine, built once, with
+# test_async_rl's tool loop.
+pytestmark = pytest.mark.xdist_group("tool_caller")
+
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 
 
@@ -51,13 +55,14 @@ def engine(tool_caller, tool_pool, calculator_tools):
     tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=2.0)
     harnesses = {"openai": OpenAILoop.bind(calculator_agent, 60.0), "edits": OpenAILoop.bind(editing_agent, 60.0),
                  "completions": OpenAILoop.bind(completions_agent, 60.0),
-                 "failing": OpenAILoop.bind(failing_agent, 5.0), "streaming": OpenAILoop.bind(streaming_agent, 60.0),
+                 "failing": OpenAILoop.bind(failing_agent, 20.0), "streaming": OpenAILoop.bind(streaming_agent, 60.0),
                  "text": OpenAILoop.bind(text_agent, 60.0)}
     return RolloutWorker(tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0, num_threads=2,
                          loops={"tool": ToolLoop, **harnesses}, tools=tools, tool_client=tool_pool.client(),
                          tool_schemas=[s.schema for s in calculator_tools])
 
 
+@pytest.mark.quick
 def test_trajectories_travel_with_their_routing():
     """An engine's trajectories as columns and back: each keeps its own routing (R3), a trajectory
     without one gets None, and columns of trajectories without routing carry none."""
@@ -76,6 +81,7 @@ def test_trajectories_travel_with_their_routing():
     assert columns.routing is None and all(t.routing is None for t in columns.unpack({0: [1, 2]}))
 
 
+@pytest.mark.quick
 def test_an_episodes_earlier_segments_travel_with_it():
     """Between actors as columns, and in an asynchronous run's checkpoint as JSON."""
     import json
@@ -196,6 +202,7 @@ def test_a_verl_tool_runs_from_verls_tool_yaml(tool_pool, ray_cluster):
     assert rewards == [1.0]
 
 
+@pytest.mark.quick
 def test_verl_imports_resolve_to_rlsys_where_verl_is_not_installed():
     """A VeRL tool file's imports: BaseTool and schemas are rlsys's, the tracing decorator returns the
     function itself, VeRL's GSM8K check scores as VeRL's (strict and flexible); other VeRL modules
@@ -479,9 +486,10 @@ def test_openai_completions_endpoint_records_the_prompt_tokens(engine):
 
 
 def test_failing_harnesses_drop_their_samples_and_say_why(engine):
-    """A harness that raises, hangs past its time (5 s here: a first call through a new endpoint took
-    over 1 s on a loaded machine), returns neither a string nor a dict, or never calls the endpoint
-    makes no trajectory; the others of the batch are unaffected."""
+    """A harness that raises, hangs past its time (20 s here: a first call through a new endpoint took
+    over 1 s on a loaded machine, and the harness that finishes must never reach it), returns neither a
+    string nor a dict, or never calls the endpoint makes no trajectory; the others of the batch are
+    unaffected."""
     messages, prompt_ids = _question(engine.tokenizer)
     modes = ["raise", "hang", "bad_return", "silent", "fine"]
     rows = [(i, prompt_ids, {"prompt": messages, "extra_info": {"mode": mode}}) for i, mode in enumerate(modes)]
@@ -540,6 +548,7 @@ def test_the_endpoint_needs_its_token_and_listens_on_the_node_address_only(engin
     assert url.removeprefix("http://").rsplit(":", 1)[0] == ray.util.get_node_ip_address()
 
 
+@pytest.mark.quick
 def test_a_tool_module_that_fails_inside_reports_its_own_error(tmp_path):
     """VeRL's `class_name: verl.tools.<name>.Class` finds `<name>.py` beside the YAML; when that
     module's own import fails (an installed VeRL missing `tensordict`, say), the error says so

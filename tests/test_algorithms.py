@@ -24,6 +24,8 @@ from rlsys.algorithms.policy_loss import (
 )
 from rlsys.config.rl import AlgorithmConfig, RolloutCorrectionConfig
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7]
 GROUPS = [0, 0, 0, 0, 1, 1, 2]  # group 2 is a group of one, group 1 has equal rewards
 LENGTHS = [3, 1, 2, 3, 2, 1, 2]

@@ -7,6 +7,7 @@ syncs by itself; full mode with a tool loop by following the uninterrupted run's
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -20,6 +21,9 @@ from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import collate_rollouts
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 
+# One xdist worker runs this module (scripts/test.sh): the tool-calling model, built once, with test_agents'.
+pytestmark = pytest.mark.xdist_group("tool_caller")
+
 
 @pytest.fixture
 def async_config(tiny_model_dir, arith_files, tmp_path):
@@ -29,7 +33,7 @@ def async_config(tiny_model_dir, arith_files, tmp_path):
         "model": {"path": tiny_model_dir},
         "data": {"train_files": [arith_files["rl_train"]]},
         "rollout": {"n": 4, "max_new_tokens": 6, "engine_memory_gib": 0.1, "placement": "separate"},
-        "reward": {"terms": [{"name": "arith"}], "timeout_s": 2},
+        "reward": {"terms": [{"name": "arith"}], "timeout_s": 10},
         "optim": {"lr": 1e-3},
         "train": {"steps": 12, "prompts_per_step": 8, "micro_batch_size": 16, "save_every": 0, "val_every": 0,
                   "async_mode": "full", "max_staleness": 1},
@@ -39,19 +43,6 @@ def async_config(tiny_model_dir, arith_files, tmp_path):
     path = tmp_path / "rl.yaml"
     path.write_text(yaml.safe_dump(raw))
     return lambda *overrides: load_config(RLJobConfig, str(path), list(overrides))
-
-
-def test_a_rollout_in_flight_goes_on_under_new_weights(ray_cluster, async_config):
-    """Weights arrive while long responses are being sampled: each response keeps every token it
-    sampled, the tokens after the sync say version 1, and the engine's log-prob of every token
-    equals the trainer's under the weights of that token's version."""
-    cfg = async_config(f"rollout.max_model_len={LONG_RESPONSE + 64}")  # the run's own budget is 6 tokens
-    trainer = RLVRTrainer(cfg)
-    try:
-        samples, prompt_ids, old, new = sample_across_a_sync(trainer, range(8), cfg.seed)
-    finally:
-        trainer.shutdown()
-    assert_each_token_scored_by_its_weights(samples, prompt_ids, old, new)
 
 
 LONG_RESPONSE = 120
@@ -64,8 +55,12 @@ def sample_across_a_sync(trainer: RLVRTrainer, indices, seed: int):
     of the samples under version 0's and under version 1's weights (the policy is left at version 0's)."""
     prompts = [(i, trainer.prompts[i].ids, trainer.prompts[i].row) for i in indices]
     sampling = trainer.rollout_group.sampling(max_new_tokens=LONG_RESPONSE)
+    stepped = engine_seconds(trainer)
     ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 300
+    while engine_seconds(trainer) == stepped:  # the sync goes in once the engine has sampled a token of them
+        assert time.monotonic() < deadline, "the engine took no step"
+        time.sleep(0.01)
     trainer.train_group.on_each(probes.perturb_parameters, 0.05, seed)
     trainer.sync.run(version=1)
     samples = trainer.rollout_group.wait([ref], [0])[0].unpack({i: ids for i, ids, _ in prompts})
@@ -75,6 +70,11 @@ def sample_across_a_sync(trainer: RLVRTrainer, indices, seed: int):
     new = trainer.logprob_passes.policy(batch)[0]
     trainer.train_group.on_each(probes.perturb_parameters, -0.05, seed)  # back to version 0's weights
     return samples, prompt_ids, trainer.logprob_passes.policy(batch)[0], new
+
+
+def engine_seconds(trainer: RLVRTrainer) -> float:
+    """The seconds engine 0 has spent in its steps so far (it grows with each step)."""
+    return trainer.rollout_group.on_each(lambda worker: worker.engine.step_s)[0]
 
 
 def assert_each_token_scored_by_its_weights(samples, prompt_ids, old: torch.Tensor, new: torch.Tensor) -> None:
@@ -95,9 +95,14 @@ def assert_each_token_scored_by_its_weights(samples, prompt_ids, old: torch.Tens
 def test_asynchronous_steps_train_every_prompt_once_within_the_staleness_bound(ray_cluster, async_config):
     """12 steps of `full`: no trained token is older than max_staleness versions, and every prompt
     drawn is trained once or still in flight; with max_staleness 0 stale groups are dropped,
-    counted, and their prompts generated again."""
+    counted, and their prompts generated again. Before the steps with max_staleness 1, weights
+    arrive while long responses are being sampled: each response keeps every token it sampled, the
+    tokens after the sync say version 1, and the engine's log-prob of every token equals the
+    trainer's under the weights of that token's version (`sample_across_a_sync`; version 0's weights
+    are synced back before the steps)."""
     for max_staleness in (1, 0):
-        cfg = async_config(f"train.max_staleness={max_staleness}")
+        # the engine built for the long responses of the sync in flight; the run's own budget is 6 tokens
+        cfg = async_config(f"train.max_staleness={max_staleness}", f"rollout.max_model_len={LONG_RESPONSE + 64}")
         trainer = RLVRTrainer(cfg)
         trained: list[int] = []
         take = trainer.stream.take
@@ -109,6 +114,10 @@ def test_asynchronous_steps_train_every_prompt_once_within_the_staleness_bound(r
 
         trainer.stream.take = recorded
         try:
+            if max_staleness == 1:
+                samples, prompt_ids, old, new = sample_across_a_sync(trainer, range(8), cfg.seed)
+                assert_each_token_scored_by_its_weights(samples, prompt_ids, old, new)
+                trainer.sync.run(version=0)
             rows = [trainer.step(step) for step in range(1, cfg.train.steps + 1)]
             still = [g.index for g in trainer.stream.in_flight] + trainer.stream.again
             drawn = trainer.sampler.offset  # one epoch: 12 steps draw far fewer prompts than it holds
@@ -122,15 +131,16 @@ def test_asynchronous_steps_train_every_prompt_once_within_the_staleness_bound(r
 
 
 def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(ray_cluster, async_config,
-                                                                                moe_model_dir, tmp_path):
+                                                                                moe_model_dir, tmp_path,
+                                                                                monkeypatch):
     """train.max_restarts=1: a training rank of an MoE policy with routing replay (R2) killed after
-    the step-2 checkpoint; the groups are built again and the run finishes. The checkpoint held the
+    step 3 (the newest checkpoint: step 2's); the groups are built again and the run finishes. The checkpoint held the
     groups generated ahead, so with syncs that wait for them (partial_rollout: false) every step
     logs what an uninterrupted run logs, to the last digit, with no schedule to follow. The same with
     the uninterrupted run's schedule followed: the engine was idle when the step-2 sync landed, just
     before the checkpoint, and the resumed engine, which gets the step-2 weights from the restore, has
     no such sync to wait for."""
-    from test_failures import kill_after_checkpoint
+    from faults import signal_after_steps
 
     overrides = ("train.steps=4", "train.save_every=2", "train.async_mode=one_step", "train.partial_rollout=false",
                  f"model.path={moe_model_dir}", "algorithm.router_replay=r2", "algorithm.ppo_mini_batch_size=4")
@@ -141,24 +151,24 @@ def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(
     reference = _steps(uninterrupted.output_dir, figures)
     for name, follow in (("restarted", ()), ("followed", (f"train.replay={uninterrupted.output_dir}",))):
         cfg = async_config(*overrides, "train.max_restarts=1", f"output_dir={tmp_path / name}", *follow)
-        killer = kill_after_checkpoint(cfg.output_dir, 2, "train-0")
+        pending = signal_after_steps(monkeypatch, cfg.output_dir, {3: [("train-0", signal.SIGKILL)]})
         summary = run_rlvr(cfg)
-        killer.join(timeout=60)
-        assert summary["restarts"] == 1 and summary["resumed_from_step"] == 2 and ray.is_initialized()
+        assert not pending and summary["restarts"] == 1 and summary["resumed_from_step"] == 2 and ray.is_initialized()
         assert _steps(cfg.output_dir, figures) == reference, name  # steps 1-2: runs alike; 3-4: a restart too
 
 
 def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart(ray_cluster, async_config,
-                                                                                 tool_caller, tmp_path):
+                                                                                 tool_caller, tmp_path,
+                                                                                 monkeypatch):
     """`full` mode with partial rollouts and a multi-turn tool loop, where the clock decides which
     weights sample what, when a tool's result joins the engine's batch and which groups a step
     trains on: a run records its schedule; a second run follows it (`train.replay`) and has a
-    training rank killed after the step-2 checkpoint (max_restarts=1). Every step of the second run
+    training rank killed after step 3 (max_restarts=1: it resumes from the step-2 checkpoint). Every step of the second run
     logs what the first logged, and its schedule, written again after the restart, is the first's.
     Weights go bucket by bucket, a call each: no engine step may run between the first and the last."""
     from conftest import EXPRESSION, QUESTION
     from datasets import Dataset
-    from test_failures import kill_after_checkpoint
+    from faults import signal_after_steps
 
     prompts = str(tmp_path / "calls.parquet")  # the question the model learned to call the calculator for
     Dataset.from_list([{"data_source": "calc", "prompt": [{"role": "user", "content": QUESTION}],
@@ -171,10 +181,9 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
     recorded = async_config(*overrides, f"output_dir={tmp_path / 'recorded'}")
     run_rlvr(recorded)
     cfg = async_config(*overrides, "train.max_restarts=1", f"train.replay={recorded.output_dir}")
-    killer = kill_after_checkpoint(cfg.output_dir, 2, "train-0")
+    pending = signal_after_steps(monkeypatch, cfg.output_dir, {3: [("train-0", signal.SIGKILL)]})
     summary = run_rlvr(cfg)
-    killer.join(timeout=60)
-    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 2
+    assert not pending and summary["restarts"] == 1 and summary["resumed_from_step"] == 2
     figures = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "async/staleness_mean",
                "agent/tool_calls_mean")
     reference, followed = (_steps(c.output_dir, figures) for c in (recorded, cfg))
@@ -194,6 +203,7 @@ def _steps(output_dir: str, figures: tuple[str, ...]) -> dict[int, dict[str, flo
     return {row["step"]: {name: row[name] for name in figures} for row in rows if "actor/pg_loss" in row}
 
 
+@pytest.mark.quick
 def test_a_checkpoint_holds_a_trajectory_whole():
     """What a checkpoint keeps of a group in flight comes back equal through JSON, an MoE routing too."""
     import json
@@ -211,6 +221,7 @@ def test_a_checkpoint_holds_a_trajectory_whole():
     assert {**vars(back), "routing": None} == {**vars(trajectory), "routing": None}
 
 
+@pytest.mark.quick
 def test_a_followed_schedule_holds_each_step_for_its_requests_and_its_sync():
     """An engine following a record adds before each step the requests recorded for it, in the
     recorded order, once they have all arrived; a step recorded after a sync waits for that sync,

@@ -14,6 +14,8 @@ from rlsys.config.loader import ConfigError, load_config
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.run import main
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 RL_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "arith" / "rlvr.yaml")
 
 

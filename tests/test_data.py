@@ -26,6 +26,8 @@ from rlsys.data.rl import load_prompts, prompt_budget
 from rlsys.rewards import get_reward
 from rlsys.tasks.arith import ArithSpec, split_problems
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 from rlsys.config.docs import SCHEMAS, config_rows, markdown
+
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -12,6 +12,8 @@ import torch
 from rlsys.sync.engine_writer import EngineWeightWriter
 from rlsys.sync.shards import pack, shard_pieces, share, shared_pieces
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 
 class FusingModel(torch.nn.Module):
     """Loads like a vLLM model: q and k fused into one parameter, one weight split in two

@@ -9,6 +9,8 @@ import multiprocessing
 import pytest
 import torch
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 
 def _one_rank_steps(model_dir: str, store: str, conn) -> None:
     """A two-micro-batch step without FSDP (compute in the weights' dtype), with it (a float32

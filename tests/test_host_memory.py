@@ -7,6 +7,8 @@ import pytest
 
 from rlsys.host_memory import freed_bytes_held
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 # Frees 64 MiB in 64 KiB blocks (below glibc's mmap threshold, so they stay in the arena)
 # below a block still held (so free() cannot shrink the heap's top), then asks for a trim.
 CHURN = """

@@ -7,6 +7,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -30,6 +30,9 @@ from rlsys.models import lora
 from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 
+# One xdist worker runs this module (scripts/test.sh): the LoRA run its tests read, built once.
+pytestmark = pytest.mark.xdist_group("lora")
+
 LORA = {"rank": 8, "alpha": 16.0}
 
 
@@ -143,9 +146,11 @@ def test_lora_rl_resume_reproduces_the_metrics(lora_rl, tmp_path):
             assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-6), (step, name)
 
 
-def test_a_rollout_refuses_a_missing_adapter(ray_cluster, rl_config):
+def test_a_rollout_refuses_a_missing_adapter_and_weights_a_sync_did_not_bring(ray_cluster, rl_config):
     """An engine whose vLLM worker lost the adapter (VeRL #7495: it never arrived) refuses to
-    generate, naming it; after the next sync it generates with the trainer's log-probs."""
+    generate, naming it; after the next sync it generates with the trainer's log-probs. A rollout
+    that asks for the policy of a version its engine never received (a sync that did not reach it)
+    fails naming both versions."""
     trainer = RLVRTrainer(rl_config("model.lora.rank=8"))
     try:
         trainer.sync.run(version=0)
@@ -157,21 +162,12 @@ def test_a_rollout_refuses_a_missing_adapter(ray_cluster, rl_config):
             logprob_gap(trainer)
         trainer.sync.run(version=2)
         assert logprob_gap(trainer) < 1e-4
-    finally:
-        trainer.shutdown()
 
-
-def test_a_rollout_refuses_weights_a_sync_did_not_bring(ray_cluster, rl_config):
-    """A rollout that asks for the policy of a version its engine never received (a sync that
-    did not reach it) fails naming both versions."""
-    trainer = RLVRTrainer(rl_config("model.lora.rank=8"))
-    try:
-        trainer.sync.run(version=1)
         prompts = [(0, trainer.prompts[0].ids, {})]
         sampling = trainer.rollout_group.sampling(max_new_tokens=2)
-        trainer.rollout_group.rollout(prompts, "single_turn", 1, sampling, seed=0, version=1)
-        with pytest.raises(ray.exceptions.RayTaskError, match="policy of version 1, the trainer synced version 2"):
-            trainer.rollout_group.rollout(prompts, "single_turn", 1, sampling, seed=0, version=2)
+        trainer.rollout_group.rollout(prompts, "single_turn", 1, sampling, seed=0, version=2)
+        with pytest.raises(ray.exceptions.RayTaskError, match="policy of version 2, the trainer synced version 3"):
+            trainer.rollout_group.rollout(prompts, "single_turn", 1, sampling, seed=0, version=3)
     finally:
         trainer.shutdown()
 
@@ -192,6 +188,7 @@ def test_merged_sync_gives_the_trainers_logprobs(ray_cluster, rl_config):
         trainer.shutdown()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("override, key", [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"),
                                            ("model.lora.target_modules=[no_such_proj]", "model.lora.target_modules"),
                                            ("train.async_mode=one_step", "train.async_mode")])

@@ -26,6 +26,9 @@ from rlsys.models.moe import moe_layer_indices
 from rlsys.parallel.router_replay import OWN_CHOICE, ROUTING_FIELD, engine_routing
 from rlsys.stages.rl_trainer import RLVRTrainer
 
+# One xdist worker runs this module (scripts/test.sh): the MoE models and parity batches, built once.
+pytestmark = pytest.mark.xdist_group("moe")
+
 COEF = 0.05
 """Large enough that a balance loss taken per shard, not over the pass, fails the gradient check."""
 LAYOUTS = {  # name: overrides
@@ -112,6 +115,7 @@ def check_routing_replay(group, batch, some_agree: bool = True) -> None:
     assert torch.equal(mixed[:, half:][real[:, half:]], first[ROUTING_FIELD][:, half:][real[:, half:]])
 
 
+@pytest.mark.quick
 def test_engine_routing_takes_the_moe_layers_and_leaves_the_rest_to_the_router(moe_model_dirs):
     """R3's batch field from vLLM's routed experts [tokens, hidden layers, k]: the MoE layers' columns
     (a Qwen-MoE model's dense layers dropped), each row's first tokens, -1 after them and for a row
@@ -166,6 +170,7 @@ def test_expert_parallel_layout_matches_single_process(ray_cluster, sft_config, 
     assert local_shapes[-1][experts] == (8 // cfg.parallel.ep, 128 // efsdp, 64)
 
 
+@pytest.mark.quick
 def test_a_balance_loss_per_shard_is_not_the_global_one(moe_model_dir, batches):
     """The check above can fail: on this batch the balance loss of each half differs from the whole's."""
     sft, _, _ = batches
@@ -180,33 +185,41 @@ def test_a_balance_loss_per_shard_is_not_the_global_one(moe_model_dir, batches):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("family", "through_object_store"), [("qwen3_moe", False), ("qwen3_moe", True),
-                                                               ("qwen2_moe", True), ("mixtral", False)],
-                         ids=["qwen3_moe-in-place", "qwen3_moe-buckets", "qwen2_moe-buckets", "mixtral-in-place"])
+@pytest.mark.parametrize(("family", "modes"), [("qwen3_moe", ("in-place", "buckets")), ("qwen2_moe", ("buckets",)),
+                                               ("mixtral", ("in-place",))],
+                         ids=["qwen3_moe-in-place-then-buckets", "qwen2_moe-buckets", "mixtral-in-place"])
 def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model_dirs, arith_files, tmp_path, family,
-                                                          through_object_store):
-    """Perturb the policy on 2 expert-parallel ranks and sync it into vLLM, read in place or
-    bucket by bucket: vLLM's log-probs equal the trainer's within 1e-4, after a second sync too,
-    and each sync packed each of the 2 MoE layers' experts again exactly once (skipped, vLLM-CPU
-    computes with the experts in the wrong order; twice, in another wrong order). With R2 a step
-    of several updates routes them as its old-log-prob pass did."""
+                                                          modes):
+    """Perturb the policy on 2 expert-parallel ranks and sync it into vLLM, read in place and/or
+    bucket by bucket (Qwen3-MoE: two syncs in place, then two bucket by bucket into the same
+    engine): vLLM's log-probs equal the trainer's within 1e-4 after every sync, and each sync packed
+    each of the 2 MoE layers' experts again exactly once (skipped, vLLM-CPU computes with the experts
+    in the wrong order; twice, in another wrong order). With R2 (Qwen3-MoE) a step of several updates
+    routes them as its old-log-prob pass did."""
+    from rlsys.sync.weight_sync import WeightSync
+
     raw = rl_raw(moe_model_dirs[family], arith_files, str(tmp_path / "rl"))
     raw["parallel"] = {"dp_shard": 2, "ep": 2}
-    replays = family == "qwen3_moe" and not through_object_store
+    replays = family == "qwen3_moe"
     raw["algorithm"]["router_replay"] = "r2" if replays else "none"
-    raw["rollout"].update(sync_shared_memory=not through_object_store, sync_bucket_mb=0.02)
+    raw["rollout"].update(sync_shared_memory=modes[0] == "in-place", sync_bucket_mb=0.02)
     cfg = build_config(RLJobConfig, raw)
     trainer = RLVRTrainer(cfg)
     try:
+        syncs = [trainer.sync] + [WeightSync(trainer.train_group, trainer.rollout_group, 0.02, shared_memory=False)
+                                  for _ in modes[1:]]
         trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
-        for sync in range(2):
-            assert logprob_gap(trainer) > 1e-2
-            ray.get(trainer.rollout_group.actors[0].release_memory.remote())
-            stats = trainer.sync.run()
-            assert logprob_gap(trainer) < 1e-4
-            assert trainer.rollout_group.on_each(probes.experts_repacked) == [[2 * (sync + 1)]]
-            assert stats["sync/buckets"] > 2 if through_object_store else stats["sync/in_place"]
-            trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
+        repacked = 0
+        for mode, sync in zip(modes, syncs):
+            for _ in range(2):
+                assert logprob_gap(trainer) > 1e-2
+                ray.get(trainer.rollout_group.actors[0].release_memory.remote())
+                stats = sync.run()
+                assert logprob_gap(trainer) < 1e-4
+                repacked += 2
+                assert trainer.rollout_group.on_each(probes.experts_repacked) == [[repacked]]
+                assert stats["sync/buckets"] > 2 if mode == "buckets" else stats["sync/in_place"]
+                trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
         if replays:  # a step of 2 mini-batches x 2 epochs replaying the old-log-prob pass's routing
             trainer.sync.run()
             metrics = trainer.step(1)

@@ -35,6 +35,9 @@ from rlsys.data.batching import micro_batches, num_targets, split_rows, token_bu
 from rlsys.data.packing import pack_rows
 from rlsys.parallel.span_attention import SharedPrefixSpans
 
+# One xdist worker runs this module (scripts/test.sh): the parity batches and the 4-layer model, built once.
+pytestmark = pytest.mark.xdist_group("parallel_grads")
+
 LAYOUTS = {  # name: overrides
     "fsdp2": ["parallel.dp_shard=2"],
     "hsdp": ["parallel.dp_replicate=2"],
@@ -73,43 +76,64 @@ def batches(tiny_model_dir, arith_files):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.quick) if name == "fsdp2" else name
+                                    for name in LAYOUTS])  # parity on 2 ranks in the quick tier
 def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, four_layer_model_dir, batches,
                                        layout):
+    """The layout gives one process's SFT loss, gradients and log-probs and RL-loss gradients; on
+    some layouts the same group then takes more batches (`MORE_CHECKS`)."""
     sft, rl, counts = batches
     model_dir = four_layer_model_dir if layout.startswith("pp") else tiny_model_dir
     cfg = sft_config(*LAYOUTS[layout], f"train.micro_batch_size={MICRO_BATCH}", f"model.path={model_dir}")
-    sft_grads, local_shapes = assert_layout_matches_single_process(cfg, model_dir, sft, rl, counts)
+    checks = [check(model_dir, batches, cfg.parallel.cp) for check in MORE_CHECKS.get(layout, ())]
+    sft_grads, local_shapes = assert_layout_matches_single_process(
+        cfg, model_dir, sft, rl, counts, then=lambda group: [check(group) for check in checks])
     shards = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp  # FSDP2 shards over dp_shard x cp
     q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
     assert local_shapes[0]["model.layers.0.self_attn.q_proj.weight"][0] == q_rows // shards  # sharded, not copied
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["fsdp2xtp2-sp-lp", "cp2xfsdp2"])
-def test_long_answers_attend_by_spans_and_match_one_process(ray_cluster, sft_config, tiny_model_dir, batches,
-                                                            layout):
+def long_answers_match_one_process(model_dir: str, batches, cp: int):
     """4 GRPO groups of 3 answers of 80 tokens to an 80-token prompt: each micro-batch (a group)
-    shares its prompt and attends span by span (182 fewer pairs a token than a dense mask).
-    FSDP2 x TP with sequence and loss parallel, and context parallel x FSDP2 (Ulysses attending
-    by the spans over the gathered sequence; the SFT batch by the dense packed mask), give one
-    process's log-probs and RL-loss gradients; without context parallel so does GSPO's
-    sequence-level loss, which reads the packed forward's logits laid back out as rows."""
-    sft, _, _ = batches
-    rl, counts = long_answer_batch(tiny_model_dir)
+    shares its prompt and attends span by span (182 fewer pairs a token than a dense mask). The
+    layout (FSDP2 x TP with sequence and loss parallel; context parallel x FSDP2, Ulysses attending
+    by the spans over the gathered sequence) gives one process's RL-loss gradients; without context
+    parallel so does GSPO's sequence-level loss, which reads the packed forward's logits laid back
+    out as rows. Returns the check of a group."""
+    rl, counts = long_answer_batch(model_dir)
     for micro in micro_batches(rl, MICRO_BATCH):
         packed = pack_rows(micro).batch
         assert SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"]) is not None
-    gspo = actor_loss(counts, replace(ALGO, policy_loss="gspo"))
-    assert not is_token_level(gspo)
-    _, gspo_grads = reference_gradients(tiny_model_dir, rl, gspo)
-    sequence_level = []
-    cfg = sft_config(*LAYOUTS[layout], f"train.micro_batch_size={MICRO_BATCH}", f"model.path={tiny_model_dir}")
-    then = None if cfg.parallel.cp > 1 else lambda group: sequence_level.extend(trained_gradients(group, (rl, gspo)))
-    assert_layout_matches_single_process(cfg, tiny_model_dir, sft, rl, counts, then=then)
-    if then is not None:
-        [(_, got_gspo)] = sequence_level
-        assert_gradients_match(got_gspo, gspo_grads)
+    losses = [actor_loss(counts, ALGO)]
+    if cp == 1:
+        losses.append(actor_loss(counts, replace(ALGO, policy_loss="gspo")))
+        assert not is_token_level(losses[1])
+    expected = [reference_gradients(model_dir, rl, loss)[1] for loss in losses]
+
+    def check(group) -> None:
+        for (_, got), want in zip(trained_gradients(group, *[(rl, loss) for loss in losses]), expected):
+            assert_gradients_match(got, want)
+
+    return check
+
+
+def episodes_match_one_process(model_dir: str, batches, cp: int):
+    """`episode_batch`'s policy-loss gradients on the layout equal one process's. Returns the check
+    of a group."""
+    batch, counts, algo = episode_batch(batches)
+    _, expected = reference_gradients(model_dir, batch, actor_loss(counts, algo))
+
+    def check(group) -> None:
+        [(_, got)] = trained_gradients(group, (batch, actor_loss(counts, algo)))
+        assert_gradients_match(got, expected)
+
+    return check
+
+
+MORE_CHECKS = {"fsdp2": [episodes_match_one_process],
+               "fsdp2xtp2-sp-lp": [long_answers_match_one_process],
+               "cp2xfsdp2": [long_answers_match_one_process]}
+"""Layouts whose group takes more batches after the parity batches (same layout, no second group)."""
 
 
 @pytest.mark.timeout(600)
@@ -178,13 +202,9 @@ def test_token_budget_sets_the_pipeline_micro_batches(ray_cluster, sft_config, t
     assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
 
 
-@pytest.mark.timeout(600)
-def test_episodes_of_several_segments_train_every_segment_with_the_episodes_advantage(ray_cluster, sft_config,
-                                                                                     tiny_model_dir, batches):
-    """8 episodes in 4 GRPO groups, 4 of them of two segments (12 rows): each segment takes its
-    episode's advantage, the group baseline counting episodes; the policy loss's gradients are
-    -(1/N) sum over every sampled token of every segment of A_episode * grad log p (on-policy,
-    token-mean), and FSDP2 over 2 ranks gives the same gradients."""
+def episode_batch(batches):
+    """8 episodes in 4 GRPO groups, 4 of them of two segments (12 rows, the RL parity batch's
+    tokens), each segment with its episode's GRPO advantage; the loss's counts and algorithm."""
     from rlsys.algorithms.advantages import AdvantageInputs, episode_advantages
     from rlsys.config.rl import AlgorithmConfig
     from rlsys.data.batching import on_last_response_token
@@ -200,12 +220,22 @@ def test_episodes_of_several_segments_train_every_segment_with_the_episodes_adva
     inputs = AdvantageInputs(on_last_response_token(row_rewards, batch), batch["loss_mask"],
                              group_of_episode[episode_of])
     batch["advantages"] = episode_advantages(inputs, episode_of, algo)
+    return batch, {"tokens": num_targets(batch), "sequences": 12}, algo
 
+
+@pytest.mark.quick
+def test_episodes_of_several_segments_train_every_segment_with_the_episodes_advantage(tiny_model_dir, batches):
+    """8 episodes in 4 GRPO groups, 4 of them of two segments (12 rows): each segment takes its
+    episode's advantage, the group baseline counting episodes; the policy loss's gradients are
+    -(1/N) sum over every sampled token of every segment of A_episode * grad log p (on-policy,
+    token-mean). FSDP2 over 2 ranks gives the same gradients (`episodes_match_one_process`, on the
+    fsdp2 layout's group)."""
+    batch, counts, algo = episode_batch(batches)
     per_episode = torch.tensor([0.7071, -0.7071, -0.7071, 0.7071, 0.0, 0.0, -0.7071, 0.7071])  # (r - mean) / std
+    episode_of = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 7])
     expected = per_episode[episode_of].unsqueeze(1) * batch["loss_mask"]
     assert (batch["advantages"] - expected).abs().max() < 1e-4
 
-    counts = {"tokens": num_targets(batch), "sequences": 12}
     _, grads = reference_gradients(tiny_model_dir, batch, actor_loss(counts, algo))
     model = reference_model(tiny_model_dir)
     logprobs = logprobs_of_labels(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
@@ -213,11 +243,3 @@ def test_episodes_of_several_segments_train_every_segment_with_the_episodes_adva
     by_hand = -(batch["advantages"][:, 1:] * logprobs * batch["loss_mask"][:, 1:]).sum() / counts["tokens"]
     by_hand.backward()
     assert_gradients_match(grads, {name: p.grad for name, p in model.named_parameters()})
-
-    cfg = sft_config("parallel.dp_shard=2", f"train.micro_batch_size={MICRO_BATCH}")
-    group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
-    try:
-        [(_, got)] = trained_gradients(group, (batch, actor_loss(counts, algo)))
-    finally:
-        group.shutdown()
-    assert_gradients_match(got, grads)

@@ -18,6 +18,9 @@ from rlsys.config.loader import ConfigError, build_config
 from rlsys.config.schema import PipelineConfig
 from rlsys.stages.chain import finished_summary, plan_jobs
 
+# One xdist worker runs this module (scripts/test.sh): its long command-line runs start among the first.
+pytestmark = pytest.mark.xdist_group("pipeline")
+
 TIMEOUT_S = 300
 
 
@@ -106,6 +109,7 @@ def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_f
     assert "Started a local Ray instance" not in third.stderr
 
 
+@pytest.mark.quick
 def test_pipeline_refuses_a_finished_stage_with_a_changed_config(pipeline_file, tmp_path):
     raw = yaml.safe_load(open(pipeline_file))
     jobs = plan_jobs(build_config(PipelineConfig, raw))
@@ -124,6 +128,7 @@ def test_pipeline_refuses_a_finished_stage_with_a_changed_config(pipeline_file, 
         f"(train.steps: 3 -> 5); delete that directory to run the stage again"]
 
 
+@pytest.mark.quick
 def test_a_stage_finished_before_a_config_key_was_added_stays_finished(pipeline_file):
     """A finished stage's recorded config is read by today's schema: keys added since (here a reward
     term's model settings and algorithm.distill) take their defaults and change nothing; a value
@@ -149,6 +154,7 @@ def test_a_stage_finished_before_a_config_key_was_added_stays_finished(pipeline_
         finished_summary(2, spec, job)
 
 
+@pytest.mark.quick
 def test_a_pipeline_chains_sft_into_a_reward_model_and_rl(tmp_path, pipeline_file):
     """sft -> rm -> rlvr: the rm stage starts from the SFT model and passes it on, so RL starts from
     it too, and the RL stage's `model: stage:rm` term is the rm stage's export."""
@@ -176,6 +182,7 @@ def test_a_pipeline_chains_sft_into_a_reward_model_and_rl(tmp_path, pipeline_fil
     ({"stages": [{"name": "a", "stage": "sft", "config": "missing.yaml"}]},
      "stages[0] (a): --config: file not found: missing.yaml"),
 ])
+@pytest.mark.quick
 def test_bad_pipeline_configs_name_the_key(change, message, tmp_path):
     raw = {"output_dir": str(tmp_path / "run"), **change}
     with pytest.raises(ConfigError) as err:

@@ -14,10 +14,14 @@ from rlsys.planner.measure import StepShape, measure
 from rlsys.planner.shards import ModelShapes, chunk
 from rlsys.run import main
 
+# One xdist worker runs this module (scripts/test.sh): its long measured steps start among the first.
+pytestmark = pytest.mark.xdist_group("planner")
+
 CPU = Precision(compute_bytes=4, mixed=False)  # steps on CPU compute in fp32
 STEP = StepShape(rows=2, seq_len=32, steps=2)
 
 
+@pytest.mark.quick
 def test_chunk_is_torch_chunk():
     for size in range(0, 23):
         for parts in range(1, 7):
@@ -34,6 +38,7 @@ def estimated_bytes(model_dir: str, layout: dict, step: StepShape) -> list[tuple
     return [(m.params, m.grads, m.optim) for m in memory]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2},
                                     {"dp_shard": 2, "tp": 2}],
                          ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()))
@@ -42,6 +47,7 @@ def test_rank_bytes_equal_measured_dense(tiny_model_dir, layout):
     assert estimated_bytes(tiny_model_dir, layout, STEP) == measured
 
 
+@pytest.mark.quick
 def test_lora_rank_bytes_equal_measured(tiny_model_dir):
     """With LoRA only the adapters have gradients and AdamW state; the parameters are the base's and theirs."""
     from dataclasses import replace
@@ -121,6 +127,7 @@ def plan_output(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.quick
 def test_plan_recommends_a_layout_the_job_runs(capsys):
     """The recommendation's overrides pass the job's own preflight and give a layout of every GPU."""
     from rlsys.config.schema import RLJobConfig
@@ -140,11 +147,13 @@ def test_plan_recommends_a_layout_the_job_runs(capsys):
     assert dims.world_size == 64
 
 
+@pytest.mark.quick
 def test_plan_says_when_nothing_fits(capsys):
     code, out, _ = plan_output(capsys, "--gpus", "2", "--gpu-memory", "24", "model.path=examples/plan/qwen2.5-32b")
     assert code == 0 and "no layout fits 21.6 GiB" in out  # 24 GiB less the 10% headroom
 
 
+@pytest.mark.quick
 def test_plan_bad_input_is_one_line(capsys, tmp_path):
     code, _, err = plan_output(capsys, "--gpus", "0", "--gpu-memory", "80")
     assert code == 2 and err.strip() == "rlsys plan: error: --gpus: must be > 0, got 0"
@@ -152,6 +161,7 @@ def test_plan_bad_input_is_one_line(capsys, tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "model.path: not a Hugging Face model directory" in err
 
 
+@pytest.mark.quick
 def test_micro_batches_follow_the_engine():
     """A token budget is per rank: under cp a micro-batch holds cp times as many tokens of whole
     sequences (`ModelEngine._token_budget_sizes`); a pipeline runs pp_microbatches of them."""
@@ -163,6 +173,7 @@ def test_micro_batches_follow_the_engine():
     assert micro_batches(layout_of(pp=2, dp_shard=2, pp_microbatches=8), rows) == (8, 4000)
 
 
+@pytest.mark.quick
 def test_groups_within_and_across_nodes():
     assert not spans_nodes(1, 8, 8) and spans_nodes(1, 16, 8)
     assert not spans_nodes(2, 4, 8) and spans_nodes(8, 2, 8)  # tp=2 x 4 peers; pp stages a node apart
@@ -170,6 +181,7 @@ def test_groups_within_and_across_nodes():
     assert not spans_nodes(1, 1, 8)
 
 
+@pytest.mark.quick
 def test_plan_offloads_a_job_whose_states_do_not_fit_and_says_what_it_costs(capsys):
     """Qwen2.5-32B GRPO on 8 x 80 GB: no layout holds the states on the GPUs, so the planner
     keeps them in host memory, says what that costs a step, and refuses when the host is too small."""

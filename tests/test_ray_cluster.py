@@ -20,6 +20,9 @@ import pytest
 import yaml
 from test_rlvr import rl_raw
 
+# One xdist worker runs this module (scripts/test.sh): the two-node cluster and its submitted job, started once.
+pytestmark = pytest.mark.xdist_group("ray_cluster")
+
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 JOB = "rlsys-test-job"
 

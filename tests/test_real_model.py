@@ -42,6 +42,9 @@ from rlsys.models.gguf import GGUFError, convert
 from rlsys.stages.rl_trainer import run_rlvr
 from rlsys.tasks.extremes import ExtremesSpec, write_splits
 
+# One xdist worker runs this module (scripts/test.sh): the real model's tool caller and its engine, built once.
+pytestmark = pytest.mark.xdist_group("real_model")
+
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 TEMPERATURE = 2.0
 """The drift test's sampling temperature: the tool-calling cut is sure of its trained trace at T=1;
@@ -53,6 +56,7 @@ def tokenizer(smollm2_cut_dir):
     return AutoTokenizer.from_pretrained(smollm2_cut_dir)
 
 
+@pytest.mark.quick
 def test_the_converted_model_is_the_real_one_cut(smollm2_cut_dir, tokenizer):
     with open(os.path.join(smollm2_cut_dir, "config.json")) as f:
         config = json.load(f)
@@ -64,6 +68,7 @@ def test_the_converted_model_is_the_real_one_cut(smollm2_cut_dir, tokenizer):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.quick
 def test_gguf_files_it_cannot_read_are_refused_in_one_line(tmp_path):
     import gguf
     import numpy as np
@@ -88,6 +93,7 @@ def test_gguf_files_it_cannot_read_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.quick
 def test_sft_targets_each_assistant_turn_through_its_end_token(tokenizer):
     """The template's default system prompt is in the prompt; each assistant turn is a target up to
     `<|im_end|>`, and the newline the template writes after it is not (the engine never samples it)."""

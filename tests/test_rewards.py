@@ -16,6 +16,8 @@ from rlsys.config.rl import RewardConfig, RewardTerm
 from rlsys.data.rl import load_prompts
 from rlsys.rewards.scoring import RewardInput
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 FLAKY = os.path.join(ASSETS, "flaky_reward.py")
 TYPES = os.path.join(ASSETS, "types_reward.py")

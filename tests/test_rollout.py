@@ -11,6 +11,9 @@ from rlsys.agents.loop import SingleTurnLoop
 from rlsys.agents.trajectory import Sampling
 from rlsys.config.rollout import RolloutConfig
 
+# One xdist worker runs this module (scripts/test.sh): the engine its tests share, built once.
+pytestmark = pytest.mark.xdist_group("rollout")
+
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir):
@@ -33,6 +36,7 @@ def rollout(worker, prompts, n: int, max_new_tokens: int, seed: int):
     return trajectories.unpack(dict(prompts))
 
 
+@pytest.mark.quick
 def test_one_request_per_sample_samples_what_a_batch_generate_samples(worker, tokenizer):
     """The single-turn loop submits one request per trajectory; the engine serves them request by
     request. A step of them samples exactly what vLLM's offline `generate` samples for the same
@@ -53,6 +57,7 @@ def test_one_request_per_sample_samples_what_a_batch_generate_samples(worker, to
     assert len({tuple(t.response_ids) for t in served}) > 8  # the seeds differ by prompt and sample
 
 
+@pytest.mark.quick
 def test_a_step_of_long_prompts_samples_each_prompt_as_it_would_alone(worker, tokenizer):
     """24 prompts of 200 tokens overflow vLLM's 4,096-token pass: on CPU a prompt split across
     passes crashed seeded sampling. Each prompt's samples depend on its seed only, not on the

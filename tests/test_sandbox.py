@@ -24,6 +24,8 @@ import pytest
 
 from rlsys.sandbox.local import SandboxLimits, layers, run_python
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, processes=16)
 
 

@@ -16,6 +16,9 @@ from rlsys.config.rl import JudgeConfig, RewardTerm
 from rlsys.config.rollout import ServingConfig
 from rlsys.rewards.model_terms import Exchange, VerdictError, parse_verdict, reward_model_text, verdict_parser
 
+# One xdist worker runs this module (scripts/test.sh): the reward model, built once.
+pytestmark = pytest.mark.xdist_group("served_models")
+
 SERVING = ServingConfig(engine_memory_gib=0.1)
 EXCHANGES = [Exchange(({"role": "user", "content": "12+30="},), "", "42"),
              Exchange(({"role": "system", "content": "Add."}, {"role": "user", "content": "7+5="}), "", "13"),
@@ -81,6 +84,7 @@ def test_teacher_logprobs_equal_transformers_forward(tiny_model_dir):
         assert torch.tensor(got_top.top_logprobs) == pytest.approx(values, abs=1e-4)
 
 
+@pytest.mark.quick
 def test_a_verdict_parses_by_regex_or_by_function_and_fails_otherwise(tmp_path):
     regex = verdict_parser(JudgeConfig(template="t", parse=r"score:\s*(\d+)"), "reward.terms[0].judge")
     assert parse_verdict(regex, "Fine. score: 7 out of 10") == 7.0
@@ -96,6 +100,7 @@ def test_a_verdict_parses_by_regex_or_by_function_and_fails_otherwise(tmp_path):
         verdict_parser(JudgeConfig(template="t", parse="(unclosed"), "reward.terms[0].judge")
 
 
+@pytest.mark.quick
 def test_bad_model_terms_and_teachers_are_refused_with_one_line(tiny_model_dir, reward_model_dir, tmp_path):
     from transformers import AutoTokenizer
 

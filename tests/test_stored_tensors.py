@@ -14,6 +14,8 @@ from safetensors.torch import save_file
 from rlsys.engine import stored_tensors
 from rlsys.engine.stored_tensors import TensorReader
 
+pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+
 
 @pytest.fixture
 def saved(tmp_path) -> dict[str, torch.Tensor]:

@@ -13,6 +13,9 @@ import pytest
 
 from rlsys.stages.lm_trainer import run_lm_training
 
+# One xdist worker runs this module (scripts/test.sh): the uninterrupted run of each layout, built once.
+pytestmark = pytest.mark.xdist_group("train_resume_export")
+
 STEPS = 6
 LAYOUTS = {
     "tp2-sp-lp": {"tp": 2, "sequence_parallel": True, "loss_parallel": True},
@@ -153,6 +156,7 @@ def test_eval_stage_scores_every_prompt(ray_cluster, tiny_model_dir, arith_files
     assert all(r["score"] == float(r["response"].strip() == r["ground_truth"]) for r in rows)
 
 
+@pytest.mark.quick
 def test_resources_the_cluster_lacks_are_a_config_error(ray_cluster, sft_config):
     from rlsys.config.loader import ConfigError
 
@@ -161,6 +165,7 @@ def test_resources_the_cluster_lacks_are_a_config_error(ray_cluster, sft_config)
         run_lm_training(sft_config("ray.cpus_per_worker=64"), "sft")
 
 
+@pytest.mark.quick
 def test_a_resumed_run_follows_its_own_schedule():
     """Resumed with more steps, the next step takes the new schedule's lr at the restored step, not
     the saved run's; resumed unchanged, exactly the lr the uninterrupted run had."""

@@ -17,6 +17,9 @@ from transformers import AutoTokenizer
 
 from rlsys.models.vision_compat import allow_qwen_vl_without_torchvision
 
+# One xdist worker runs this module (scripts/test.sh): the vision-language models and data, built once.
+pytestmark = pytest.mark.xdist_group("vision")
+
 RL_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "arith" / "rlvr.yaml")
 
 
@@ -292,6 +295,7 @@ def test_the_eval_stage_runs_a_vision_language_model_and_a_layout_it_lacks_is_re
     assert code == 2 and len(err.splitlines()) == 1 and "parallel.cp: not built yet for a vision-language" in err, err
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("override", [
                                       "rollout.agent_loop=openai", "rollout.engine_kwargs={mm_processor_kwargs: {}}"])
 def test_what_vision_language_rl_lacks_is_refused_before_anything_starts(tiny_vl_dir, dots_file, override):
@@ -308,6 +312,7 @@ def test_what_vision_language_rl_lacks_is_refused_before_anything_starts(tiny_vl
 ASYNC = ["train.async_mode=one_step", "rollout.placement=separate"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides", [["model.lora.rank=8"], ASYNC, ["algorithm.adv_estimator=gae"]],
                          ids=["lora", "async", "critic"])
 def test_lora_asynchronous_and_critic_vision_language_rl_pass_preflight(vl_dirs, dots_file, overrides):

@@ -104,22 +104,21 @@ class StartupClock:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
 
 
-def record_startup(kind: str, clock: StartupClock) -> None:
-    """Log how long `kind` (train, rollout, reward, tool, a served model's engine, the Ray cluster)
-    took to start: since `clock` (wall and CPU seconds), and for an actor's own process the CPU it
-    has used since it began, its imports included. With RLSYS_STARTUP_LOG set, also append it
+def record_startup(kind: str, clock: StartupClock) -> dict[str, float]:
+    """What the start-up of `kind` (train, rollout, reward, tool, a served model's engine, the Ray
+    cluster) cost: the wall and CPU seconds since `clock`, and for an actor's own process the CPU it
+    has used since it began, its imports included. With RLSYS_STARTUP_LOG set, it is also appended
     there as a JSON line (the test suite counts start-ups per test this way)."""
     record = {"kind": kind, "pid": os.getpid(), "time": time.time(),
               "init_s": round(time.perf_counter() - clock.wall, 3),
               "init_cpu_s": round(time.process_time() - clock.cpu, 3),
               "process_cpu_s": round(time.process_time(), 3),
               "process_s": round(time.time() - psutil.Process().create_time(), 3)}
-    log.info("%s started in %.1f s (%.1f CPU-s; the process: %.1f CPU-s in %.1f s)", kind, record["init_s"],
-             record["init_cpu_s"], record["process_cpu_s"], record["process_s"])
     path = os.environ.get(STARTUP_LOG_ENV)
     if path:
         with open(path, "a") as f:  # one short write: lines from concurrent processes stay whole
             f.write(json.dumps(record) + "\n")
+    return record
 
 
 def _quiet_libraries(imported_only: bool = False) -> None:

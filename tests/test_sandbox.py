@@ -24,7 +24,9 @@ import pytest
 
 from rlsys.sandbox.local import SandboxLimits, layers, run_python
 
-pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+# The quick tier; and one xdist worker runs this module (scripts/test.sh): its checks look at every process
+# of the machine (`sandboxed_processes`), so two of its runs must never be in flight at once.
+pytestmark = [pytest.mark.quick, pytest.mark.xdist_group("sandbox")]
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, processes=16)
 

@@ -51,8 +51,7 @@ def ensure_ray(cfg: RayConfig) -> None:
             runtime_env=runtime_env,
             **quiet,
         )
-        where = "started a local Ray cluster"
-        record_startup("ray_cluster", startup)
+        where = f"started a local Ray cluster in {record_startup('ray_cluster', startup)['init_s']:.1f} s"
     dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     log.info("%s%s", where, dashboard)
     if quiet:

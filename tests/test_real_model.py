@@ -230,10 +230,10 @@ def real_engine(real_tool_caller, calculator_tools, ray_cluster):
     from rlsys.actors.tool_pool import ToolPool
     from rlsys.agents.tool_loop import ToolLoop
 
-    pool = ToolPool(calculator_tools, num_workers=1, timeout_s=2.0)
+    pool = ToolPool(calculator_tools, num_workers=1, timeout_s=10.0)  # far above a loaded machine's call
     loops = {"tool": ToolLoop, "openai": OpenAILoop.bind(calculator_agent, 60.0),
              "follow_up": OpenAILoop.bind(follow_up_agent, 60.0), "text": OpenAILoop.bind(text_agent, 60.0)}
-    tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=2.0)
+    tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=10.0)
     worker = RolloutWorker(real_tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0,
                            num_threads=2, loops=loops, tools=tools, tool_client=pool.client(),
                            tool_schemas=[s.schema for s in calculator_tools])

@@ -29,8 +29,8 @@ from rlsys.tools.builtin import calculator
 from rlsys.tools.registry import load_tools
 from rlsys.user_code import import_user_code
 
-# One xdist worker runs this module (scripts/test.sh): the tool-calling model and its engine, built once, with
-# test_async_rl's tool loop.
+# One xdist worker runs this module and test_async_rl (scripts/test.sh): the tool-calling model they
+# both use, and its engine here, built once.
 pytestmark = pytest.mark.xdist_group("tool_caller")
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")

@@ -13,8 +13,8 @@ import signal
 import pytest
 from faults import signal_after_steps
 
-# One xdist worker runs this module (scripts/test.sh): the uninterrupted run its faults are compared against, built
-# once.
+# One xdist worker runs this module (scripts/test.sh): the uninterrupted run its faults are compared
+# against, built once.
 pytestmark = pytest.mark.xdist_group("worker_restarts")
 
 COMPARED = ("reward/mean", "reward/accuracy", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",

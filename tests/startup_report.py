@@ -52,7 +52,7 @@ def read_lines(pattern: str) -> dict[str, list[dict]]:
     return found
 
 
-def startups_by_test() -> tuple[dict[str, list[tuple[str, float]]], set[int]]:
+def startups_by_test() -> dict[str, list[tuple[str, float]]]:
     """Each test's start-ups, (kind, cost), by the test whose span holds them on the same worker."""
     tests, startups = read_lines("tests-*.jsonl"), read_lines("startups-*.jsonl")
     test_pids = {t["pid"] for spans in tests.values() for t in spans}
@@ -62,13 +62,13 @@ def startups_by_test() -> tuple[dict[str, list[tuple[str, float]]], set[int]]:
         for record in records:
             owner = next((t["test"] for t in spans if t["start"] <= record["time"] <= t["end"]), "(between tests)")
             by_test[owner].append((record["kind"], cost(record, test_pids)))
-    return by_test, test_pids
+    return by_test
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
         return
-    by_test, _ = startups_by_test()
+    by_test = startups_by_test()
     if not by_test:
         return
     write = terminalreporter.write_line

@@ -134,8 +134,8 @@ def test_a_dead_rank_in_an_asynchronous_run_costs_a_restart_and_changes_nothing(
                                                                                 moe_model_dir, tmp_path,
                                                                                 monkeypatch):
     """train.max_restarts=1: a training rank of an MoE policy with routing replay (R2) killed after
-    step 3 (the newest checkpoint: step 2's); the groups are built again and the run finishes. The checkpoint held the
-    groups generated ahead, so with syncs that wait for them (partial_rollout: false) every step
+    step 3 (the newest checkpoint: step 2's); the groups are built again and the run finishes. The
+    checkpoint held the groups generated ahead, so with syncs that wait for them (partial_rollout: false) every step
     logs what an uninterrupted run logs, to the last digit, with no schedule to follow. The same with
     the uninterrupted run's schedule followed: the engine was idle when the step-2 sync landed, just
     before the checkpoint, and the resumed engine, which gets the step-2 weights from the restore, has
@@ -163,8 +163,9 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
     """`full` mode with partial rollouts and a multi-turn tool loop, where the clock decides which
     weights sample what, when a tool's result joins the engine's batch and which groups a step
     trains on: a run records its schedule; a second run follows it (`train.replay`) and has a
-    training rank killed after step 3 (max_restarts=1: it resumes from the step-2 checkpoint). Every step of the second run
-    logs what the first logged, and its schedule, written again after the restart, is the first's.
+    training rank killed after step 3 (max_restarts=1: it resumes from the step-2 checkpoint). Every
+    step of the second run logs what the first logged, and its schedule, written again after the
+    restart, is the first's.
     Weights go bucket by bucket, a call each: no engine step may run between the first and the last."""
     from conftest import EXPRESSION, QUESTION
     from datasets import Dataset

@@ -202,6 +202,10 @@ def test_token_budget_sets_the_pipeline_micro_batches(ray_cluster, sft_config, t
     assert (logprobs * sft["attention_mask"] - expected).abs().max() < 1e-5
 
 
+EPISODE_OF = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 7])
+"""The episode of each of `episode_batch`'s 12 rows."""
+
+
 def episode_batch(batches):
     """8 episodes in 4 GRPO groups, 4 of them of two segments (12 rows, the RL parity batch's
     tokens), each segment with its episode's GRPO advantage; the loss's counts and algorithm."""
@@ -210,7 +214,6 @@ def episode_batch(batches):
     from rlsys.data.batching import on_last_response_token
 
     _, rl, _ = batches
-    episode_of = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 7])
     group_of_episode = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
     last = torch.tensor([False, True, True, False, True, True, False, True, True, True, False, True])
@@ -218,8 +221,8 @@ def episode_batch(batches):
     algo = AlgorithmConfig(adv_estimator="grpo")
     batch = {k: rl[k] for k in ("input_ids", "attention_mask", "loss_mask")}
     inputs = AdvantageInputs(on_last_response_token(row_rewards, batch), batch["loss_mask"],
-                             group_of_episode[episode_of])
-    batch["advantages"] = episode_advantages(inputs, episode_of, algo)
+                             group_of_episode[EPISODE_OF])
+    batch["advantages"] = episode_advantages(inputs, EPISODE_OF, algo)
     return batch, {"tokens": num_targets(batch), "sequences": 12}, algo
 
 
@@ -232,8 +235,7 @@ def test_episodes_of_several_segments_train_every_segment_with_the_episodes_adva
     fsdp2 layout's group)."""
     batch, counts, algo = episode_batch(batches)
     per_episode = torch.tensor([0.7071, -0.7071, -0.7071, 0.7071, 0.0, 0.0, -0.7071, 0.7071])  # (r - mean) / std
-    episode_of = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 7])
-    expected = per_episode[episode_of].unsqueeze(1) * batch["loss_mask"]
+    expected = per_episode[EPISODE_OF].unsqueeze(1) * batch["loss_mask"]
     assert (batch["advantages"] - expected).abs().max() < 1e-4
 
     _, grads = reference_gradients(tiny_model_dir, batch, actor_loss(counts, algo))

@@ -74,12 +74,14 @@ def attach_run_log(output_dir: str) -> str:
     return logs
 
 
-def redirect_actor_output() -> None:
+def redirect_actor_output(path: str | None = None) -> None:
     """In an actor: send its stdout/stderr (Python's and C++'s alike) to the log file the
-    driver chose for it, unless the run is verbose."""
-    path = os.environ.get(LOG_FILE_ENV)
+    driver chose for it (`path`, else the one its environment names), unless the run is verbose.
+    An actor taken into another run's group (`TrainWorker.reuse`) is given its new file."""
+    path = path or os.environ.get(LOG_FILE_ENV)
     if not path:
         return
+    os.environ[LOG_FILE_ENV] = path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
@@ -104,12 +106,13 @@ class StartupClock:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
 
 
-def record_startup(kind: str, clock: StartupClock) -> dict[str, float]:
+def record_startup(kind: str, clock: StartupClock, reused: bool = False) -> dict[str, float]:
     """What the start-up of `kind` (train, rollout, reward, tool, a served model's engine, the Ray
     cluster) cost: the wall and CPU seconds since `clock`, and for an actor's own process the CPU it
-    has used since it began, its imports included. With RLSYS_STARTUP_LOG set, it is also appended
-    there as a JSON line (the test suite counts start-ups per test this way)."""
-    record = {"kind": kind, "pid": os.getpid(), "time": time.time(),
+    has used since it began, its imports included (`reused`: the process served an earlier group,
+    so only the seconds since `clock` are this start's). With RLSYS_STARTUP_LOG set, it is also
+    appended there as a JSON line (the test suite counts start-ups per test this way)."""
+    record = {"kind": kind, "pid": os.getpid(), "time": time.time(), "reused": reused,
               "init_s": round(time.perf_counter() - clock.wall, 3),
               "init_cpu_s": round(time.process_time() - clock.cpu, 3),
               "process_cpu_s": round(time.process_time(), 3),

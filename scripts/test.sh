@@ -3,7 +3,9 @@
 # workers as the machine has cores (at most 2: each worker starts its own Ray cluster, and the
 # suite's heaviest tests run 8 ranks and a vLLM engine). Tests that share an expensive fixture (a
 # run compared against, an engine, a second Ray cluster) carry one xdist_group and run on one
-# worker, so that it is built once; the largest groups start first, single tests fill in.
+# worker, so that it is built once; the largest groups start first, single tests fill in. A group of
+# actors that ends hands its processes to the next group of the same placement on that worker (training
+# ranks, rollout engines, reward workers: `rlsys.actors.kept_actors`), so most tests start none.
 #   --quick              the quick tier only (`-m quick`: unit and single-process tests, parity on 2 ranks,
 #                        no fault injection), for the edit-test loop; CI runs everything
 #   RLSYS_TEST_WORKERS   the number of workers (0: one process)

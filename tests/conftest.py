@@ -121,6 +121,18 @@ def arith_files(tmp_path_factory) -> dict[str, str]:
     return write_splits(str(tmp_path_factory.mktemp("arith")), ArithSpec(max_operand=19, num_test=40))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def keep_actors_between_groups():
+    """A training group's ranks and a rollout group's engines outlive it for the next group of the same
+    placement (`rlsys.actors.kept_actors`): a rank's process start (Ray's worker, torch, transformers)
+    and an engine's (vLLM's imports) are most of the suite's start-ups."""
+    from rlsys.actors import kept_actors
+
+    kept_actors.keep_actors(True)
+    yield
+    kept_actors.keep_actors(False)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

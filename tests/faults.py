@@ -12,13 +12,16 @@ import psutil
 
 
 def worker_process(log_dir: str, worker: str) -> psutil.Process:
-    """The process of an rlsys actor, found by the log file the driver gave it (logs/<worker>.log)."""
+    """The process of an rlsys actor, found by the log file the driver gave it (logs/<worker>.log):
+    named in its environment when it started, or open as its output (a training rank kept from an
+    earlier group, `rlsys.actors.kept_actors`, was given the file later)."""
     wanted = os.path.join(log_dir, f"{worker}.log")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for process in psutil.process_iter():
             try:
-                if process.environ().get("RLSYS_LOG_FILE") == wanted:
+                if process.environ().get("RLSYS_LOG_FILE") == wanted or \
+                        any(f.path == wanted for f in process.open_files()):
                     return process
             except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
                 continue

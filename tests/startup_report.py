@@ -4,8 +4,9 @@
 prints the start-ups per kind and the tests that spend the most on them.
 
 The cost counted for an actor is the CPU its process used until it was ready (imports included); for
-an engine built inside the test process, the CPU its construction took; for a Ray cluster, the wall
-seconds it took to start (its own processes' CPU is not seen)."""
+an engine built inside the test process, or a training rank kept from an earlier group
+(`rlsys.actors.kept_actors`), the CPU its construction took; for a Ray cluster, the wall seconds it
+took to start (its own processes' CPU is not seen)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def cost(record: dict, test_pids: set[int]) -> float:
     """Seconds a start-up cost: see the module's docstring."""
     if record["kind"] == "ray_cluster":
         return record["init_s"]
-    return record["init_cpu_s"] if record["pid"] in test_pids else record["process_cpu_s"]
+    in_place = record["pid"] in test_pids or record.get("reused")  # the process's earlier CPU is not this start's
+    return record["init_cpu_s"] if in_place else record["process_cpu_s"]
 
 
 def read_lines(pattern: str) -> dict[str, list[dict]]:
@@ -61,7 +63,8 @@ def startups_by_test() -> dict[str, list[tuple[str, float]]]:
         spans = tests.get(worker, [])
         for record in records:
             owner = next((t["test"] for t in spans if t["start"] <= record["time"] <= t["end"]), "(between tests)")
-            by_test[owner].append((record["kind"], cost(record, test_pids)))
+            kind = record["kind"] + (" (kept)" if record.get("reused") else "")
+            by_test[owner].append((kind, cost(record, test_pids)))
     return by_test
 
 
@@ -77,11 +80,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for costs in by_test.values():
         for kind, seconds in costs:
             kinds[kind].append(seconds)
-    write(f"{'kind':<12} {'count':>6} {'seconds':>9} {'each':>6}")
+    write(f"{'kind':<14} {'count':>6} {'seconds':>9} {'each':>6}")
     for kind, seconds in sorted(kinds.items(), key=lambda item: -sum(item[1])):
-        write(f"{kind:<12} {len(seconds):>6} {sum(seconds):>9.0f} {sum(seconds) / len(seconds):>6.1f}")
+        write(f"{kind:<14} {len(seconds):>6} {sum(seconds):>9.0f} {sum(seconds) / len(seconds):>6.1f}")
     total = sum(sum(s) for s in kinds.values())
-    write(f"{'all':<12} {sum(len(s) for s in kinds.values()):>6} {total:>9.0f}")
+    write(f"{'all':<14} {sum(len(s) for s in kinds.values()):>6} {total:>9.0f}")
     write("")
     write("the 30 tests spending the most on start-ups (seconds, then count by kind):")
     ranked = sorted(by_test.items(), key=lambda item: -sum(seconds for _, seconds in item[1]))

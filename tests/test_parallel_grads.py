@@ -38,20 +38,20 @@ from rlsys.parallel.span_attention import SharedPrefixSpans
 # One xdist worker runs this module (scripts/test.sh): the parity batches and the 4-layer model, built once.
 pytestmark = pytest.mark.xdist_group("parallel_grads")
 
-LAYOUTS = {  # name: overrides
+LAYOUTS = {  # name: overrides; by world size, so that a layout's group takes the ranks the last one kept
     "fsdp2": ["parallel.dp_shard=2"],
-    "hsdp": ["parallel.dp_replicate=2"],
     "tp2-sp-lp": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                   "parallel.loss_parallel=true"],
-    "fsdp2xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
-    "fsdp2xtp2-sp-lp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                        "parallel.loss_parallel=true"],
     "pp2-gpipe": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "pp2-1f1b": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp2-interleaved": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
+    "hsdp": ["parallel.dp_replicate=2"],  # x dp_shard=2: 4 ranks
+    "fsdp2xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
+    "fsdp2xtp2-sp-lp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                        "parallel.loss_parallel=true"],
+    "cp2xfsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
     # pp2 x fsdp2 alone passed too; pp2 x fsdp2 x tp2 composes the same and more, so it stands in for the suite's time
     "pp2xfsdp2xtp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp_microbatches=2"],
-    "cp2xfsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
     # every composition with context parallel, and pipelining with sequence and loss parallel, in one layout
     "pp2xcp2xtp2-sp-lp": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.cp=2", "parallel.tp=2",
                           "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
@@ -91,6 +91,46 @@ def test_layout_matches_single_process(ray_cluster, sft_config, tiny_model_dir, 
     shards = cfg.parallel.dp_shard * cfg.parallel.cp * cfg.parallel.tp  # FSDP2 shards over dp_shard x cp
     q_rows = sft_grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
     assert local_shapes[0]["model.layers.0.self_attn.q_proj.weight"][0] == q_rows // shards  # sharded, not copied
+
+
+def test_a_group_of_the_same_shape_takes_the_ranks_the_last_one_kept(ray_cluster, sft_config, batches):
+    """A training group that ends healthy leaves its ranks' processes to the next group of its shape
+    (`rlsys.actors.kept_actors`, on in this suite): the next group's ranks are the same processes and
+    give the SFT loss and gradients a group of new processes gives, bit for bit; a group that saw a
+    rank die is not kept, and the next group starts processes of its own."""
+    import os
+
+    import ray
+
+    from rlsys.actors import kept_actors
+    from rlsys.actors.failures import WorkerFailure
+
+    sft, _, _ = batches
+    cfg = sft_config(f"train.micro_batch_size={MICRO_BATCH}")
+    spec = build_worker_spec(cfg, MICRO_BATCH, cfg.train.steps)
+    kept_actors.retire()  # the first group starts new processes
+    pids, results = [], []
+    for turn in range(3):
+        group = TrainGroup(spec, cfg.ray)
+        try:
+            pids.append(group.on_each(lambda worker: os.getpid()))
+            if turn < 2:
+                results.append(trained_gradients(group, (sft, nll_loss(num_targets(sft))))[0])
+            else:
+                ray.kill(group.actors[1])
+                with pytest.raises(WorkerFailure):
+                    group.on_each(lambda worker: os.getpid())
+        finally:
+            group.shutdown()
+    assert pids[0] == pids[1] == pids[2]
+    (first_metrics, first_grads), (kept_metrics, kept_grads) = results
+    assert kept_metrics == first_metrics and first_grads.keys() == kept_grads.keys()
+    assert all(torch.equal(first_grads[name], kept_grads[name]) for name in first_grads)
+    group = TrainGroup(spec, cfg.ray)
+    try:
+        assert not set(group.on_each(lambda worker: os.getpid())) & set(pids[0])
+    finally:
+        group.shutdown()
 
 
 def long_answers_match_one_process(model_dir: str, batches, cp: int):

@@ -86,6 +86,9 @@ def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_f
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=120) == 130, first.stdout.read()[-3000:]
     assert not os.path.isfile(os.path.join(out, "rlvr", "summary.json"))
+    # sft's training group took pretrain's rank processes (the same layout), and rlvr sft's
+    for stage in ("sft", "rlvr"):
+        assert "ranks the last group kept" in open(os.path.join(out, stage, "logs", "driver.log")).read(), stage
 
     second = run_pipeline(pipeline_file)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -98,6 +98,35 @@ def test_reward_importing_a_sibling_module_scores_without_errors(ray_cluster, ru
     assert metrics["reward/errors"] == 0 and [s.score for s in scored] == [1.0, 1.0, 0.0]
 
 
+def test_a_kept_worker_forgets_what_the_last_reward_imported_beside_it(ray_cluster, runner, tmp_path):
+    """Reward workers outlive their pool for the next pool of the same size (`rlsys.actors.kept_actors`,
+    on in this suite). A reward that imports a module beside it when called gets its own module in a
+    kept worker, not the module of the same name an earlier pool's reward imported there."""
+    import ray
+
+    from rlsys.actors import kept_actors
+
+    for score in (1, 2):
+        folder = tmp_path / f"reward{score}"
+        folder.mkdir()
+        (folder / "helper.py").write_text(f"SCORE = {score}.0\n")
+        (folder / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                          "    import helper\n\n    return helper.SCORE\n")
+    kept_actors.retire()  # the first pool starts its worker
+    pids, scores = [], []
+    for score in (1, 2):
+        rewards = RewardPool(RewardConfig(terms=[RewardTerm(path=str(tmp_path / f"reward{score}" / "reward.py"))],
+                                          num_workers=1))
+        try:
+            scored, metrics = rewards.score(inputs("7"))
+            pids.append(ray.get(rewards._workers[0].__ray_call__.remote(lambda worker: os.getpid())))
+        finally:
+            rewards.shutdown()
+        assert metrics["reward/errors"] == 0
+        scores.append(scored[0].score)
+    assert pids[0] == pids[1] and scores == [1.0, 2.0]
+
+
 def test_reward_package_with_a_dict_ground_truth(ray_cluster, runner):
     rewards = runner(RewardTerm(path=os.path.join(ASSETS, "countdown_reward")))
     truth = {"target": 24, "numbers": [3, 5, 8]}

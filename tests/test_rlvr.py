@@ -284,6 +284,29 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
     assert (up > 0).float().mean() >= 0.75 and (down < 0).float().mean() >= 0.75, (up, down)
 
 
+def test_a_trainer_takes_the_ranks_and_engine_the_last_one_kept_and_steps_alike(ray_cluster, rl_config):
+    """With actors kept between groups (`rlsys.actors.kept_actors`, on in this suite), a trainer built
+    after another of the same placement runs on the same rank and engine processes (its ranks and engine
+    built again in them), and its first step logs what the first trainer's first step logged."""
+    from rlsys.actors import kept_actors
+
+    cfg = rl_config("eval=null")
+    kept_actors.retire()  # the first trainer starts new processes
+    pids, steps = [], []
+    for _ in range(2):
+        trainer = RLVRTrainer(cfg)
+        try:
+            pids.append([group.on_each(lambda actor: os.getpid()) for group in (trainer.train_group,
+                                                                                 trainer.rollout_group)])
+            steps.append(trainer.step(1))
+        finally:
+            trainer.shutdown()
+    assert pids[0] == pids[1]
+    figures = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",
+               "rollout/logprob_abs_diff", "mismatch/kl_k3")
+    assert [{name: step[name] for name in figures} for step in steps] == [{name: steps[0][name] for name in figures}] * 2
+
+
 # fsdp2 alone, pp=2 and cp=2 passed too when measured; they are left out for the suite's time
 # (tp2-sp runs FSDP2 as well, over a data-parallel mesh of one)
 @pytest.mark.parametrize("layout", [["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true"]],
@@ -372,15 +395,6 @@ def test_restart_after_a_dead_rank_reproduces_the_metrics(straight_rl, tmp_path,
             assert got[step].get(name) == pytest.approx(expected[step].get(name), abs=1e-5), (step, name)
 
 
-def test_an_engine_that_cannot_start_says_why(ray_cluster, rl_config):
-    """The error a rollout engine's constructor raised (here vLLM refusing an argument) is in the
-    failure that reports its death (the CLI's one line), not only in the engine's log."""
-    cfg = rl_config("rollout.engine_kwargs={no_such_arg: 1}", "eval=null", "parallel.dp_shard=1")  # one rank will do
-    with pytest.raises(WorkerFailure, match=r"^rollout worker 0 \(rlsys/rollout/0\) died \(TypeError: EngineArgs"
-                                            r"\.__init__\(\) got an unexpected keyword argument 'no_such_arg'\)"):
-        RLVRTrainer(cfg)
-
-
 def test_an_openai_client_harness_is_trained_on_and_its_failures_are_dropped(ray_cluster, rl_config):
     """`rollout.agent_loop: openai`: the harness (tests/assets/openai_harness.py) answers through the
     engine's endpoint; what it recorded is what the trainer computes log-probs of (the engine's equal
@@ -450,3 +464,12 @@ def test_remax_in_bypass_mode_generates_and_scores_a_greedy_response_per_prompt(
     assert sorted(baselines) == sorted(indices) and set(baselines.values()) <= {0.0, 1.0}
     assert math.isfinite(step["actor/pg_loss"]) and "time/old_logprob_s" not in step
     assert 0 < step["rollout_corr/is_weight"] <= 2.0
+
+
+def test_an_engine_that_cannot_start_says_why(ray_cluster, rl_config):
+    """The error a rollout engine's constructor raised (here vLLM refusing an argument) is in the
+    failure that reports its death (the CLI's one line), not only in the engine's log."""
+    cfg = rl_config("rollout.engine_kwargs={no_such_arg: 1}", "eval=null", "parallel.dp_shard=1")  # one rank will do
+    with pytest.raises(WorkerFailure, match=r"^rollout worker 0 \(rlsys/rollout/0\) died \(TypeError: EngineArgs"
+                                            r"\.__init__\(\) got an unexpected keyword argument 'no_such_arg'\)"):
+        RLVRTrainer(cfg)

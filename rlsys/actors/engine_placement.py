@@ -10,6 +10,7 @@ from typing import Protocol
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlsys.actors import kept_actors
 from rlsys.actors.cluster import check_resources, wait_placed
 
 
@@ -54,6 +55,7 @@ def place_engines(cfg: EngineLayout, train_placement: PlacementGroup | None, tra
                                max(1, int(train_cpus) // cfg.num_engines), owned=False)
     gpus = cfg.gpus_per_engine * cfg.tensor_parallel_size
     check_resources(cfg.num_engines, cfg.cpus_per_engine, gpus, key)
+    kept_actors.retire()  # actors kept idle for another group hold bundles these may need
     bundle = {"CPU": cfg.cpus_per_engine, **({"GPU": gpus} if gpus else {})}
     group = placement_group([bundle] * cfg.num_engines, strategy="PACK")
     wait_placed(group, f"{what} ({cfg.num_engines} x {bundle})")

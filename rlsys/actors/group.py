@@ -49,6 +49,8 @@ class ActorGroup:
         """Brings a replacement actor (its index) to the state of the others before it takes calls."""
         self.call_limit: CallLimit | None = None
         """A call running longer than this is a hung actor: a failure, replaced as a death is."""
+        self.failed = False
+        """A wait of this group has failed (a dead, hung or erring actor)."""
 
     def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
         """Start `method` on actor `index`; returns its object ref."""
@@ -66,7 +68,11 @@ class ActorGroup:
         """The results of calls on the actors at `indices` (default: one call per actor, in order);
         `straggler_timeout_s` replaces the group's for this wait."""
         names = self.names if indices is None else [self.names[i] for i in indices]
-        return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s, self.call_limit)
+        try:
+            return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s, self.call_limit)
+        except BaseException:
+            self.failed = True
+            raise
 
     def wait_replacing(self, calls: list[Call]) -> list:
         """The results of `calls`, in order. A call whose actor died is sent again to the actor that

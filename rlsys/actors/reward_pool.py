@@ -9,7 +9,8 @@ import logging
 
 import ray
 
-from rlsys.actors.cluster import actor_name, kill_named, spawn
+from rlsys.actors import kept_actors
+from rlsys.actors.cluster import actor_name, kill_named, log_file_of, spawn
 from rlsys.actors.failures import WorkerFailure, WorkerReplacements, wait_all
 from rlsys.actors.phases import call
 from rlsys.actors.reward_worker import RewardWorker
@@ -97,6 +98,7 @@ class RewardPool:
         self.model_terms = [ModelTerm(t, key) for key, t in keyed if t.model]
         self.terms = self.function_terms + [m.term for m in self.model_terms]
         self._workers: list = []
+        self._keep_key = ("workers", cfg.num_workers)
         self._logged_failure = False
         self.replacements = replacements
 
@@ -149,9 +151,16 @@ class RewardPool:
         return call(self._workers[index].score, chunk, self.cfg.timeout_s)
 
     def _pool(self) -> list:
-        """Long-lived reward actors (no CPU reserved: they run between the trainer's phases)."""
+        """Long-lived reward actors (no CPU reserved: they run between the trainer's phases); those
+        an earlier pool of this role kept, where they are (`kept_actors`)."""
         if not self._workers:
-            self._workers = [self._start_worker(i) for i in range(self.cfg.num_workers)]
+            kept = kept_actors.take(self.role, self._keep_key)
+            if kept is None:
+                self._workers = [self._start_worker(i) for i in range(self.cfg.num_workers)]
+            else:
+                self._workers = kept[1]
+                wait_all([worker.reuse.remote(log_file_of(name), self.function_terms)
+                          for worker, name in zip(self._workers, self.names)], self.names)
         return self._workers
 
     def _start_worker(self, index: int):
@@ -162,7 +171,8 @@ class RewardPool:
         self._workers[index] = self._start_worker(index)
 
     def shutdown(self) -> None:
-        if self._workers:
+        if self._workers and not kept_actors.hand_back(self.role, self._keep_key, None, lambda: None,
+                                                       self._workers, self.names):
             kill_named(self._workers, self.names)
         self._workers = []
         for term in self.model_terms:

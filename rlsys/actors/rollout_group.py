@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import ray
 
-from rlsys.actors.cluster import actor_name, spawn
+from rlsys.actors import kept_actors
+from rlsys.actors.cluster import actor_name, log_file_of, spawn
 from rlsys.actors.engine_placement import place_engines
 from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ActorGroup, contiguous_shares
@@ -35,15 +36,25 @@ class RolloutGroup(ActorGroup):
         `cpus_key`: the setting that gave the engines their CPUs, named when they do not fit."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
-        self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines", cpus_key)
+        self.keep_key = _keep_key(cfg, train_placement, gpu_share, return_routing)
+        """The placement a set of kept engines must share to serve this group (`kept_actors`); None: these
+        engines are not kept (an engine of several worker processes, or one returning its routing)."""
+        kept = kept_actors.take("rollout", self.keep_key)
+        self.placement = kept[0] if kept else place_engines(cfg, train_placement, train_cpus, gpu_share,
+                                                             "rollout engines", cpus_key)
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
         self.seed = seed
         self._args = (self.placement.threads, self.releases_memory, loops, tools, tool_client, tool_schemas, adapter,
                       fp32_head, return_routing)
         self.model_path = model_path
         try:
-            self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
-            self.wait([engine.__ray_ready__.remote() for engine in self.actors])
+            if kept:
+                self.actors = kept[1]
+                self.wait([engine.reuse.remote(log_file_of(self.names[i]), model_path, cfg, seed + i, *self._args)
+                           for i, engine in enumerate(self.actors)])
+            else:
+                self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
+                self.wait([engine.__ray_ready__.remote() for engine in self.actors])
             self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")  # for calls, not for starting
         except BaseException:
             self.shutdown()
@@ -86,5 +97,21 @@ class RolloutGroup(ActorGroup):
         return None
 
     def shutdown(self) -> None:
+        """Hand the engines back to be kept, when that is on and they are healthy (`kept_actors`); else
+        stop and kill them."""
+        if self.keep_key is not None and not self.failed and kept_actors.hand_back(
+                "rollout", self.keep_key, self.placement, self.placement.release, self.actors, self.names):
+            return
         super().shutdown()
         self.placement.release()
+
+
+def _keep_key(cfg: RolloutConfig, train_placement, gpu_share: float, return_routing: bool) -> tuple | None:
+    """Where the engines sit: in the training group's placement group (colocated), or in bundles of
+    their own. None where an engine is not rebuilt in place: its tensor-parallel worker processes are
+    its own, and R3's routing capture sets up the process for its engine."""
+    if cfg.tensor_parallel_size > 1 or return_routing:
+        return None
+    if cfg.placement == "colocated":
+        return "colocated", train_placement.id.hex(), cfg.num_engines, gpu_share
+    return "separate", cfg.num_engines, cfg.cpus_per_engine, cfg.gpus_per_engine

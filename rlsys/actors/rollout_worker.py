@@ -11,6 +11,7 @@ a followed schedule puts it before) and holds the engine's steps until its last 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import torch
@@ -76,8 +77,14 @@ class RolloutWorker:
         generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once;
         `fp32_head`: logits in fp32 (`model.fp32_lm_head`); `return_routing`: trajectories carry the
         experts an MoE model routed their tokens to (`algorithm.router_replay: r3`)."""
-        startup = StartupClock()
         redirect_actor_output()
+        self._build(StartupClock(), False, model_path, cfg, seed, num_threads, releases_memory, loops, tools,
+                    tool_client, tool_schemas, adapter, fp32_head, return_routing)
+
+    def _build(self, startup: StartupClock, reused: bool, model_path: str, cfg: RolloutConfig, seed: int,
+               num_threads: int, releases_memory: bool, loops: dict[str, type[AgentLoop]] | None,
+               tools: ToolsConfig | None, tool_client, tool_schemas: list[dict] | None, adapter: AdapterSpec | None,
+               fp32_head: bool, return_routing: bool) -> None:
         set_engine_threads(num_threads, cfg.tensor_parallel_size)
         on_gpu = torch.cuda.is_available()
         keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
@@ -91,7 +98,29 @@ class RolloutWorker:
         self.tokenizer = self.llm.get_tokenizer()
         context = AgentContext(self.engine, self.tokenizer, tool_client, tool_schemas or [], tools or ToolsConfig())
         self.loops = {name: cls(context) for name, cls in (loops or {}).items()}
-        record_startup("rollout", startup)
+        record_startup("rollout", startup, reused)
+
+    def release(self) -> bool:
+        """Stop the vLLM engine and drop it, keeping the process and its imports for an engine of
+        another group (`reuse`; `rlsys.actors.kept_actors`). An engine whose loops serve an endpoint
+        (the OpenAI harness's) is not kept: False, and it is killed."""
+        if any(hasattr(loop, "endpoint") for loop in self.loops.values()):
+            return False
+        self.shutdown()
+        self.llm = self.engine = self.memory = self.adapter = self.tokenizer = None
+        self.loops = {}
+        gc.collect()
+        release_freed_memory(0)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True
+
+    def reuse(self, log_file: str | None, *args) -> None:
+        """After `release`: build the engine a new group asks for (the constructor's arguments),
+        writing to `log_file`."""
+        startup = StartupClock()
+        redirect_actor_output(log_file)
+        self._build(startup, True, *args)
 
     async def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                       seed: int, version: int | None = None) -> Trajectories:

@@ -3,17 +3,22 @@ one torch.distributed job. The driver calls a method on every rank at once."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlsys.actors.cluster import actor_name, check_resources, spawn, wait_placed
+from rlsys.actors import kept_actors
+from rlsys.actors.cluster import actor_name, check_resources, log_file_of, spawn, wait_placed
 from rlsys.actors.group import ActorGroup
 from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
 from rlsys.data.batching import Batch, split_rows
+
+log = logging.getLogger(__name__)
 
 
 class TrainGroup(ActorGroup):
@@ -24,20 +29,29 @@ class TrainGroup(ActorGroup):
         super().__init__([actor_name("train", rank) for rank in range(world_size)], spec.collective_timeout_s)
         check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
-        self.placement = placement_group([bundle] * world_size, strategy="PACK")
+        num_gpus = (ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0
+        self.shape = (world_size, tuple(sorted(bundle.items())), num_gpus)
+        """What a set of kept ranks must match to serve this group (`kept_actors`)."""
         self.dims = spec.dims
         self.on_gpu = spec.use_gpu
+        self.placement = None
         try:
-            wait_placed(self.placement, f"training group ({world_size} x {bundle})")
-            actor_cls = ray.remote(TrainWorker)
-            self.actors = [
-                spawn(actor_cls, "train", rank, rank, spec,
-                      num_cpus=ray_cfg.cpus_per_worker,
-                      num_gpus=(ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0,
-                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
-                                                                           placement_group_bundle_index=rank))
-                for rank in range(world_size)
-            ]
+            kept = kept_actors.take("train", self.shape)
+            if kept is not None:
+                log.info("training group: the %d ranks the last group kept (no process starts)", world_size)
+                self.placement, self.actors = kept
+                self.wait([actor.reuse.remote(rank, spec, log_file_of(name))
+                           for rank, (actor, name) in enumerate(zip(self.actors, self.names))])
+            else:
+                self.placement = placement_group([bundle] * world_size, strategy="PACK")
+                wait_placed(self.placement, f"training group ({world_size} x {bundle})")
+                actor_cls = ray.remote(TrainWorker)
+                self.actors = [
+                    spawn(actor_cls, "train", rank, rank, spec, num_cpus=ray_cfg.cpus_per_worker, num_gpus=num_gpus,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
+                                                                               placement_group_bundle_index=rank))
+                    for rank in range(world_size)
+                ]
             master_addr, master_port = self.wait([self.submit(0, "master_address")], [0])[0]
             # Building the engines is start-up: one rank may finish its last collective of it
             # seconds before another on a busy machine, so its wait has the rendezvous's limit.
@@ -64,7 +78,14 @@ class TrainGroup(ActorGroup):
         return [outputs[rank] for _, rank in self.collected]
 
     def shutdown(self) -> None:
-        """Leave the process group where the ranks still answer, then kill them all."""
+        """Hand the ranks back to be kept, when that is on and they are healthy (`kept_actors`); else
+        leave the process group where the ranks still answer, then kill them all."""
+        if self.placement is None:
+            return
+        free = functools.partial(remove_placement_group, self.placement)
+        if not self.failed and kept_actors.hand_back("train", self.shape, self.placement, free, self.actors,
+                                                     self.names):
+            return
         super().shutdown()
-        remove_placement_group(self.placement)
+        free()
 

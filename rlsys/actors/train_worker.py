@@ -6,6 +6,7 @@ every rank at once (see `train_group.TrainGroup`)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from dataclasses import dataclass, replace
@@ -112,12 +113,33 @@ def build_worker_spec(cfg: TrainJobConfig | RLJobConfig, micro_batch_size: int, 
 
 class TrainWorker:
     def __init__(self, rank: int, spec: TrainWorkerSpec):
-        self.startup = StartupClock()
+        self.startup, self.reused = StartupClock(), False
         redirect_actor_output()
+        transformers.utils.logging.disable_progress_bar()
+        self._become(rank, spec)
+
+    def _become(self, rank: int, spec: TrainWorkerSpec) -> None:
         self.rank, self.spec = rank, spec
         torch.set_num_threads(spec.num_threads)
-        transformers.utils.logging.disable_progress_bar()
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+        self.policy = self.reference = self.critic = self.teacher = None
+
+    def release(self) -> bool:
+        """Drop this rank's engines and leave its process group, keeping the process and its imports
+        for a rank of another group (`reuse`; `rlsys.actors.kept_actors`)."""
+        self._become(self.rank, self.spec)
+        self.shutdown()
+        gc.collect()
+        if self.spec.use_gpu:
+            torch.cuda.empty_cache()
+        return True
+
+    def reuse(self, rank: int, spec: TrainWorkerSpec, log_file: str | None) -> None:
+        """After `release`: become rank `rank` of a new group with `spec` (then `setup`, as a new
+        actor is), writing to `log_file`."""
+        self.startup, self.reused = StartupClock(), True
+        redirect_actor_output(log_file)
+        self._become(rank, spec)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
@@ -149,7 +171,7 @@ class TrainWorker:
         self.teacher = ModelEngine(spec.teacher_engine_spec(), mesh, self.device, trainable=False) \
             if spec.teacher else None
         self.where = spec.dims.coordinates(self.rank)
-        record_startup("train", self.startup)
+        record_startup("train", self.startup, self.reused)
         return self.where.dp_rank, self.where.collected
 
     # -- training -----------------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from rlsys.actors import kept_actors
 from rlsys.config.loader import ConfigError, build_config, config_to_dict, load_config
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, PipelineStage, RLJobConfig, TrainJobConfig
 from rlsys.stages.run_dir import CONFIG_FILE, HF_MODEL_DIR, SUMMARY_FILE
@@ -48,16 +49,20 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     jobs = plan_jobs(cfg)
     started = time.time()
     results: list[StageResult] = []
-    for index, (spec, job) in enumerate(zip(cfg.stages, jobs)):
-        finished = finished_summary(index, spec, job)
-        if finished is None:
-            log.info("pipeline: stage %d/%d %r (%s) in %s", index + 1, len(jobs), spec.name, spec.stage,
-                     job.output_dir)
-            summary, status = _run_stage(spec.stage, job), None
-        else:
-            log.info("pipeline: stage %r already finished in %s; skipped", spec.name, job.output_dir)
-            summary, status = finished, "skipped (finished earlier)"
-        results.append(_result(spec, job, summary, status, results[-1] if results else None))
+    kept_actors.keep_actors(True)  # a stage whose layout is the last one's takes its ranks' processes
+    try:
+        for index, (spec, job) in enumerate(zip(cfg.stages, jobs)):
+            finished = finished_summary(index, spec, job)
+            if finished is None:
+                log.info("pipeline: stage %d/%d %r (%s) in %s", index + 1, len(jobs), spec.name, spec.stage,
+                         job.output_dir)
+                summary, status = _run_stage(spec.stage, job), None
+            else:
+                log.info("pipeline: stage %r already finished in %s; skipped", spec.name, job.output_dir)
+                summary, status = finished, "skipped (finished earlier)"
+            results.append(_result(spec, job, summary, status, results[-1] if results else None))
+    finally:
+        kept_actors.keep_actors(False)
     table = summary_table(results)
     print(table)
     return _write_outputs(cfg, results, table, time.time() - started)

@@ -129,6 +129,7 @@ class TrainWorker:
         for a rank of another group (`reuse`; `rlsys.actors.kept_actors`)."""
         self._become(self.rank, self.spec)
         self.shutdown()
+        ParallelDims.forget_meshes()
         gc.collect()
         if self.spec.use_gpu:
             torch.cuda.empty_cache()

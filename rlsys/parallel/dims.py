@@ -145,6 +145,25 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("token_ranks")
         return mesh
 
+    @staticmethod
+    def forget_meshes() -> None:
+        """After the process group is gone, before a process builds the meshes of another group: DTensor
+        caches what it derived from a mesh (sharding propagation, redistribution plans) keyed by the
+        mesh's value, its shape, names and ranks, so an equal mesh of the next group would be handed the
+        old mesh and its destroyed process groups. (Each cache is looked up by name: a torch without one
+        has nothing to clear.)"""
+        from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop, debug
+
+        caches = [getattr(debug, "_clear_sharding_prop_cache", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None), "cache_clear", None),
+                  getattr(getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                          "cache_clear", None)]
+        for clear in caches:
+            if clear is not None:
+                clear()
+
     def expert_mesh(self, device_type: str) -> DeviceMesh:
         """The sparse mesh over the same ranks: (pp, dp_replicate, efsdp, ep), ep peers neighbours.
         A mesh of its own: only the experts live on it, no DTensor mixes the two."""

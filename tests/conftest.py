@@ -123,9 +123,9 @@ def arith_files(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def keep_actors_between_groups():
-    """A training group's ranks and a rollout group's engines outlive it for the next group of the same
-    placement (`rlsys.actors.kept_actors`): a rank's process start (Ray's worker, torch, transformers)
-    and an engine's (vLLM's imports) are most of the suite's start-ups."""
+    """A training group's ranks, a rollout group's engines and a reward pool's workers outlive it for the
+    next group of the same placement (`rlsys.actors.kept_actors`): a rank's process start (Ray's worker,
+    torch, transformers) and an engine's (vLLM's imports) are most of the suite's start-ups."""
     from rlsys.actors import kept_actors
 
     kept_actors.keep_actors(True)

@@ -13,8 +13,8 @@ import psutil
 
 def worker_process(log_dir: str, worker: str) -> psutil.Process:
     """The process of an rlsys actor, found by the log file the driver gave it (logs/<worker>.log):
-    named in its environment when it started, or open as its output (a training rank kept from an
-    earlier group, `rlsys.actors.kept_actors`, was given the file later)."""
+    named in its environment when it started, or open as its output (an actor kept from an earlier
+    group, `rlsys.actors.kept_actors`, was given the file later)."""
     wanted = os.path.join(log_dir, f"{worker}.log")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -1,8 +1,8 @@
-"""Actors kept between the groups of one driver. A training group or a rollout group that ends healthy
-hands its actors back, with the placement they hold, instead of killing them, and the next group of
-the same role and placement takes them: each actor drops what it built (a rank its model, optimizer
-and process group; an engine its vLLM engine) in `release`, then builds what the new group asks in
-`reuse`, paying no process start. Most of an actor's start-up is the process's own: Ray's worker, then
+"""Actors kept between the groups of one driver. A training group, a rollout group or a reward pool that
+ends healthy hands its actors back, with the placement they hold, instead of killing them, and the next
+group of the same role and placement takes them: each actor drops what it built (a rank its model,
+optimizer and process group; an engine its vLLM engine; a reward worker its terms) in `release`, then
+builds what the new group asks in `reuse`, paying no process start. Most of an actor's start-up is the process's own: Ray's worker, then
 the imports of torch, DTensor and transformers (a rank) or of vLLM (an engine).
 
 One set per role at most is kept (a group's actor names, rlsys/<role>/<index>, belong to one group

@@ -110,8 +110,9 @@ def test_a_kept_worker_forgets_what_the_last_reward_imported_beside_it(ray_clust
         folder = tmp_path / f"reward{score}"
         folder.mkdir()
         (folder / "helper.py").write_text(f"SCORE = {score}.0\n")
-        (folder / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                          "    import helper\n\n    return helper.SCORE\n")
+        (folder / "reward.py").write_text(
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    import helper\n\n    return helper.SCORE\n")
     kept_actors.retire()  # the first pool starts its worker
     pids, scores = [], []
     for score in (1, 2):

@@ -2,8 +2,9 @@
 ends healthy hands its actors back, with the placement they hold, instead of killing them, and the next
 group of the same role and placement takes them: each actor drops what it built (a rank its model,
 optimizer and process group; an engine its vLLM engine; a reward worker its terms) in `release`, then
-builds what the new group asks in `reuse`, paying no process start. Most of an actor's start-up is the process's own: Ray's worker, then
-the imports of torch, DTensor and transformers (a rank) or of vLLM (an engine).
+builds what the new group asks in `reuse`, paying no process start. Most of an actor's start-up is the
+process's own: Ray's worker, then the imports of torch, DTensor and transformers (a rank) or of vLLM
+(an engine).
 
 One set per role at most is kept (a group's actor names, rlsys/<role>/<index>, belong to one group
 at a time), and only while `keep_actors(True)`: a driver that builds group after group turns it on
@@ -43,7 +44,7 @@ class _Kept:
 
 _keeping = False
 _kept: dict[str, _Kept] = {}
-"""By role: train, rollout."""
+"""By role: train, rollout, and each reward pool's (reward, val_reward)."""
 
 
 def keep_actors(enabled: bool) -> None:

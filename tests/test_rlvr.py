@@ -286,8 +286,9 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
 
 def test_a_trainer_takes_the_ranks_and_engine_the_last_one_kept_and_steps_alike(ray_cluster, rl_config):
     """With actors kept between groups (`rlsys.actors.kept_actors`, on in this suite), a trainer built
-    after another of the same placement runs on the same rank and engine processes (its ranks and engine
-    built again in them), and its first step logs what the first trainer's first step logged."""
+    after another of the same placement runs on the same rank processes (its ranks built again in them;
+    engines are not kept for now, `rollout_group.KEEP_ENGINES`), and its first step logs what the first
+    trainer's first step logged."""
     from rlsys.actors import kept_actors
 
     cfg = rl_config("eval=null")
@@ -301,7 +302,7 @@ def test_a_trainer_takes_the_ranks_and_engine_the_last_one_kept_and_steps_alike(
             steps.append(trainer.step(1))
         finally:
             trainer.shutdown()
-    assert pids[0] == pids[1]
+    assert pids[0][0] == pids[1][0]  # the ranks (engines are not kept for now: `rollout_group._keep_key`)
     figures = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",
                "rollout/logprob_abs_diff", "mismatch/kl_k3")
     first, second = ({name: step[name] for name in figures} for step in steps)

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from rlsys.actors.cluster import actor_name, kill_named, spawn
+from rlsys.actors.failures import wait_all
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.tools.base import AgentData, ToolResult, response_text
 from rlsys.tools.registry import ToolSpec
@@ -118,6 +119,8 @@ class ToolPool:
         self.timeout_s = timeout_s
         actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=1, max_concurrency=256)(ToolWorker)
         self.workers = [spawn(actor_cls, role, i, specs) for i in range(num_workers)]
+        # A call's limit is the tool's time, not the worker's start (its process, imports, the tools' builds).
+        wait_all([worker.__ray_ready__.remote() for worker in self.workers], self.names)
 
     def client(self) -> ToolClient:
         return ToolClient(self.workers, self.timeout_s)

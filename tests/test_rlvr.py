@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import struct
+import time
 from dataclasses import replace
 
 import pytest
@@ -286,12 +287,14 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
 
 def test_a_trainer_takes_the_ranks_and_engine_the_last_one_kept_and_steps_alike(ray_cluster, rl_config):
     """With actors kept between groups (`rlsys.actors.kept_actors`, on in this suite), a trainer built
-    after another of the same placement runs on the same rank processes (its ranks built again in them;
-    engines are not kept for now, `rollout_group.KEEP_ENGINES`), and its first step logs what the first
-    trainer's first step logged."""
+    after another of the same placement runs on the same rank and engine processes (each built again in
+    them), and its first step logs what the first trainer's first step logged. The first trainer ends
+    with a generation in flight (an asynchronous run's, at a restart), held mid-response as a sync holds
+    the engine: the kept engine fails it, ends its serving before its vLLM engine shuts down (which
+    tears down vLLM's process-wide state that the next engine sets up), and the next engine samples."""
     from rlsys.actors import kept_actors
 
-    cfg = rl_config("eval=null")
+    cfg = rl_config("eval=null", f"rollout.max_model_len={LONG_RESPONSE + 64}")
     kept_actors.retire()  # the first trainer starts new processes
     pids, steps = [], []
     for _ in range(2):
@@ -300,13 +303,37 @@ def test_a_trainer_takes_the_ranks_and_engine_the_last_one_kept_and_steps_alike(
             pids.append([group.on_each(lambda actor: os.getpid()) for group in (trainer.train_group,
                                                                                  trainer.rollout_group)])
             steps.append(trainer.step(1))
+            if len(steps) == 1:
+                in_flight = _hold_a_generation_in_flight(trainer)
         finally:
             trainer.shutdown()
-    assert pids[0][0] == pids[1][0]  # the ranks (engines are not kept for now: `rollout_group._keep_key`)
+    with pytest.raises(ray.exceptions.RayTaskError, match="this engine was released"):
+        ray.get(in_flight)
+    assert pids[0] == pids[1]
     figures = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",
                "rollout/logprob_abs_diff", "mismatch/kl_k3")
     first, second = ({name: step[name] for name in figures} for step in steps)
     assert second == first
+
+
+LONG_RESPONSE = 120
+"""Tokens of the generation `_hold_a_generation_in_flight` leaves running: far more than one engine step."""
+
+
+def _hold_a_generation_in_flight(trainer: RLVRTrainer):
+    """Start long responses to 4 prompts; once the engine has stepped on them, hold its steps as a
+    sync's first bucket does (`RequestEngine.sync_turn`), so they stay in flight. Their result's ref."""
+    prompts = [(i, trainer.prompts[i].ids, trainer.prompts[i].row) for i in range(4)]
+    stepped = trainer.rollout_group.on_each(lambda worker: worker.engine.step_s)[0]
+    ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2,
+                                       trainer.rollout_group.sampling(max_new_tokens=LONG_RESPONSE), 7)
+    deadline = time.monotonic() + 300
+    while trainer.rollout_group.on_each(lambda worker: worker.engine.step_s)[0] == stepped:
+        assert time.monotonic() < deadline, "the engine took no step"
+        time.sleep(0.01)
+    trainer.rollout_group.on_each(lambda worker: setattr(worker.engine, "_syncing", True))
+    assert trainer.rollout_group.on_each(lambda worker: worker.engine.busy)[0], "the responses ended in one step"
+    return ref
 
 
 # fsdp2 alone, pp=2 and cp=2 passed too when measured; they are left out for the suite's time

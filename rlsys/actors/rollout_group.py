@@ -22,13 +22,6 @@ colocated engine's weights are freed in every update and grown back for the sync
 pages fault in faster than 4 KiB ones. No effect on GPU memory."""
 
 
-KEEP_ENGINES = False
-"""Off for now: vLLM's parallel state belongs to the process, and an old engine finalized after its
-successor was built tore it down ("pipeline model parallel group is not initialized" in a restarted
-asynchronous run, by chance). On again once `RolloutWorker.release` finalizes its engine before it
-returns."""
-
-
 class RolloutGroup(ActorGroup):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
@@ -116,9 +109,8 @@ class RolloutGroup(ActorGroup):
 def _keep_key(cfg: RolloutConfig, train_placement, gpu_share: float, return_routing: bool) -> tuple | None:
     """Where the engines sit: in the training group's placement group (colocated), or in bundles of
     their own. None where an engine is not rebuilt in place: its tensor-parallel worker processes are
-    its own, and R3's routing capture sets up the process for its engine; and every engine while
-    `KEEP_ENGINES` is off."""
-    if not KEEP_ENGINES or cfg.tensor_parallel_size > 1 or return_routing:
+    its own, and R3's routing capture sets up the process for its engine."""
+    if cfg.tensor_parallel_size > 1 or return_routing:
         return None
     if cfg.placement == "colocated":
         return "colocated", train_placement.id.hex(), cfg.num_engines, gpu_share

@@ -100,12 +100,16 @@ class RolloutWorker:
         self.loops = {name: cls(context) for name, cls in (loops or {}).items()}
         record_startup("rollout", startup, reused)
 
-    def release(self) -> bool:
+    async def release(self) -> bool:
         """Stop the vLLM engine and drop it, keeping the process and its imports for an engine of
-        another group (`reuse`; `rlsys.actors.kept_actors`). An engine whose loops serve an endpoint
-        (the OpenAI harness's) is not kept: False, and it is killed."""
+        another group (`reuse`; `rlsys.actors.kept_actors`). Requests still in flight (an asynchronous
+        run's generation ahead, when its group ended) fail and the engine's serving task ends first: no
+        step of the old engine may follow the shutdown, which tears down vLLM's process-wide parallel
+        state that the next engine sets up again. An engine whose loops serve an endpoint (the OpenAI
+        harness's) is not kept: False, and it is killed."""
         if any(hasattr(loop, "endpoint") for loop in self.loops.values()):
             return False
+        await self.engine.close()
         self.shutdown()
         self.llm = self.engine = self.memory = self.adapter = self.tokenizer = None
         self.loops = {}

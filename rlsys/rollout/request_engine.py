@@ -72,6 +72,10 @@ class Request:
     """Called after each engine step with the tokens sampled so far (a streamed request)."""
 
 
+class EngineClosed(RuntimeError):
+    """A request reached an engine that `close` stopped."""
+
+
 class RequestEngine:
     def __init__(self, llm):
         self.llm = llm
@@ -92,6 +96,7 @@ class RequestEngine:
         self.schedule = EngineSchedule()
         self._syncing = False
         """Between a sync's first bucket and its last: no step runs on half-written weights."""
+        self._closed = False
 
     async def generate(self, prompt_ids: list[int], params, images: list | None = None,
                        on_tokens: Callable[[list[int]], None] | None = None) -> Completion:
@@ -99,6 +104,8 @@ class RequestEngine:
         of the sampled token: `logprobs=0, flat_logprobs=True`). `images`: a vision-language
         model's pictures, one for each image pad in `prompt_ids` (vLLM expands each pad).
         `on_tokens`: called after each engine step with the tokens sampled so far."""
+        if self._closed:
+            raise EngineClosed("rollout engine: this engine was released; its group has ended")
         future = asyncio.get_running_loop().create_future()
         request = Request(prompt_ids, params, images or None, on_tokens)
         key = request_key(prompt_ids, params, images) if self.schedule.active else ""
@@ -141,6 +148,18 @@ class RequestEngine:
         if self.llm.llm_engine.model_config.is_multimodal_model:
             self.llm.llm_engine.reset_encoder_cache()
 
+    async def close(self) -> None:
+        """Serve no more: the requests in flight fail with `EngineClosed` (their group has ended and
+        nobody waits for them) and the serving task has ended when this returns, so the vLLM engine
+        can be shut down with no step of it still to come."""
+        self._closed = True
+        if self._serving is not None and not self._serving.done():
+            self._serving.cancel()
+            try:
+                await self._serving
+            except (asyncio.CancelledError, EngineClosed):
+                pass
+
     async def _serve(self) -> None:
         """Add what was submitted, step, resolve the finished requests; until nothing is left."""
         try:
@@ -167,12 +186,14 @@ class RequestEngine:
                         self._versions.done(output.request_id)
                     elif output.request_id in self._streamed:
                         self._stream(output.request_id, list(output.outputs[0].token_ids))
-        except BaseException as err:  # the engine failed: every waiting coroutine gets the error
+        except BaseException as err:  # the engine failed or was closed: every waiting coroutine gets the error
             self.schedule.failed = err
+            failure = EngineClosed("rollout engine: this engine was released; its group has ended") \
+                if self._closed else err
             for future in [*(f for futures in self._running.values() for f in futures),
                            *(f for *_, f in self._submitted)]:
                 if not future.done():
-                    future.set_exception(err)
+                    future.set_exception(failure)
             self._running.clear()
             self._streamed.clear()
             self._submitted.clear()

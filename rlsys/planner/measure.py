@@ -3,8 +3,9 @@ and optimizer state it holds, and the peak memory of loading the model and of th
 `benchmarks/memory.py` prints it for several layouts; the planner's `--check` sets it beside
 its estimate.
 
-Each layout runs in its own gloo (or nccl) process group of spawned processes (no Ray: the
-model engine does not need it). Peak memory is the bytes tensors hold
+Each layout runs in its own gloo (or nccl) process group of processes forked from a server that
+imported this module once (no Ray: the model engine does not need it), so that a layout costs its
+measurement, not a fresh interpreter's imports per rank. Peak memory is the bytes tensors hold
 above what they held before the model was built, as torch's allocator counts them:
 max_memory_allocated on a GPU; on the CPU, the allocations and frees torch's profiler records (not
 the resident set, which keeps what the allocator freed): the figure the planner estimates. On the
@@ -223,7 +224,8 @@ def measure(layout: dict, model_dir: str, args: StepShape) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # torch, transformers and the engine, imported once
     results = context.Queue()
     procs = [context.Process(target=run_rank, args=(r, layout, model_dir, port, args, results))
              for r in range(world)]

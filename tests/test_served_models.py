@@ -58,30 +58,55 @@ def test_reward_model_scores_equal_transformers_forward(reward_model_dir):
     assert len(set(round(s, 4) for s in served)) == 3
 
 
+SEQUENCES = [([5, 17, 23, 9, 40, 41], 3), ([8, 8, 30, 2, 61], 2)]
+"""(token ids, start): a prompt and a response, the response's log-probs asked from `start`."""
+
+
 def test_teacher_logprobs_equal_transformers_forward(tiny_model_dir):
     """vLLM's prompt log-probs of prompt + response, from the response's first token: the causal
     LM's log-softmax at each position, taken at the next token; with top-k, that position's k
     likeliest tokens in order and their log-probs."""
-    from transformers import AutoModelForCausalLM
-
     from rlsys.actors.served_models import ServedModelWorker
 
-    sequences = [([5, 17, 23, 9, 40, 41], 3), ([8, 8, 30, 2, 61], 2)]
     worker = ServedModelWorker(tiny_model_dir, SERVING, seed=0, num_threads=2, pooling=False)
     try:
-        served, top = worker.token_logprobs(sequences), worker.token_logprobs(sequences, top_k=3)
+        served, top = worker.token_logprobs(SEQUENCES), worker.token_logprobs(SEQUENCES, top_k=3)
     finally:
         worker.shutdown()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    for (ids, start), got, got_top in zip(sequences, served, top):
-        with torch.no_grad():
-            logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for (ids, start), got, got_top, logprobs in zip(SEQUENCES, served, top, _causal_logprobs(tiny_model_dir)):
         expected = [logprobs[i - 1, ids[i]].item() for i in range(start, len(ids))]
         assert got.sampled == pytest.approx(expected, abs=1e-4) and not got.top_ids
         assert got_top.sampled == pytest.approx(expected, abs=1e-4)
         values, indices = logprobs[start - 1:len(ids) - 1].topk(3, dim=-1)
         assert got_top.top_ids == indices.tolist()
         assert torch.tensor(got_top.top_logprobs) == pytest.approx(values, abs=1e-4)
+
+
+def test_a_released_engine_process_serves_the_next_model(reward_model_dir, tiny_model_dir):
+    """What a kept served engine does between groups (`kept_actors`): a reward model's engine,
+    released, is built again in its process as a teacher's, whose log-probs are the causal LM's."""
+    from rlsys.actors.served_models import ServedModelWorker
+
+    worker = ServedModelWorker(reward_model_dir, SERVING, seed=0, num_threads=2, pooling=True)
+    try:
+        assert len(worker.reward_scores(EXCHANGES)) == 3
+        assert worker.release()
+        worker.reuse(None, tiny_model_dir, SERVING, 0, 2, False)
+        served = worker.token_logprobs(SEQUENCES)
+    finally:
+        worker.shutdown()
+    for (ids, start), got, logprobs in zip(SEQUENCES, served, _causal_logprobs(tiny_model_dir)):
+        assert got.sampled == pytest.approx([logprobs[i - 1, ids[i]].item() for i in range(start, len(ids))],
+                                            abs=1e-4)
+
+
+def _causal_logprobs(model_dir: str) -> list[torch.Tensor]:
+    """transformers' log-softmax at every position of each of `SEQUENCES`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0].log_softmax(-1) for ids, _ in SEQUENCES]
 
 
 @pytest.mark.quick

@@ -45,6 +45,17 @@ class EnginePlacement:
             remove_placement_group(self.group)
 
 
+def engine_keep_key(cfg: EngineLayout, train_placement: PlacementGroup | None, gpu_share: float) -> tuple | None:
+    """Where a group of engines sits, which a set of kept engines must share to serve it
+    (`kept_actors`): in the training group's placement group (colocated), or in bundles of their own.
+    None for tensor-parallel engines: their worker processes are the engine's own, not kept."""
+    if cfg.tensor_parallel_size > 1:
+        return None
+    if cfg.placement == "colocated":
+        return "colocated", train_placement.id.hex(), cfg.num_engines, gpu_share
+    return "separate", cfg.num_engines, cfg.cpus_per_engine, cfg.gpus_per_engine
+
+
 def place_engines(cfg: EngineLayout, train_placement: PlacementGroup | None, train_cpus: float, gpu_share: float,
                   what: str, key: str) -> EnginePlacement:
     """colocated: engine i sits in bundle i of the training group's placement group, its threads

@@ -7,7 +7,7 @@ import ray
 
 from rlsys.actors import kept_actors
 from rlsys.actors.cluster import actor_name, log_file_of, spawn
-from rlsys.actors.engine_placement import place_engines
+from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ActorGroup, contiguous_shares
 from rlsys.actors.rollout_worker import RolloutWorker
@@ -36,9 +36,10 @@ class RolloutGroup(ActorGroup):
         `cpus_key`: the setting that gave the engines their CPUs, named when they do not fit."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
-        self.keep_key = _keep_key(cfg, train_placement, gpu_share, return_routing)
+        self.keep_key = None if return_routing else engine_keep_key(cfg, train_placement, gpu_share)
         """The placement a set of kept engines must share to serve this group (`kept_actors`); None: these
-        engines are not kept (an engine of several worker processes, or one returning its routing)."""
+        engines are not kept (an engine of several worker processes, or one whose routing capture, R3, set
+        up its process)."""
         kept = kept_actors.take("rollout", self.keep_key)
         self.placement = kept[0] if kept else place_engines(cfg, train_placement, train_cpus, gpu_share,
                                                              "rollout engines", cpus_key)
@@ -104,14 +105,3 @@ class RolloutGroup(ActorGroup):
             return
         super().shutdown()
         self.placement.release()
-
-
-def _keep_key(cfg: RolloutConfig, train_placement, gpu_share: float, return_routing: bool) -> tuple | None:
-    """Where the engines sit: in the training group's placement group (colocated), or in bundles of
-    their own. None where an engine is not rebuilt in place: its tensor-parallel worker processes are
-    its own, and R3's routing capture sets up the process for its engine."""
-    if cfg.tensor_parallel_size > 1 or return_routing:
-        return None
-    if cfg.placement == "colocated":
-        return "colocated", train_placement.id.hex(), cfg.num_engines, gpu_share
-    return "separate", cfg.num_engines, cfg.cpus_per_engine, cfg.gpus_per_engine

@@ -11,7 +11,6 @@ a followed schedule puts it before) and holds the engine's steps until its last 
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 
 import torch
@@ -27,7 +26,7 @@ from rlsys.rollout.adapters import AdapterSpec, ServedAdapter
 from rlsys.rollout.cpu_experts import cpu_packed_experts, repack_written
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.request_engine import RequestEngine
-from rlsys.rollout.vllm_engine import create_llm, set_engine_threads
+from rlsys.rollout.vllm_engine import create_llm, free_stopped_engine, set_engine_threads, stop_engine
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 from rlsys.sync.engine_writer import EngineWeightWriter
 from rlsys.sync.shards import Assembler, Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
@@ -113,10 +112,7 @@ class RolloutWorker:
         self.shutdown()
         self.llm = self.engine = self.memory = self.adapter = self.tokenizer = None
         self.loops = {}
-        gc.collect()
-        release_freed_memory(0)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_stopped_engine()
         return True
 
     def reuse(self, log_file: str | None, *args) -> None:
@@ -216,9 +212,7 @@ class RolloutWorker:
         self.engine.schedule.follow(events, start)
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine: with tensor-parallel workers its executor unlinks their
-        shared-memory queues, which a killed actor leaves in /dev/shm."""
-        self.llm.llm_engine.engine_core.shutdown()
+        stop_engine(self.llm)
 
     @releases_freed_memory
     def release_memory(self) -> int:

@@ -4,22 +4,24 @@ reward model, write a judge's verdicts, or give a teacher's log-prob of every re
 A `ServedModelGroup` is started with the run when a config names a model (a reward term's
 `model`, `algorithm.distill.teacher`), placed as the rollout engines are (`place_engines`), and
 shut down with the run; a dead engine is replaced and its share of the call sent again, as a
-rollout engine is (`ActorGroup.wait_replacing`).
+rollout engine is (`ActorGroup.wait_replacing`). Where actors are kept between groups
+(`kept_actors`), the next group of the same role and placement builds its engines in these processes.
 Each call's items are split across the engines in contiguous shares."""
 
 from __future__ import annotations
 
 import ray
 
-from rlsys.actors.cluster import actor_name, spawn
-from rlsys.actors.engine_placement import place_engines
+from rlsys.actors import kept_actors
+from rlsys.actors.cluster import actor_name, log_file_of, spawn
+from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ActorGroup, Call, contiguous_shares
 from rlsys.algorithms.distill import TeacherTokens
 from rlsys.config.rollout import ServingConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.rewards.model_terms import Exchange, reward_model_text
-from rlsys.rollout.vllm_engine import create_served_llm, set_engine_threads
+from rlsys.rollout.vllm_engine import create_served_llm, free_stopped_engine, set_engine_threads, stop_engine
 
 
 class ServedModelWorker:
@@ -27,10 +29,29 @@ class ServedModelWorker:
         """`pooling`: a reward model (vLLM's pooling runner); else a causal LM."""
         startup = StartupClock()
         redirect_actor_output()
+        self._build(startup, False, model_path, cfg, seed, num_threads, pooling)
+
+    def _build(self, startup: StartupClock, reused: bool, model_path: str, cfg: ServingConfig, seed: int,
+               num_threads: int, pooling: bool) -> None:
         set_engine_threads(num_threads, cfg.tensor_parallel_size)
         self.llm = create_served_llm(model_path, cfg, seed, pooling)
         self.tokenizer = self.llm.get_tokenizer()
-        record_startup("served", startup)
+        record_startup("served", startup, reused)
+
+    def release(self) -> bool:
+        """Stop the engine and drop it, keeping the process and its imports for the next group of this
+        role (`reuse`; `rlsys.actors.kept_actors`). Calls run one at a time: none is in flight."""
+        self.shutdown()
+        self.llm = self.tokenizer = None
+        free_stopped_engine()
+        return True
+
+    def reuse(self, log_file: str | None, *args) -> None:
+        """After `release`: build the engine a new group asks for (the constructor's arguments),
+        writing to `log_file`."""
+        startup = StartupClock()
+        redirect_actor_output(log_file)
+        self._build(startup, True, *args)
 
     def reward_scores(self, exchanges: list[Exchange]) -> list[float]:
         """The reward model's logit for each exchange, rendered as it reads conversations
@@ -74,7 +95,7 @@ class ServedModelWorker:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def shutdown(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        stop_engine(self.llm)
 
 
 def _prompt_token_logprobs(flat, ids: list[int], start: int, top_k: int) -> TeacherTokens:
@@ -98,12 +119,19 @@ class ServedModelGroup(ActorGroup):
                  train_placement=None, train_cpus: float = 1.0, gpu_share: float = 0.0):
         """Engines rlsys/<role>/<i> serving `model_path`; `key` is the config key of their serving settings."""
         super().__init__([actor_name(role, i) for i in range(cfg.num_engines)])
-        self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, f"{role} engines",
-                                       f"{key}.cpus_per_engine")
+        self.keep_key = engine_keep_key(cfg, train_placement, gpu_share)
+        kept = kept_actors.take(role, self.keep_key)
+        self.placement = kept[0] if kept else place_engines(cfg, train_placement, train_cpus, gpu_share,
+                                                             f"{role} engines", f"{key}.cpus_per_engine")
         self.role, self.model_path, self.cfg, self.seed, self.pooling = role, model_path, cfg, seed, pooling
         try:
-            self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
-            self.wait([actor.__ray_ready__.remote() for actor in self.actors])
+            if kept:
+                self.actors = kept[1]
+                self.wait([actor.reuse.remote(log_file_of(self.names[i]), model_path, cfg, seed + i,
+                                              self.placement.threads, pooling) for i, actor in enumerate(self.actors)])
+            else:
+                self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
+                self.wait([actor.__ray_ready__.remote() for actor in self.actors])
             self.call_limit = CallLimit(cfg.timeout_s, f"{key}.timeout_s")  # for calls, not for starting
         except BaseException:
             self.shutdown()
@@ -125,6 +153,12 @@ class ServedModelGroup(ActorGroup):
         return [value for share in self.wait_replacing(pending) for value in share]
 
     def shutdown(self) -> None:
+        """Hand the engines back to be kept, when that is on and they are healthy (`kept_actors`); else
+        stop and kill them."""
+        if not hasattr(self, "placement"):
+            return
+        if self.keep_key is not None and not self.failed and kept_actors.hand_back(
+                self.role, self.keep_key, self.placement, self.placement.release, self.actors, self.names):
+            return
         super().shutdown()
-        if hasattr(self, "placement"):
-            self.placement.release()
+        self.placement.release()

@@ -3,11 +3,13 @@ rollout actor, the eval stage or a frozen model's actor needs it."""
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from rlsys.host_memory import release_freed_memory
 from rlsys.models.vision import engine_image_limits
 from rlsys.rollout.vllm_compat import routing_runner_env
 
@@ -82,6 +84,22 @@ def create_served_llm(model_path: str, cfg: ServingConfig, seed: int, pooling: b
         distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 and not on_gpu else None,
         seed=seed,
     )
+
+
+def stop_engine(llm) -> None:
+    """Shut an in-process engine down: with tensor-parallel workers its executor unlinks their
+    shared-memory queues (a killed actor leaves them in /dev/shm); it also tears down vLLM's
+    process-wide parallel state, which the process's next engine sets up again."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def free_stopped_engine() -> None:
+    """After `stop_engine` and dropping every reference to the engine: give its memory back (its
+    weights and KV cache), so that the process can hold the next engine."""
+    gc.collect()
+    release_freed_memory(0)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def prepare_engine(dtype: str) -> str:

@@ -24,6 +24,7 @@ import ray
 
 from rlsys.actors.cluster import kill_named
 from rlsys.actors.failures import CallLimit, wait_all
+from rlsys.console import StartupClock, redirect_actor_output
 
 RELEASE_TIMEOUT_S = 30.0
 """How long every actor of a group that ends may take to drop what it built; one that takes longer
@@ -45,6 +46,17 @@ class _Kept:
 _keeping = False
 _kept: dict[str, _Kept] = {}
 """By role: train, rollout, and each reward pool's (reward, val_reward)."""
+
+
+class BuiltInPlace:
+    """An engine actor whose constructor's work is `_build(startup, reused, *arguments)`, so that a kept
+    one builds a new group's engine in its process (after its `release`)."""
+
+    def reuse(self, log_file: str | None, *args) -> None:
+        """Build the engine a new group asks for (the constructor's arguments), writing to `log_file`."""
+        startup = StartupClock()
+        redirect_actor_output(log_file)
+        self._build(startup, True, *args)
 
 
 def keep_actors(enabled: bool) -> None:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from rlsys.actors.kept_actors import BuiltInPlace
 from rlsys.agents.loop import AgentContext, AgentLoop
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Trajectory
 from rlsys.config.rollout import RolloutConfig, ToolsConfig
@@ -67,7 +68,7 @@ def _release_staging(worker) -> None:
         worker.rlsys_writer.release()
 
 
-class RolloutWorker:
+class RolloutWorker(BuiltInPlace):
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int,
                  releases_memory: bool = False, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
@@ -114,13 +115,6 @@ class RolloutWorker:
         self.loops = {}
         free_stopped_engine()
         return True
-
-    def reuse(self, log_file: str | None, *args) -> None:
-        """After `release`: build the engine a new group asks for (the constructor's arguments),
-        writing to `log_file`."""
-        startup = StartupClock()
-        redirect_actor_output(log_file)
-        self._build(startup, True, *args)
 
     async def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                       seed: int, version: int | None = None) -> Trajectories:

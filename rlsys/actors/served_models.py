@@ -13,6 +13,7 @@ from __future__ import annotations
 import ray
 
 from rlsys.actors import kept_actors
+from rlsys.actors.kept_actors import BuiltInPlace
 from rlsys.actors.cluster import actor_name, log_file_of, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
@@ -24,7 +25,7 @@ from rlsys.rewards.model_terms import Exchange, reward_model_text
 from rlsys.rollout.vllm_engine import create_served_llm, free_stopped_engine, set_engine_threads, stop_engine
 
 
-class ServedModelWorker:
+class ServedModelWorker(BuiltInPlace):
     def __init__(self, model_path: str, cfg: ServingConfig, seed: int, num_threads: int, pooling: bool):
         """`pooling`: a reward model (vLLM's pooling runner); else a causal LM."""
         startup = StartupClock()
@@ -45,13 +46,6 @@ class ServedModelWorker:
         self.llm = self.tokenizer = None
         free_stopped_engine()
         return True
-
-    def reuse(self, log_file: str | None, *args) -> None:
-        """After `release`: build the engine a new group asks for (the constructor's arguments),
-        writing to `log_file`."""
-        startup = StartupClock()
-        redirect_actor_output(log_file)
-        self._build(startup, True, *args)
 
     def reward_scores(self, exchanges: list[Exchange]) -> list[float]:
         """The reward model's logit for each exchange, rendered as it reads conversations

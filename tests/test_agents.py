@@ -177,6 +177,24 @@ def test_bad_calls_become_error_observations_and_counts(engine, tool_caller):
     assert (state.tool_calls, state.tool_errors) == (5, 4)
 
 
+def test_a_tools_build_does_not_count_against_its_first_calls_limit(ray_cluster):
+    """A tool whose build takes 6 s answers its first call within a 0.5 s limit: the pool is up
+    before a call's clock starts (the caller waits for a worker's start only once, in `ToolPool`)."""
+    from rlsys.actors.tool_pool import ToolPool
+    from rlsys.tools.registry import ToolSpec
+
+    module = import_user_code(f"{ASSETS}/agent_tools.py", "tools.names")
+    schema = {"type": "function", "function": {"name": "ready", "description": "Answers at once.",
+                                               "parameters": {"type": "object", "properties": {}, "required": []}}}
+    pool = ToolPool([ToolSpec("ready", module.SlowToStart, {}, schema)], num_workers=1, timeout_s=0.5,
+                    role="slow_tool")
+    try:
+        result = asyncio.run(pool.client().call("t", "ready", {}, {}))
+    finally:
+        pool.shutdown()
+    assert not result.error and result.text == "ready", result
+
+
 def test_a_verl_tool_runs_from_verls_tool_yaml(tool_pool, ray_cluster):
     """VeRL's Gsm8kTool and its tool YAML as VeRL ships them (tests/assets/verl_tools, VeRL not
     installed): the schema reaches the prompt, the instance is created with the row's

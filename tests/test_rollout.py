@@ -75,3 +75,37 @@ def test_a_step_of_long_prompts_samples_each_prompt_as_it_would_alone(worker, to
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     assert [t.text for t in together] == [tokenizer.decode(t.response_ids, skip_special_tokens=True)
                                           for t in together]
+
+
+@pytest.mark.quick
+def test_a_released_engine_fails_what_is_in_flight_and_the_next_samples_alike(worker, tokenizer, tiny_model_dir):
+    """What a kept engine does between groups (`kept_actors`): released while responses are being
+    sampled, it fails them (`EngineClosed`) and its serving ends before its vLLM engine shuts down;
+    the engine built again in the process samples what the first one sampled, and a request to the
+    released one is refused."""
+    from rlsys.rollout.request_engine import EngineClosed
+
+    prompts = [(i, tokenizer(f"{i}+{i}=")["input_ids"]) for i in range(4)]
+    before = rollout(worker, prompts, n=2, max_new_tokens=8, seed=5)
+    released = worker.engine
+    long = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=64, max_response_tokens=64)
+
+    async def release_mid_response():
+        flight = asyncio.ensure_future(worker.rollout([(i, ids, {}) for i, ids in prompts], "single_turn", 2,
+                                                      long, 5))
+        stepped = released.step_s
+        while released.step_s == stepped:  # the engine has sampled a token of them
+            await asyncio.sleep(0)
+        assert released.busy
+        kept = await worker.release()
+        return kept, (await asyncio.gather(flight, return_exceptions=True))[0]
+
+    kept, in_flight = asyncio.run(release_mid_response())
+    assert kept and isinstance(in_flight, EngineClosed), in_flight
+    with pytest.raises(EngineClosed):
+        asyncio.run(released.generate(prompts[0][1], None))
+    worker.reuse(None, tiny_model_dir, RolloutConfig(engine_memory_gib=0.1), 0, 2, False,
+                 {"single_turn": SingleTurnLoop}, None, None, None, None, False, False)
+    after = rollout(worker, prompts, n=2, max_new_tokens=8, seed=5)
+    assert [t.response_ids for t in after] == [t.response_ids for t in before]
+    assert [t.logprobs for t in after] == [t.logprobs for t in before]

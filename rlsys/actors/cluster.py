@@ -1,5 +1,5 @@
-"""Connect to Ray (join RAY_ADDRESS when set, else start a local cluster),
-check that a group fits, and create, name and retire the run's actors."""
+"""Connect to Ray (join RAY_ADDRESS when set, else start a local cluster), check that a group
+fits, place the training ranks node by node, and create, name and retire the run's actors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 
 from rlsys.config.layout import RayConfig
 from rlsys.config.loader import ConfigError
@@ -46,6 +48,7 @@ def ensure_ray(cfg: RayConfig) -> None:
         context = ray.init(
             address="local",  # a cluster of our own even when `ray start` runs on this machine
             num_cpus=cfg.num_cpus or os.cpu_count(),
+            **({"num_gpus": cfg.num_gpus} if cfg.num_gpus is not None else {}),
             include_dashboard=cfg.include_dashboard,
             dashboard_host=cfg.dashboard_host,
             runtime_env=runtime_env,
@@ -85,42 +88,45 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def gpu_shares(gpus_per_worker: float, colocated_engines: int) -> tuple[float, float]:
-    """GPUs a training rank's actor and each engine colocated with it (the rollout engine, a frozen
-    model's engine) take of the rank's bundle: they split it (Ray fractional GPUs), so that all see
-    the GPU and the rollout engine can read the rank's shards through CUDA IPC. Separate engines
-    take none of it."""
+    """GPUs a training rank's actor and each engine rank colocated with it take of the rank's bundle,
+    given the kinds of colocated engines (the rollout's, a frozen model's): a GPU holds one engine
+    rank of each kind (`engine_placement.check_colocated_engines`), and they split it (Ray fractional
+    GPUs), so that all see the GPU and the rollout engine can read the rank's shards through CUDA
+    IPC. Separate engines take none of it."""
     share = gpus_per_worker / (1 + colocated_engines)
     return share, share if colocated_engines else 0.0
 
 
-def check_resources(num_workers: int, cpus: float, gpus: float, key: str, local_cpus: int | None = None) -> None:
+def check_resources(num_workers: int, cpus: float, gpus: float, key: str, local: RayConfig | None = None) -> None:
     """Fail fast, naming the config key and the remedy, when the cluster cannot place
     `num_workers` bundles of `cpus` CPUs and `gpus` GPUs (each bundle on a single node).
-    Before Ray starts a local cluster, the cluster is this machine (with `local_cpus`
-    logical CPUs)."""
+    `key` names the CPUs' setting (`ray.cpus_per_worker`, `rollout.cpus_per_engine`); a shortage of
+    GPUs names its GPU twin. Before Ray starts a local cluster, the cluster is this machine as
+    `local` (its `num_cpus`, `num_gpus`) would start it."""
     for resource, per_worker in (("CPU", cpus), ("GPU", gpus)):
-        nodes = _node_resources(resource, local_cpus)
+        setting = key if resource == "CPU" else key.replace("cpus_per_", "gpus_per_")
+        nodes = _node_resources(resource, local)
         total, largest = sum(nodes), max(nodes, default=0)
         needed = num_workers * per_worker
         if needed > total:
             workers = f"{num_workers} worker{'s' if num_workers != 1 else ''}"
-            raise ConfigError(f"{key}: {workers} x {per_worker:g} {resource}s = {needed:g} {resource}s, but the "
-                              f"Ray cluster has {total:g}; {_remedy(resource, key, needed)}")
+            raise ConfigError(f"{setting}: {workers} x {per_worker:g} {resource}s = {needed:g} {resource}s, but the "
+                              f"Ray cluster has {total:g}; {_remedy(resource, setting, needed)}")
         if per_worker > largest:
-            raise ConfigError(f"{key}: a worker needs {per_worker:g} {resource}s on one node, but the largest of "
-                              f"the cluster's {len(nodes)} nodes has {largest:g}; lower {key}")
+            raise ConfigError(f"{setting}: a worker needs {per_worker:g} {resource}s on one node, but the largest of "
+                              f"the cluster's {len(nodes)} nodes has {largest:g}; lower {setting}")
 
 
 def _remedy(resource: str, key: str, needed: float) -> str:
     """What makes a group that does not fit the cluster fit."""
-    fewer = "lower the parallel degrees" if key == "ray.cpus_per_worker" else "lower rollout.num_engines"
+    fewer = "the parallel degrees" if key.startswith("ray.") else "rollout.num_engines"
     if resource == "GPU":
-        gpu_key = "ray.gpus_per_worker" if key == "ray.cpus_per_worker" else "rollout.gpus_per_engine"
-        return f"lower {gpu_key} or {fewer.removeprefix('lower ')}"
+        return f"lower {key} or {fewer}" + ("" if _joins_a_cluster() else
+                                            f", or set ray.num_gpus if this machine has GPUs CUDA does not see")
     if _joins_a_cluster():
-        return f"add nodes to the cluster, lower {key} or {fewer.removeprefix('lower ')}"
+        return f"add nodes to the cluster, lower {key} or {fewer}"
     return (f"set ray.num_cpus={needed:g} to run them on this machine's cores, sharing them (slowly), "
-            f"or lower {key} or {fewer.removeprefix('lower ')}")
+            f"or lower {key} or {fewer}")
 
 
 def _joins_a_cluster() -> bool:
@@ -132,16 +138,26 @@ def largest_node_cpus() -> float:
     return max(_node_resources("CPU", None), default=0)
 
 
-def _node_resources(resource: str, local_cpus: int | None) -> list[float]:
+def _node_resources(resource: str, local: RayConfig | None) -> list[float]:
     if ray.is_initialized():
         return [n["Resources"].get(resource, 0) for n in ray.nodes() if n["Alive"]]
     if os.environ.get("RAY_ADDRESS"):
         return [float("inf")]  # an existing cluster: checked once connected
-    if resource == "CPU":
-        return [local_cpus or os.cpu_count() or 1]
+    return [local_cluster_resources(local or RayConfig())[resource]]
+
+
+def local_cluster_resources(cfg: RayConfig) -> dict[str, float]:
+    """The CPUs and GPUs of the local cluster `ensure_ray` would start: Ray's
+    RAY_OVERRIDE_RESOURCES over `ray.num_cpus` / `ray.num_gpus` over this machine's cores and the
+    GPUs CUDA sees."""
+    import json
+
     import torch
 
-    return [torch.cuda.device_count()]
+    resources = {"CPU": float(cfg.num_cpus or os.cpu_count() or 1),
+                 "GPU": float(cfg.num_gpus if cfg.num_gpus is not None else torch.cuda.device_count())}
+    override = json.loads(os.environ.get("RAY_OVERRIDE_RESOURCES") or "{}")
+    return {name: float(override.get(name, count)) for name, count in resources.items()}
 
 
 def wait_placed(placement, what: str, timeout_s: float = 120.0) -> None:
@@ -152,6 +168,87 @@ def wait_placed(placement, what: str, timeout_s: float = 120.0) -> None:
     except ray.exceptions.GetTimeoutError:
         raise ConfigError(f"ray: could not place the {what} within {timeout_s:g} s; free resources: "
                           f"{ray.available_resources()}") from None
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """The training ranks' placement group and the bundle each rank sits in, in rank order: a node's
+    ranks are contiguous (`ranks_by_node`)."""
+
+    group: PlacementGroup
+    bundles: tuple[int, ...]
+    nodes: tuple[str, ...] = ()
+    """The node of each rank's bundle, in rank order."""
+
+
+def ranks_by_node(bundle_nodes: list[str]) -> list[int]:
+    """Bundle indices in rank order, given each bundle's node: node by node (in the order of each
+    node's first bundle), so that the ranks of a node are contiguous, as tensor-parallel groups and a
+    colocated engine's GPUs on one node need; bundle order within a node."""
+    nodes = list(dict.fromkeys(bundle_nodes))
+    return sorted(range(len(bundle_nodes)), key=lambda bundle: (nodes.index(bundle_nodes[bundle]), bundle))
+
+
+def place_ranks(world_size: int, bundle: dict[str, float]) -> RankPlacement:
+    """A bundle per rank, packed onto as few nodes as fit, ranks numbered node by node."""
+    group = placement_group([bundle] * world_size, strategy="PACK")
+    wait_placed(group, f"training group ({world_size} x {bundle})")
+    bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
+    nodes = [bundle_nodes[index] for index in range(world_size)]
+    bundles = ranks_by_node(nodes)
+    return RankPlacement(group, tuple(bundles), tuple(nodes[index] for index in bundles))
+
+
+def assigned_gpu_index() -> int:
+    """The CUDA index of the GPU Ray assigned this actor: its place in CUDA_VISIBLE_DEVICES, which
+    Ray narrows to the actor's GPUs (index 0), or its id where Ray leaves the variable alone
+    (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: every GPU visible)."""
+    gpu = str(ray.get_runtime_context().get_accelerator_ids()["GPU"][0])
+    visible = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    return visible.index(gpu) if gpu in visible else int(gpu)
+
+
+def check_nodes_share(output_dir: str, paths: dict[str, str], timeout_s: float = 120.0) -> None:
+    """On a cluster of several nodes, ask each node (a task pinned to it) whether it sees `output_dir`
+    as this one does (a file written here is read there: ranks write checkpoint shards and the
+    export there, the driver renames and prunes) and every local path of `paths` (config key ->
+    path). Refuse in one line naming the first node that does not."""
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    if len(nodes) < 2:
+        return
+    import secrets
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = secrets.token_hex(16)
+    probe = os.path.join(output_dir, f".rlsys-node-check-{token[:8]}")
+    with open(probe, "w") as f:
+        f.write(token)
+    try:
+        checks = [(node, _node_sees.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node["NodeID"], soft=False)).remote(probe, token, paths)) for node in nodes]
+        for node, check in checks:
+            unseen = ray.get(check, timeout=timeout_s)
+            if unseen:
+                key, path = unseen
+                where = f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})"
+                raise ConfigError(f"{key}: {where} does not see {path} as this machine does; every node must "
+                                  f"share output_dir and the local model paths (a shared filesystem: NFS, Lustre, "
+                                  f"a cloud file store)")
+    finally:
+        os.remove(probe)
+
+
+@ray.remote
+def _node_sees(probe: str, token: str, paths: dict[str, str]) -> tuple[str, str] | None:
+    """(key, path) of the first thing this node does not see, or None."""
+    try:
+        with open(probe) as f:
+            if f.read() != token:
+                return "output_dir", os.path.dirname(probe)
+    except OSError:
+        return "output_dir", os.path.dirname(probe)
+    return next(((key, path) for key, path in paths.items() if not os.path.exists(path)), None)
 
 
 # -- named actors --------------------------------------------------------------

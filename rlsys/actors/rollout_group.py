@@ -62,10 +62,10 @@ class RolloutGroup(ActorGroup):
             raise
 
     def _spawn(self, index: int):
+        seat = self.placement.seat(index)
         return spawn(ray.remote(RolloutWorker), "rollout", index, self.model_path, self.cfg, self.seed + index,
-                     *self._args, env=ENGINE_ENV,
-                     num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
-                     scheduling_strategy=self.placement.strategy(index))
+                     *self._args, env={**ENGINE_ENV, **seat.env}, num_cpus=seat.num_cpus, num_gpus=seat.num_gpus,
+                     scheduling_strategy=seat.strategy)
 
     def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                 seed: int, version: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:

@@ -132,9 +132,10 @@ class ServedModelGroup(ActorGroup):
             raise
 
     def _spawn(self, index: int):
+        seat = self.placement.seat(index)
         return spawn(ray.remote(ServedModelWorker), self.role, index, self.model_path, self.cfg, self.seed + index,
-                     self.placement.threads, self.pooling, num_cpus=self.placement.num_cpus,
-                     num_gpus=self.placement.num_gpus, scheduling_strategy=self.placement.strategy(index))
+                     self.placement.threads, self.pooling, env=seat.env, num_cpus=seat.num_cpus,
+                     num_gpus=seat.num_gpus, scheduling_strategy=seat.strategy)
 
     def submit_split(self, method: str, items: list, *args) -> list[Call]:
         """Start `method` on contiguous shares of `items`, one per engine; `gather` joins the results."""

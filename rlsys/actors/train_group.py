@@ -8,11 +8,11 @@ import logging
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.actors import kept_actors
-from rlsys.actors.cluster import actor_name, check_resources, log_file_of, spawn, wait_placed
+from rlsys.actors.cluster import actor_name, check_resources, log_file_of, place_ranks, spawn
 from rlsys.actors.group import ActorGroup
 from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
@@ -28,6 +28,8 @@ class TrainGroup(ActorGroup):
         world_size = spec.dims.world_size
         super().__init__([actor_name("train", rank) for rank in range(world_size)], spec.collective_timeout_s)
         check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
+        if not spec.use_gpu and (gpus := ray.cluster_resources().get("GPU", 0)):
+            log.warning("training on CPU: ray.gpus_per_worker is 0, though the Ray cluster has %g GPUs", gpus)
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
         num_gpus = (ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0
         self.shape = (world_size, tuple(sorted(bundle.items())), num_gpus)
@@ -43,13 +45,12 @@ class TrainGroup(ActorGroup):
                 self.wait([actor.reuse.remote(rank, spec, log_file_of(name))
                            for rank, (actor, name) in enumerate(zip(self.actors, self.names))])
             else:
-                self.placement = placement_group([bundle] * world_size, strategy="PACK")
-                wait_placed(self.placement, f"training group ({world_size} x {bundle})")
+                self.placement = place_ranks(world_size, bundle)
                 actor_cls = ray.remote(TrainWorker)
                 self.actors = [
                     spawn(actor_cls, "train", rank, rank, spec, num_cpus=ray_cfg.cpus_per_worker, num_gpus=num_gpus,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
-                                                                               placement_group_bundle_index=rank))
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              self.placement.group, placement_group_bundle_index=self.placement.bundles[rank]))
                     for rank in range(world_size)
                 ]
             master_addr, master_port = self.wait([self.submit(0, "master_address")], [0])[0]
@@ -82,7 +83,7 @@ class TrainGroup(ActorGroup):
         leave the process group where the ranks still answer, then kill them all."""
         if self.placement is None:
             return
-        free = functools.partial(remove_placement_group, self.placement)
+        free = functools.partial(remove_placement_group, self.placement.group)
         if not self.failed and kept_actors.hand_back("train", self.shape, self.placement, free, self.actors,
                                                      self.names):
             return

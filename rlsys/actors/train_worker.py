@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from rlsys.actors.cluster import assigned_gpu_index
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
 from rlsys.algorithms.lm_loss import logprobs_and_sum_pi_squared, token_logprobs, top_k_logprobs
 from rlsys.algorithms.value_loss import token_values
@@ -121,7 +122,7 @@ class TrainWorker:
     def _become(self, rank: int, spec: TrainWorkerSpec) -> None:
         self.rank, self.spec = rank, spec
         torch.set_num_threads(spec.num_threads)
-        self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+        self.device = torch.device("cuda", assigned_gpu_index()) if spec.use_gpu else torch.device("cpu")
         self.policy = self.reference = self.critic = self.teacher = None
 
     def release(self) -> bool:
@@ -287,6 +288,11 @@ class TrainWorker:
             self.critic.state.load(os.path.join(path, "critic"), self.rank)
 
     @releases_freed_memory
+    def empty_gpu_cache(self) -> None:
+        """Give the GPU memory the caching allocator holds free (the update's peak) back to the device,
+        for the engines colocated with this rank to wake into."""
+        torch.cuda.empty_cache()
+
     def export_hf(self, out_dir: str) -> None:
         export_hf(self.policy.weights, self.spec.model, out_dir, self.where.pp, self.spec.dims.pp,
                   writes_stage=self.where.leads_stage, writes_config=self.rank == 0, reward_head=self.spec.value_head)

@@ -74,10 +74,14 @@ class RayConfig:
     (at most ray.num_cpus) less separate rollout engines' CPUs, split evenly over the ranks; 1 when joining
     RAY_ADDRESS."""
     gpus_per_worker: float = Field(default=0.0, ge=0)
-    """GPUs for each training rank; 0 trains on CPU with gloo, >0 on CUDA with nccl."""
+    """GPUs for each training rank: 0 trains on CPU with gloo, 1 on its own GPU with nccl (a rank
+    drives one GPU; colocated engines share it)."""
     num_cpus: int | None = Field(default=None, gt=0)
     """Logical CPUs of a local cluster (default: this machine's cores). More than the cores lets a
     layout with more ranks than cores run, slowly; ignored when joining RAY_ADDRESS."""
+    num_gpus: int | None = Field(default=None, ge=0)
+    """GPUs of a local cluster (default: the GPUs this machine's CUDA sees, or Ray's
+    RAY_OVERRIDE_RESOURCES); ignored when joining RAY_ADDRESS."""
     include_dashboard: bool = True
     """Start the Ray dashboard with a local cluster (ignored when joining RAY_ADDRESS)."""
     dashboard_host: str = "127.0.0.1"

@@ -14,7 +14,7 @@ from rlsys.config.base import STRICT
 from rlsys.config.layout import ParallelConfig, RayConfig
 from rlsys.config.model import ModelConfig
 from rlsys.config.rl import AlgorithmConfig, CriticConfig, RewardConfig, RLTrainConfig
-from rlsys.config.rollout import EvalConfig, RolloutConfig, ToolsConfig
+from rlsys.config.rollout import EvalConfig, RolloutConfig, ServingConfig, ToolsConfig
 from rlsys.config.training import DataConfig, OptimConfig, TrackingConfig, TrainConfig
 
 
@@ -63,6 +63,16 @@ class RLJobConfig(JobConfig):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     eval: EvalConfig | None = None
     """Validation split, scored with greedy decoding by the rollout engines."""
+
+    def engine_groups(self) -> list[tuple[str, RolloutConfig | ServingConfig]]:
+        """Each group of vLLM engines the run starts, with its config key: the rollout's, each reward
+        model's or judge's, an engine-served teacher's."""
+        groups: list[tuple[str, RolloutConfig | ServingConfig]] = [("rollout", self.rollout)]
+        groups += [(f"reward.terms[{i}].serving", term.serving) for i, term in enumerate(self.reward.terms)
+                   if term.model]
+        if self.algorithm.distill is not None and self.algorithm.distill.source == "engine":
+            groups.append(("algorithm.distill.serving", self.algorithm.distill.serving))
+        return groups
 
 
 @dataclass(config=STRICT)

@@ -50,8 +50,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         # raises "CPU Generator does not use offset", so there every prompt is prefilled in one pass
         enable_chunked_prefill=on_gpu,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        # a tensor-parallel engine on CPU runs its ranks as worker processes of this one
-        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 and not on_gpu else None,
+        distributed_executor_backend=executor_backend(cfg.tensor_parallel_size),
         enable_sleep_mode=sleep_mode,
         # log-probs of the distribution sampled from (after temperature), which the trainer reproduces
         logprobs_mode="processed_logprobs",
@@ -81,9 +80,20 @@ def create_served_llm(model_path: str, cfg: ServingConfig, seed: int, pooling: b
         max_model_len=cfg.max_model_len,
         enable_chunked_prefill=on_gpu,  # as create_llm: seeded CPU samplers cannot rewind a partial prefill
         tensor_parallel_size=cfg.tensor_parallel_size,
-        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 and not on_gpu else None,
+        distributed_executor_backend=executor_backend(cfg.tensor_parallel_size),
         seed=seed,
     )
+
+
+def executor_backend(tensor_parallel_size: int) -> str | None:
+    """Where a tensor-parallel engine's ranks run: as Ray actors in the bundles its placement named
+    (`VLLM_RAY_BUNDLE_INDICES`: an engine colocated on the training ranks' GPUs), else as worker
+    processes of this one, on the devices this actor was given (an engine's own bundle, or CPU).
+    Never vLLM's own choice: inside a placement group it would pick Ray and ask the group for GPUs
+    that the engine's bundle already holds, waiting for them without end."""
+    if tensor_parallel_size == 1:
+        return None
+    return "ray" if os.environ.get("VLLM_RAY_BUNDLE_INDICES") else "mp"
 
 
 def stop_engine(llm) -> None:

@@ -120,12 +120,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, dims.world_size)
     _check_block_size(cfg.rollout.block_size, cfg.ray.gpus_per_worker > 0 or cfg.rollout.gpus_per_engine > 0)
-    if cfg.rollout.placement == "separate":
-        from rlsys.actors.cluster import check_resources
-
-        gpus = cfg.rollout.gpus_per_engine * cfg.rollout.tensor_parallel_size
-        check_resources(cfg.rollout.num_engines, cfg.rollout.cpus_per_engine, gpus, "rollout.cpus_per_engine",
-                        cfg.ray.num_cpus)
+    _check_engine_resources(cfg, dims.world_size)
 
 
 def check_train_batch(train: TrainConfig, dp: int) -> None:
@@ -349,8 +344,29 @@ def _check_eval(cfg: EvalConfig) -> None:
 def _check_training_resources(ray_cfg: RayConfig, world_size: int) -> None:
     from rlsys.actors.cluster import check_resources
 
-    check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker",
-                    ray_cfg.num_cpus)
+    if ray_cfg.gpus_per_worker not in (0, 1):
+        raise ConfigError(f"ray.gpus_per_worker: {ray_cfg.gpus_per_worker:g}; a training rank drives one GPU "
+                          f"(1; 0 trains on CPU): two ranks on one GPU are refused by NCCL, and engines share a "
+                          f"rank's GPU by rollout.placement: colocated")
+    check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker", ray_cfg)
+
+
+def _check_engine_resources(cfg: RLJobConfig, world_size: int) -> None:
+    """Every group of engines fits: colocated ones on the training ranks' GPUs, separate ones in the
+    cluster; a tensor-parallel engine's ranks each on a GPU of their own."""
+    from rlsys.actors.cluster import check_resources
+    from rlsys.actors.engine_placement import check_colocated_engines
+
+    for key, engines in cfg.engine_groups():
+        tp = engines.tensor_parallel_size
+        if engines.placement == "colocated":
+            check_colocated_engines(engines, world_size, cfg.ray.gpus_per_worker, key)
+            continue
+        if tp > 1 and engines.gpus_per_engine not in (0, 1):
+            raise ConfigError(f"{key}.gpus_per_engine: {engines.gpus_per_engine:g}; each of a tensor-parallel "
+                              f"engine's {tp} ranks takes a GPU of its own (1)")
+        check_resources(engines.num_engines, engines.cpus_per_engine, engines.gpus_per_engine * tp,
+                        f"{key}.cpus_per_engine", cfg.ray)
 
 
 def _check_files(paths: list[str], key: str) -> None:

@@ -124,7 +124,4 @@ def teacher_in_trainer(cfg: RLJobConfig) -> str | None:
 def colocated_engines(cfg: RLJobConfig) -> int:
     """Engines of each kind that share a training rank's devices: the rollout's, each model term's,
     the teacher's."""
-    serving = [t.serving for t in cfg.reward.terms if t.model]
-    if cfg.algorithm.distill is not None and cfg.algorithm.distill.source == "engine":
-        serving.append(cfg.algorithm.distill.serving)
-    return sum(c.placement == "colocated" for c in [cfg.rollout, *serving])
+    return sum(engines.placement == "colocated" for _, engines in cfg.engine_groups())

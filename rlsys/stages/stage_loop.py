@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.cluster import check_nodes_share, ensure_ray
 from rlsys.actors.phases import set_phase
 from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.stages.checkpoints import CheckpointDir, save_due
@@ -59,6 +59,7 @@ def run_stage(cfg: TrainJobConfig | RLJobConfig, stage: str,
     `open_session` builds, one per attempt: the first, and one more after each restart."""
     config_dict = prepare_run_dir(cfg, stage)
     ensure_ray(cfg.ray)
+    check_nodes_share(cfg.output_dir, _model_paths(cfg))
     checkpoints = CheckpointDir(cfg.output_dir, cfg.train.keep_last)
     run = StageRun(hf_dir=os.path.join(cfg.output_dir, HF_MODEL_DIR))
 
@@ -75,6 +76,16 @@ def run_stage(cfg: TrainJobConfig | RLJobConfig, stage: str,
         return run
 
     return run_with_restarts(cfg.train.max_restarts, checkpoints, attempt)
+
+
+def _model_paths(cfg: TrainJobConfig | RLJobConfig) -> dict[str, str]:
+    """The model directories the run's actors load, by config key: every node must see them."""
+    paths = {"model.path": cfg.model.path}
+    if isinstance(cfg, RLJobConfig):
+        paths |= {f"reward.terms[{i}].model": term.model for i, term in enumerate(cfg.reward.terms)}
+        if cfg.algorithm.distill is not None:
+            paths["algorithm.distill.teacher"] = cfg.algorithm.distill.teacher
+    return {key: path for key, path in paths.items() if path}
 
 
 def _steps(cfg: TrainJobConfig | RLJobConfig, stage: str, session: StageSession, checkpoints: CheckpointDir,

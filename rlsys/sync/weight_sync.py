@@ -67,7 +67,7 @@ def plan_buckets(nbytes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
 class WeightSync:
     """Streams the training group's policy to every engine of the rollout group. The groups
     are `rlsys.actors`' TrainGroup and RolloutGroup: this class calls their actors' sync
-    methods (`parameter_nbytes`, `sync_shards`, `share_shards`; `load_weights`,
+    methods (`parameter_nbytes`, `sync_shards`, `share_shards`, `empty_gpu_cache`; `load_weights`,
     `load_shared`) and nothing else of them."""
 
     def __init__(self, train_group, rollout_group, bucket_mb: float, shared_memory: bool = True):
@@ -88,6 +88,9 @@ class WeightSync:
         An engine that dies meanwhile is replaced (`ActorGroup.replace_dead`) and the policy sent to
         every engine again."""
         started = time.perf_counter()
+        if self.train_group.on_gpu and self.rollout_group.releases_memory:
+            # the engines wake into the GPUs the ranks' allocators still hold at the update's peak
+            self.train_group.run_all("empty_gpu_cache")
         try:
             self._load(version)
         except Exception as err:  # a dead engine is replaced here; anything else goes on up
@@ -174,7 +177,8 @@ def _gpus_unseen(ranks: list[_Host], engines: list[_Host]) -> str:
     if all(rank_gpus <= set(room.gpus) for room in engines):
         return ""
     return (f"the training ranks' GPUs {sorted(rank_gpus)} are not all visible to every engine "
-            f"({[list(room.gpus) for room in engines]}); colocate the engines with the ranks")
+            f"({[list(room.gpus) for room in engines]}): an engine reads in place only shards on GPUs it sees, "
+            f"and a colocated engine sees its own rank's GPU alone")
 
 
 @dataclass(frozen=True)

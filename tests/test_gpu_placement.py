@@ -1,0 +1,171 @@
+"""A GPU node's placement, seen on CPU: Ray schedules the logical GPUs it is told of, so which
+actor gets which GPU, and whether it is placed at all, is what a GPU node would do. The
+placement runs in a process of its own (tests/assets/gpu_placement_probe.py: its own Ray
+clusters, one node of 8 GPUs and two of 4); what needs CUDA itself waits for a GPU
+(scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from test_rlvr import rl_raw
+
+from rlsys.actors.cluster import RankPlacement, local_cluster_resources, ranks_by_node
+from rlsys.actors.engine_placement import _check_one_node_each, check_colocated_engines
+from rlsys.config.layout import RayConfig
+from rlsys.config.loader import ConfigError
+from rlsys.config.rollout import RolloutConfig
+from rlsys.run import main
+
+PROBE = pathlib.Path(__file__).parent / "assets" / "gpu_placement_probe.py"
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    shared = tmp_path_factory.mktemp("shared")
+    result = subprocess.run([sys.executable, str(PROBE), str(shared)], capture_output=True, text=True, timeout=600,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_each_rank_and_colocated_engine_rank_takes_the_gpu_intended(placed):
+    """Rank r has the GPU of its bundle; rollout engine e (tp 2) has its workers on the GPUs of ranks
+    2e and 2e+1 and holds none itself; reward engine i (tp 1) shares rank i's GPU; all of them placed."""
+    node = placed["one_node"]
+    rank_gpus = [rank["gpus"] for rank in node["ranks"]]
+    assert all(len(gpus) == 1 for gpus in rank_gpus) and len({g[0] for g in rank_gpus}) == 4
+    assert [rank["index"] for rank in node["ranks"]] == [0, 0, 0, 0]  # Ray narrowed CUDA_VISIBLE_DEVICES
+    assert [engine["gpus"] for engine in node["rollout_actors"]] == [[], []]
+    for e, engine in enumerate(node["rollout"]):
+        assert engine["backend"] == "ray" and engine["in_group"]
+        assert engine["workers"] == [rank_gpus[2 * e], rank_gpus[2 * e + 1]]
+    assert [engine["gpus"] for engine in node["reward"]] == rank_gpus
+    assert node["one_share_more"] is False, "the ranks' GPUs should be exactly full"
+
+
+def test_colocated_tensor_parallel_engine_seats_name_the_ranks_bundles(placed):
+    seats = placed["one_node"]["rollout_seats"]
+    share = placed["one_node"]["rank_share"]
+    assert [seat["num_gpus"] for seat in seats] == [0, 0]
+    assert [seat["env"]["VLLM_RAY_PER_WORKER_GPUS"] for seat in seats] == [f"{share:g}"] * 2
+    assert len({seat["env"]["VLLM_RAY_BUNDLE_INDICES"] for seat in seats}) == 2
+
+
+def test_a_separate_tensor_parallel_engine_holds_its_gpus_and_runs_its_ranks_as_processes(placed):
+    node = placed["one_node"]
+    (engine,) = node["separate"]
+    ranks = {rank["gpus"][0] for rank in node["ranks"]}
+    assert len(engine["gpus"]) == 2 and not set(engine["gpus"]) & ranks
+    assert node["separate_backend"] == "mp"
+
+
+def test_a_rank_that_sees_every_gpu_takes_the_one_ray_assigned(placed):
+    (rank,) = placed["one_node"]["noset"]
+    assert rank["cuda_visible"] is None and rank["index"] == int(rank["gpus"][0])
+
+
+def test_ranks_of_a_node_are_contiguous_on_two_nodes(placed):
+    nodes = placed["two_nodes"]["nodes"]
+    assert len(set(nodes)) == 2 and nodes[:4] == [nodes[0]] * 4 and nodes[4:] == [nodes[4]] * 4
+    bundles = placed["two_nodes"]["bundles"]
+    engine_bundles = [[int(b) for b in seat.split(",")] for seat in placed["two_nodes"]["engine_bundles"]]
+    assert engine_bundles == [bundles[2 * e:2 * e + 2] for e in range(4)]
+
+
+def test_a_node_that_does_not_share_the_run_directory_is_named(placed):
+    """Two nodes on one filesystem pass; a third whose mount namespace puts another filesystem
+    over the run's directory is refused in one line naming it."""
+    nodes = placed["two_nodes"]
+    assert nodes["shared"] == ""
+    if "unavailable" in nodes["not_shared"]:
+        pytest.skip(f"no node with a filesystem of its own on this machine: {nodes['not_shared']['unavailable']}")
+    assert re.fullmatch(r"output_dir: node \S+ \(\w{8}\) does not see \S+ as this machine does; every node must "
+                        r"share output_dir and the local model paths .*", nodes["not_shared"]["refusal"])
+
+
+@pytest.mark.quick
+def test_ranks_are_numbered_node_by_node():
+    assert ranks_by_node(["a", "b", "a", "b", "c", "a"]) == [0, 2, 5, 1, 3, 4]
+
+
+@pytest.mark.quick
+def test_a_tensor_parallel_engine_across_nodes_is_refused():
+    ranks = RankPlacement(None, (0, 1, 2, 3, 4, 5), ("a", "a", "a", "b", "b", "b"))
+    _check_one_node_each(ranks, 1, 2, "rollout")
+    with pytest.raises(ConfigError, match=r"^rollout\.tensor_parallel_size: engine 1's 2 GPUs, those of training "
+                                          r"ranks 2\.\.3, span nodes"):
+        _check_one_node_each(ranks, 2, 2, "rollout")
+
+
+@pytest.mark.quick
+def test_colocated_engines_beyond_the_ranks_gpus_are_refused_on_gpus_only():
+    engines = RolloutConfig(placement="colocated", num_engines=3)
+    check_colocated_engines(engines, 2, 0, "rollout")  # on CPU they share the ranks' cores
+    with pytest.raises(ConfigError, match=r"^rollout\.num_engines: 3 colocated engines x 1 GPU each"):
+        check_colocated_engines(engines, 2, 1, "rollout")
+    tp2 = RolloutConfig(placement="colocated", num_engines=2, tensor_parallel_size=2)
+    check_colocated_engines(tp2, 4, 1, "rollout")
+    with pytest.raises(ConfigError, match=r"= 4 GPUs, but the 2 training ranks hold 2"):
+        check_colocated_engines(tp2, 2, 1, "rollout")
+
+
+@pytest.mark.quick
+def test_the_local_clusters_gpus_are_counted_as_ray_will_count_them(monkeypatch):
+    monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
+    assert local_cluster_resources(RayConfig(num_cpus=3, num_gpus=2)) == {"CPU": 3, "GPU": 2}
+    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", '{"GPU": 8}')
+    assert local_cluster_resources(RayConfig(num_cpus=3))["GPU"] == 8
+
+
+@pytest.fixture
+def rl_yaml(tiny_model_dir, arith_files, tmp_path) -> str:
+    """A small RLVR job of 2 ranks and one colocated engine."""
+    config = tmp_path / "rl.yaml"
+    config.write_text(yaml.safe_dump(rl_raw(tiny_model_dir, arith_files, str(tmp_path / "rl"))))
+    return str(config)
+
+
+@pytest.fixture
+def rlvr_error(rl_yaml):
+    """Runs `rlvr` on `rl_yaml` with `overrides`, in an environment with `env` added; returns the process."""
+
+    def run(*overrides: str, **env: str) -> subprocess.CompletedProcess:
+        environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | env
+        return subprocess.run([sys.executable, "-m", "rlsys.run", "rlvr", "--config", rl_yaml,
+                               "ray.cpus_per_worker=1", *overrides],
+                              capture_output=True, text=True, timeout=120, env=environment)
+
+    return run
+
+
+@pytest.mark.quick
+def test_more_colocated_engines_than_the_clusters_gpus_are_refused_before_ray_starts(rlvr_error):
+    """With Ray told of 2 GPUs, 2 ranks of 1 GPU pass the training check (the cluster's GPUs are
+    counted, not this machine's CUDA devices) and 6 colocated engines are refused in one line."""
+    result = rlvr_error("ray.gpus_per_worker=1", "rollout.num_engines=6", RAY_OVERRIDE_RESOURCES='{"GPU": 2}')
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rlsys rlvr: error: rollout.num_engines: 6 colocated engines x 1 GPU each (tensor_parallel_size) = 6 GPUs, "
+        "but the 2 training ranks hold 2 (one each, ray.gpus_per_worker=1); a colocated engine's ranks take one "
+        "GPU each: set rollout.num_engines to at most 2 or rollout.placement: separate")
+    short = rlvr_error("ray.gpus_per_worker=1", RAY_OVERRIDE_RESOURCES='{"GPU": 1}')
+    assert short.returncode == 2
+    assert short.stderr.strip().splitlines()[-1].startswith(
+        "rlsys rlvr: error: ray.gpus_per_worker: 2 workers x 1 GPUs = 2 GPUs, but the Ray cluster has 1; ")
+
+
+@pytest.mark.quick
+def test_a_fraction_of_a_gpu_per_rank_is_refused(rl_yaml, capsys):
+    assert main(["rlvr", "--config", rl_yaml, "ray.gpus_per_worker=0.5"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rlsys rlvr: error: ray.gpus_per_worker: 0.5; a training rank drives one GPU (1; 0 trains on CPU): two "
+        "ranks on one GPU are refused by NCCL, and engines share a rank's GPU by rollout.placement: colocated")

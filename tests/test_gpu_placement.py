@@ -24,6 +24,9 @@ from rlsys.config.loader import ConfigError
 from rlsys.config.rollout import RolloutConfig
 from rlsys.run import main
 
+# One xdist worker runs this module (scripts/test.sh): the probe's clusters start once.
+pytestmark = pytest.mark.xdist_group("gpu_placement")
+
 PROBE = pathlib.Path(__file__).parent / "assets" / "gpu_placement_probe.py"
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import ray
@@ -29,6 +31,8 @@ from rlsys.config.rollout import RolloutConfig, ServingConfig
 
 WAIT_S = 60.0
 """Longer than any actor's start on a loaded 2-core machine; an actor Ray cannot place never starts."""
+JOIN_S = 300.0
+"""A node's start (`ray start`: its raylet and agents, each importing Ray) on a loaded 2-core machine."""
 
 
 @ray.remote
@@ -150,18 +154,30 @@ def refusal(shared_dir: str) -> str:
     return ""
 
 
+def last_error(output) -> str:
+    """The last line of a process's output that names an error, else its last line."""
+    output.seek(0)
+    lines = [line.strip() for line in output.read().splitlines() if line.strip()] or [""]
+    errors = [line for line in lines if "Error" in line or "Exception" in line or "denied" in line]
+    return (errors or lines)[-1][:300]
+
+
 def with_node_of_another_filesystem(address: str, shared_dir: str) -> dict:
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    start = f"mount -t tmpfs tmpfs {shared_dir} && exec {ray_cli} start --block --address={address} --num-cpus=1"
+    start = (f"mount -t tmpfs tmpfs {shared_dir} && exec {ray_cli} start --block --address={address} --num-cpus=1 "
+             f"--disable-usage-stats")
+    if not shutil.which("unshare"):
+        return {"unavailable": "no unshare command"}
+    output = tempfile.TemporaryFile("w+")
     node = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", start],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + JOIN_S
         while sum(n["Alive"] for n in ray.nodes()) < 3:
-            if node.poll() is not None:
-                return {"unavailable": node.stderr.read()[-500:]}  # no mount namespaces on this machine
+            if node.poll() is not None:  # no mount namespaces here, or the node's start failed
+                return {"unavailable": f"the node exited: {last_error(output)}"}
             if time.monotonic() > deadline:
-                return {"unavailable": "the node did not join"}
+                return {"unavailable": f"the node did not join within {JOIN_S:g} s: {last_error(output)}"}
             time.sleep(0.5)
         return {"refusal": refusal(shared_dir)}
     finally:

@@ -24,6 +24,7 @@ from test_rlvr import rl_raw
 pytestmark = pytest.mark.xdist_group("ray_cluster")
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+WORKER_STARTS = 3
 JOB = "rlsys-test-job"
 
 
@@ -81,13 +82,18 @@ def head(tmp_path_factory):
             except (OSError, urllib.error.URLError):
                 assert time.monotonic() < deadline, "the dashboard did not come up"
                 time.sleep(1)
-        worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
-                             f"--dashboard-agent-listen-port={free_port()}"], env, logs / "worker.log")
-        nodes.insert(0, worker)
-        while alive_nodes(dashboard, token.read_text().strip()) < 2:
-            assert worker.poll() is None, (logs / "worker.log").read_text()[-3000:]
-            assert time.monotonic() < deadline + 120, "the worker node did not join"
-            time.sleep(1)
+        # `ray start` gives up when its raylet has not registered within a fixed 30 s, which a loaded
+        # 2-core machine can miss: a node that gave up is started again
+        for attempt in range(WORKER_STARTS):
+            worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
+                                 f"--dashboard-agent-listen-port={free_port()}"], env, logs / f"worker-{attempt}.log")
+            nodes.insert(0, worker)
+            while alive_nodes(dashboard, token.read_text().strip()) < 2 and worker.poll() is None:
+                assert time.monotonic() < deadline + 120 * (attempt + 1), "the worker node did not join"
+                time.sleep(1)
+            if worker.poll() is None:
+                break
+        assert worker.poll() is None, (logs / f"worker-{attempt}.log").read_text()[-3000:]
         yield {"dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
                "token": token.read_text().strip(), "env": env}
     finally:

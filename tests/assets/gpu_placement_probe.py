@@ -33,6 +33,7 @@ WAIT_S = 60.0
 """Longer than any actor's start on a loaded 2-core machine; an actor Ray cannot place never starts."""
 JOIN_S = 300.0
 """A node's start (`ray start`: its raylet and agents, each importing Ray) on a loaded 2-core machine."""
+NODE_STARTS = 3
 
 
 @ray.remote
@@ -163,26 +164,31 @@ def last_error(output) -> str:
 
 
 def with_node_of_another_filesystem(address: str, shared_dir: str) -> dict:
+    """Start the node (again where `ray start` gave up: it waits a fixed 30 s for its raylet to
+    register, which a loaded 2-core machine can miss), then ask for the refusal."""
+    if not shutil.which("unshare"):
+        return {"unavailable": "no unshare command"}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     start = (f"mount -t tmpfs tmpfs {shared_dir} && exec {ray_cli} start --block --address={address} --num-cpus=1 "
              f"--disable-usage-stats")
-    if not shutil.which("unshare"):
-        return {"unavailable": "no unshare command"}
-    output = tempfile.TemporaryFile("w+")
-    node = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", start],
-                            stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + JOIN_S
-        while sum(n["Alive"] for n in ray.nodes()) < 3:
-            if node.poll() is not None:  # no mount namespaces here, or the node's start failed
-                return {"unavailable": f"the node exited: {last_error(output)}"}
-            if time.monotonic() > deadline:
-                return {"unavailable": f"the node did not join within {JOIN_S:g} s: {last_error(output)}"}
-            time.sleep(0.5)
-        return {"refusal": refusal(shared_dir)}
-    finally:
-        os.killpg(node.pid, signal.SIGTERM)
-        node.wait(timeout=60)
+    for _ in range(NODE_STARTS):
+        output = tempfile.TemporaryFile("w+")
+        node = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", start],
+                                stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + JOIN_S
+            while sum(n["Alive"] for n in ray.nodes()) < 3 and node.poll() is None:
+                if time.monotonic() > deadline:
+                    return {"unavailable": f"the node did not join within {JOIN_S:g} s: {last_error(output)}"}
+                time.sleep(0.5)
+            if node.poll() is None:
+                return {"refusal": refusal(shared_dir)}
+        finally:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGTERM)
+            node.wait(timeout=60)
+    # no mount namespaces here, or the node's start failed each time
+    return {"unavailable": f"the node exited: {last_error(output)}"}
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from rlsys.config.rollout import RolloutConfig, ServingConfig
 WAIT_S = 60.0
 """Longer than any actor's start on a loaded 2-core machine; an actor Ray cannot place never starts."""
 JOIN_S = 300.0
-"""A node's start (`ray start`: its raylet and agents, each importing Ray) on a loaded 2-core machine."""
+"""A node's start (`ray start`: its raylet and agents, each importing Ray) on a loaded 2-core machine,
+all its attempts together."""
 NODE_STARTS = 3
 
 
@@ -171,12 +172,12 @@ def with_node_of_another_filesystem(address: str, shared_dir: str) -> dict:
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     start = (f"mount -t tmpfs tmpfs {shared_dir} && exec {ray_cli} start --block --address={address} --num-cpus=1 "
              f"--disable-usage-stats")
+    deadline = time.monotonic() + JOIN_S
     for _ in range(NODE_STARTS):
         output = tempfile.TemporaryFile("w+")
         node = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", start],
                                 stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            deadline = time.monotonic() + JOIN_S
             while sum(n["Alive"] for n in ray.nodes()) < 3 and node.poll() is None:
                 if time.monotonic() > deadline:
                     return {"unavailable": f"the node did not join within {JOIN_S:g} s: {last_error(output)}"}

@@ -20,6 +20,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 RL_CONFIG = str(REPO / "examples" / "arith" / "rlvr.yaml")
 ASSETS = REPO / "tests" / "assets"
 TIMEOUT_S = 240
+# One xdist worker runs this module (scripts/test.sh): its command-line runs of 40-70 s each start among
+# the groups, not among the single tests that fill in at the end, and its module fixture runs once.
+pytestmark = pytest.mark.xdist_group("failures")
 
 # Runs each case through the CLI in one interpreter; prints [exit code, stderr, Ray started?] per case.
 CHECKER = """

@@ -9,7 +9,9 @@ import multiprocessing
 import pytest
 import torch
 
-pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
+# the quick tier (scripts/test.sh --quick); one xdist worker runs these ranks of 5-20 s each among the
+# groups, not among the single tests that fill in at the end
+pytestmark = [pytest.mark.quick, pytest.mark.xdist_group("fsdp_units")]
 
 
 def _one_rank_steps(model_dir: str, store: str, conn) -> None:

@@ -19,6 +19,10 @@ from rlsys.config.training import DataConfig
 from rlsys.data.batching import collate
 from rlsys.data.preferences import load_preference_pairs
 
+# One xdist worker runs this module (scripts/test.sh): its ranks and runs of 10-20 s each start among the
+# groups, not among the single tests that fill in at the end.
+pytestmark = pytest.mark.xdist_group("reward_model")
+
 PAIRS = 8
 SCALE, SEED = 0.05, 3
 

@@ -3,14 +3,16 @@
     .venv/bin/python benchmarks/sync.py                      # Qwen2.5-0.5B-shaped, random init
     .venv/bin/python benchmarks/sync.py --model runs/arith/sft/hf_model parallel.tp=2 parallel.dp_shard=1
     .venv/bin/python benchmarks/sync.py --release          # the engine frees its weights first, as in the RL loop
-    .venv/bin/python benchmarks/sync.py rollout.sync_shared_memory=false   # through Ray's object store
+    .venv/bin/python benchmarks/sync.py rollout.sync_mode=object_store     # through Ray's object store
+    .venv/bin/python benchmarks/sync.py rollout.sync_mode=gathered rollout.num_engines=2   # an engine per rank
     .venv/bin/python benchmarks/sync.py model.lora.rank=16                 # LoRA: the adapters alone
 
-Builds the training group (any layout, given as config overrides) and one colocated
-vLLM engine, runs the trainer -> engine sync `--repeats` times and prints its median
-time and MB/s, then the median time of copying the same number of bytes from one
-tensor into another in this process, on the device the shards are on (torch's copy: all
-threads on CPU, a device-to-device copy on a GPU): the floor of any path.
+Builds the training group (any layout, given as config overrides) and its colocated
+vLLM engines (one unless `rollout.num_engines` says more), runs the trainer -> engine
+sync `--repeats` times and prints its median time and MB/s, then the median time of
+copying the same number of bytes from one tensor into another in this process, on the
+device the shards are on (torch's copy: all threads on CPU, a device-to-device copy on
+a GPU): the floor of any path.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
     from rlsys.rollout.adapters import AdapterSpec
+    from rlsys.rollout.vllm_engine import synced_weight_dtype
     from rlsys.sync.adapter_sync import AdapterSync
     from rlsys.sync.weight_sync import WeightSync
 
@@ -55,7 +58,9 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
                                cfg.ray.cpus_per_worker * train.dims.world_size, gpu_share=engine_gpus,
                                adapter=AdapterSpec.of(cfg.model.lora), fp32_head=cfg.model.fp32_lm_head)
         sync = AdapterSync(train, rollout) if cfg.model.lora.syncs_adapters else \
-            WeightSync(train, rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_shared_memory)
+            WeightSync(train, rollout, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_mode,
+                       [rollout.placement.ranks_beside(i) for i in range(len(rollout.actors))],
+                       synced_weight_dtype(cfg.rollout.dtype, train.on_gpu, cfg.model.fp32_lm_head))
         runs = []
         for _ in range(repeats + 1):
             if release:
@@ -100,9 +105,13 @@ def main() -> None:
     floor = memcpy_time(int(mb * 2**20), device)
     where = "through CUDA IPC" if device == "cuda" else "from shared memory"
     how = f"read in place {where}" if last["sync/in_place"] else f"in {last['sync/buckets']:.0f} buckets"
+    if last.get("sync/gathered"):
+        how += " gathered by the ranks, each engine reading its own rank's " + \
+            ("GPU through CUDA IPC" if device == "cuda" else "shared memory")
     how += f" (LoRA rank {cfg.model.lora.rank} adapters)" if cfg.model.lora.rank else ""
     print(f"\nweight sync of {mb:,.1f} MB {how} "
-          f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> 1 engine"
+          f"({cfg.parallel.dp_shard} dp_shard x {cfg.parallel.tp} tp x {cfg.parallel.pp} pp -> "
+          f"{cfg.rollout.num_engines} engine{'s' if cfg.rollout.num_engines > 1 else ''}"
           f"{', weights freed before each' if args.release else ''}), "
           f"median of {args.repeats}:")
     print(f"  sync    {seconds:8.3f} s  {mb / seconds:10,.0f} MB/s")

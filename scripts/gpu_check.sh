@@ -170,7 +170,13 @@ write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
     --out "$out/bench" --steps "${GRPO_STEPS:-3}" --prompts 64 --n 8 --max-new-tokens 256 "ray.gpus_per_worker=$gpus" \
     rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=16384
   check rl_fp32_head rl rl_fp32_head train.steps=5 model.fp32_lm_head=true
-  SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --model "$out/qwen05b" "${common[@]}"
+  # the weight sync three ways on the same rank and colocated engine: gathered (auto on a GPU: bf16 read
+  # through CUDA IPC from the rank beside the engine), the rank's fp32 shards read in place, the object store
+  SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --release --model "$out/qwen05b" "${common[@]}"
+  SHOW_LINES=12 check sync_05b_shared "$py" benchmarks/sync.py --release --model "$out/qwen05b" "${common[@]}" \
+    rollout.sync_mode=shared
+  SHOW_LINES=12 check sync_05b_object_store "$py" benchmarks/sync.py --release --model "$out/qwen05b" \
+    "${common[@]}" rollout.sync_mode=object_store
   check vl vl "${VL_FAMILY:-qwen2_5_vl}"
   if ls "$carry"/smollm2/piece.* >/dev/null 2>&1 || [ -d runs/smollm/model ]; then
     check smollm smollm

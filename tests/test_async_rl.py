@@ -178,7 +178,7 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
                  "reward.terms=[{name: calc}]", "optim.lr=1e-4", "rollout.agent_loop=tool", "rollout.max_new_tokens=96",
                  "rollout.max_response_tokens=160",
                  "tools.names=[calculator]", "tools.max_turns=2", "tools.num_workers=1",
-                 "rollout.sync_shared_memory=false", "rollout.sync_bucket_mb=0.05")  # syncs of several calls
+                 "rollout.sync_mode=object_store", "rollout.sync_bucket_mb=0.05")  # syncs of several calls
     recorded = async_config(*overrides, f"output_dir={tmp_path / 'recorded'}")
     run_rlvr(recorded)
     cfg = async_config(*overrides, "train.max_restarts=1", f"train.replay={recorded.output_dir}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlsys.sync.engine_writer import EngineWeightWriter
+from rlsys.sync.gathered import GatherBuffers, capacity, open_own_buffers
 from rlsys.sync.shards import pack, shard_pieces, share, shared_pieces
 
 pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
@@ -138,6 +139,63 @@ def test_shared_shards_are_read_in_place_by_another_process(device):
         conn.recv()
     finally:
         trainer.join(timeout=30)
+
+
+BUCKETS = {"a": (3, 5), "b": (7,)}, {"c": (2, 2)}
+"""Two buckets' tensors (name: shape)."""
+
+
+def _gathered(bucket: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    return [(name, torch.randn(shape, generator=torch.Generator().manual_seed(seed + i)))
+            for i, (name, shape) in enumerate(BUCKETS[bucket].items())]
+
+
+def _gathering_rank(conn, device: str) -> None:
+    """A training rank's part of a gathered sync: staging buffers sized for the larger bucket in
+    bf16, shared, then each bucket asked for (fp32 full tensors) written into the slot asked for."""
+    params = {name: torch.zeros(shape) for bucket in BUCKETS for name, shape in bucket.items()}
+    buffers = GatherBuffers(capacity([list(bucket) for bucket in BUCKETS], params, torch.bfloat16),
+                            torch.device(device))
+    conn.send(buffers.share())
+    while (request := conn.recv()) is not None:
+        slot, bucket, seed = request
+        tensors = [(name, tensor.to(device)) for name, tensor in _gathered(bucket, seed)]
+        conn.send(buffers.write(slot, tensors, torch.bfloat16))
+    conn.send(None)  # CUDA IPC: the producer outlives the engine's mapping
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (scripts/gpu_check.sh runs this)"))])
+def test_a_gathered_bucket_is_read_in_place_by_the_engine_beside_its_rank(device):
+    """The engine's side of a gathered sync: it maps the rank's two staging buffers once and reads
+    each bucket, cast to the engine's dtype, from the slot the rank wrote it into, while the other
+    slot keeps the bucket before."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    rank = context.Process(target=_gathering_rank, args=(child_conn, device), daemon=True)
+    rank.start()
+    child_conn.close()  # the rank's end: its exit ends a wait here
+    try:
+        handles = conn.recv()
+        assert len(handles) == 2
+        buffers = open_own_buffers([handles])
+        assert buffers[0].numel() == 64 + 64  # a (15 bf16) and b (7 bf16), each aligned to 64 bytes
+        read = {}
+        for slot, bucket, seed in ((0, 0, 1), (1, 1, 2), (0, 1, 3)):
+            conn.send((slot, bucket, seed))
+            entries = conn.recv()
+            read[slot] = {entry.name: entry.view(buffers[slot]).clone() for entry in entries}
+            expected = {name: tensor.to(torch.bfloat16) for name, tensor in _gathered(bucket, seed)}
+            assert [entry.name for entry in entries] == list(expected)
+            assert all(entry.dtype == torch.bfloat16 for entry in entries)
+            assert all(torch.equal(read[slot][name].cpu(), tensor) for name, tensor in expected.items())
+        slot_1 = {entry.name: entry.view(buffers[1]).cpu() for entry in entries}  # the same places in slot 1
+        assert torch.equal(slot_1["c"], _gathered(1, 2)[0][1].to(torch.bfloat16))
+        del buffers
+        conn.send(None)
+        conn.recv()
+    finally:
+        rank.join(timeout=30)
 
 
 def test_a_fused_moe_layers_reported_names_count_its_experts_as_written():

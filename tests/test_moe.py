@@ -203,11 +203,11 @@ def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model
     raw["parallel"] = {"dp_shard": 2, "ep": 2}
     replays = family == "qwen3_moe"
     raw["algorithm"]["router_replay"] = "r2" if replays else "none"
-    raw["rollout"].update(sync_shared_memory=modes[0] == "in-place", sync_bucket_mb=0.02)
+    raw["rollout"].update(sync_mode="shared" if modes[0] == "in-place" else "object_store", sync_bucket_mb=0.02)
     cfg = build_config(RLJobConfig, raw)
     trainer = RLVRTrainer(cfg)
     try:
-        syncs = [trainer.sync] + [WeightSync(trainer.train_group, trainer.rollout_group, 0.02, shared_memory=False)
+        syncs = [trainer.sync] + [WeightSync(trainer.train_group, trainer.rollout_group, 0.02, "object_store")
                                   for _ in modes[1:]]
         trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
         repacked = 0

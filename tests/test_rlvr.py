@@ -24,7 +24,7 @@ from rlsys.config.schema import RLJobConfig
 from rlsys.config.training import TrackingConfig
 from rlsys.data.batching import collate_rollouts
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
-from rlsys.sync.weight_sync import _gpus_unseen, _Host, plan_buckets
+from rlsys.sync.weight_sync import WeightSync, _gpus_unseen, _Host, plan_buckets
 
 # One xdist worker runs this module (scripts/test.sh): the uninterrupted run its tests read, built once.
 pytestmark = pytest.mark.xdist_group("rlvr")
@@ -89,44 +89,66 @@ def test_shards_of_uneven_and_whole_tensors_reassemble():
 
 
 # the 8-rank pp2 x fsdp2 x tp2 and plain tp2 passed too when measured; left out for the suite's time
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true",
-                                     "rollout.sync_shared_memory=false"],
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true", "rollout.num_engines=2",
+                                     "rollout.sync_mode=object_store"],
                                     ["parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2"],
-                                    ["rollout.tensor_parallel_size=2", "rollout.temperature=0.7"]],
-                         ids=["fsdp2xtp2-sp-object-store", "pp2xtp2", "fsdp2-to-rollout-tp2-temperature0.7"])
+                                    ["rollout.tensor_parallel_size=2", "rollout.temperature=0.7"],
+                                    ["rollout.sync_mode=gathered", "rollout.num_engines=2"]],
+                         ids=["fsdp2xtp2-sp-object-store-then-gathered", "pp2xtp2",
+                              "fsdp2-to-rollout-tp2-temperature0.7", "fsdp2-gathered-by-an-engine-per-rank"])
 def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
-    """Perturb the sharded policy, free the engine's weights as a step does, sync the policy
-    from its training layout into vLLM's (one engine, or one engine of 2 tensor-parallel worker
-    processes on CPU), read in place from the ranks' shared memory or bucket by bucket through
-    the object store: vLLM's per-token log-probs equal the trainer's within 1e-4 (and differ
-    before), after a second perturbation and sync too, at temperature 0.7 too (the engine's
-    processed log-probs against the trainer's at the sampling temperature). (The plain fsdp2
-    layout's syncs are checked by the uninterrupted run's `rollout/logprob_abs_diff`.)"""
+    """Perturb the sharded policy, free an engine's weights as a step does, sync the policy from
+    its training layout into vLLM's (one or two engines, or one engine of 2 tensor-parallel worker
+    processes on CPU): read in place from the ranks' shared memory; bucket by bucket through the
+    object store; or gathered bucket by bucket by the ranks, each engine reading from the rank
+    beside it alone (a GPU's condition; on 4 ranks of fsdp2 x tp2 two of them only gather). vLLM's
+    per-token log-probs equal the trainer's within 1e-4 (and differ before), after a second
+    perturbation and sync too, at temperature 0.7 too (the engine's processed log-probs against the
+    trainer's at the sampling temperature). (The plain fsdp2 layout's syncs to one engine are
+    checked by the uninterrupted run's `rollout/logprob_abs_diff`.)"""
     cfg = rl_config(*layout)
-    through_object_store = "rollout.sync_shared_memory=false" in layout
+    mode = next((item.split("=")[1] for item in layout if item.startswith("rollout.sync_mode=")), "shared")
     trainer = RLVRTrainer(cfg)
     try:
         queues = set().union(*trainer.rollout_group.on_each(probes.shared_memory_queues))
-        if through_object_store:
+        if mode == "object_store":
             assert trainer.sync._can_share() and not trainer.sync.in_place
             _assert_too_few_file_descriptors_keep_shards_private(trainer)
-        trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed)
-        for sync in range(2):  # vLLM's loaders place the first sync; the second replays their copies
-            assert logprob_gap(trainer) > 1e-2
-            # as in a step: the colocated engine frees its weights for the update
-            freed = ray.get(trainer.rollout_group.actors[0].release_memory.remote())
-            assert freed >= trainer.sync.total_bytes or torch.cuda.is_available()  # vLLM logs it on GPU
-            stats = trainer.sync.run()
-            assert logprob_gap(trainer) < 1e-4
-            assert stats["sync/in_place"] == (not through_object_store)
-            if through_object_store:
-                assert stats["sync/buckets"] > 2  # streamed, not one whole-model transfer
-            trainer.train_group.on_each(probes.perturb_parameters, 0.05, cfg.seed + 1)
+        _assert_syncs_give_the_trainers_logprobs(trainer, trainer.sync, mode, cfg.seed)
+        if mode == "object_store":  # the same groups, gathered
+            engines = trainer.rollout_group
+            gathered = WeightSync(trainer.train_group, engines, cfg.rollout.sync_bucket_mb, "gathered",
+                                  [engines.placement.ranks_beside(i) for i in range(len(engines.actors))])
+            _assert_syncs_give_the_trainers_logprobs(trainer, gathered, "gathered", cfg.seed + 2)
     finally:
         trainer.shutdown()
     # a tensor-parallel engine's shared-memory queues are gone with it (a killed actor left them)
     assert "rollout.tensor_parallel_size=2" not in layout or queues
     assert not any(os.path.exists(queue) for queue in queues), queues
+
+
+def _assert_syncs_give_the_trainers_logprobs(trainer: RLVRTrainer, sync, mode: str, seed: int) -> None:
+    """Two perturbations of the policy, each followed by a sync in `mode` after engine 0 freed its
+    weights: the engines' log-probs differ from the trainer's before it and match after (1e-4). A
+    gathered sync's engines each mapped the staging buffers of the rank beside them alone."""
+    assert sync.mode == mode
+    trainer.train_group.on_each(probes.perturb_parameters, 0.05, seed)
+    for _ in range(2):  # vLLM's loaders place the first sync; the second replays their copies
+        assert logprob_gap(trainer) > 1e-2
+        # as in a step: the colocated engine frees its weights for the update
+        freed = ray.get(trainer.rollout_group.actors[0].release_memory.remote())
+        assert freed >= sync.total_bytes or torch.cuda.is_available()  # vLLM logs it on GPU
+        stats = sync.run()
+        assert logprob_gap(trainer) < 1e-4
+        assert (stats["sync/in_place"], stats["sync/gathered"]) == (mode == "shared", mode == "gathered")
+        if mode != "shared":
+            assert stats["sync/buckets"] > 2  # streamed, not one whole-model transfer
+        trainer.train_group.on_each(probes.perturb_parameters, 0.05, seed + 1)
+    if mode == "gathered":
+        engines = len(trainer.rollout_group.actors)
+        assert sync.engine_ranks == [(engine,) for engine in range(engines)]
+        pids = trainer.train_group.on_each(lambda rank: os.getpid())
+        assert [sync.gather_handles[rank][0].pid for rank in sorted(sync.gather_handles)] == pids[:engines]
 
 
 def logprob_gap(trainer: RLVRTrainer) -> float:

@@ -73,6 +73,16 @@ class EnginePlacement:
         return EngineSeat(0, 0, strategy, {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)),
                                            "VLLM_RAY_PER_WORKER_GPUS": f"{self.num_gpus:g}"})
 
+    def ranks_beside(self, index: int) -> tuple[int, ...]:
+        """The training ranks in whose bundles engine `index`'s processes run, on their devices (colocated
+        engines; `bundles` lists the ranks' bundles in rank order); none for engines of their own."""
+        if self.owned:
+            return ()
+        if self.workers_in_bundles:
+            tp = self.tensor_parallel_size
+            return tuple(range(index * tp, (index + 1) * tp))
+        return (index % len(self.bundles),)
+
     def release(self) -> None:
         if self.owned:
             remove_placement_group(self.group)

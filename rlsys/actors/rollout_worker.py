@@ -30,6 +30,7 @@ from rlsys.rollout.request_engine import RequestEngine
 from rlsys.rollout.vllm_engine import create_llm, free_stopped_engine, set_engine_threads, stop_engine
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 from rlsys.sync.engine_writer import EngineWeightWriter
+from rlsys.sync.gathered import BufferEntry, open_own_buffers
 from rlsys.sync.shards import Assembler, Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
 
 
@@ -47,6 +48,19 @@ def _place_shared(worker, shards_by_rank: list[list[Shared]]) -> None:
     _place(worker, worker.rlsys_shared)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the trainer's next step rewrites the shards these copies read
+
+
+def _place_gathered(worker, bucket: tuple[list[list[Shared]] | None, list[BufferEntry], int]) -> None:
+    """Runs inside each vLLM worker: write one bucket of full tensors, read in place from the staging
+    buffer the training rank on this worker's device gathered it into (`rlsys.sync.gathered`): (the
+    handles of the buffers of the ranks beside the engine, sent once; the bucket's entries; the buffer)."""
+    handles, entries, slot = bucket
+    if handles is not None:
+        worker.rlsys_gather_buffers = open_own_buffers(handles)
+    buffer = worker.rlsys_gather_buffers[slot]
+    _place(worker, dict((entry.name, [entry.piece(buffer)]) for entry in entries))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the rank gathers a later bucket into this buffer
 
 
 def _place(worker, pieces: Pieces) -> None:
@@ -158,6 +172,16 @@ class RolloutWorker(BuiltInPlace):
             await self.engine.sync_turn()
         self._load(_place_weights, list(buckets), first, last, version)
 
+    @releases_freed_memory
+    async def load_gathered(self, handles: list[list[Shared]] | None, entries: list[BufferEntry], slot: int,
+                            first: bool = False, last: bool = False, version: int = 0) -> None:
+        """Load one bucket gathered by the training ranks, read in place from the buffer `slot` of the rank
+        on each vLLM worker's device; `handles` (those ranks' buffers, one list per rank) come with the first
+        bucket this engine reads. `first` and `last` as in `load_weights`."""
+        if first:
+            await self.engine.sync_turn()
+        self._load(_place_gathered, (handles, entries, slot), first, last, version)
+
     async def load_shared(self, *shards_by_rank: list[Shared], version: int = 0) -> None:
         """Load every weight, read in place from the memory of the training ranks on this
         machine (`WeightSync`'s in-place path): one call per sync, nothing through the object store.
@@ -166,14 +190,14 @@ class RolloutWorker(BuiltInPlace):
         await self.engine.sync_turn()
         self._load(_place_shared, list(shards_by_rank), True, True, version)
 
-    def _load(self, place, shards: list, first: bool, last: bool, version: int) -> None:
-        """Run `place` on `shards` in every vLLM worker, inside a sync's first and last steps. In
-        an asynchronous actor this runs between two engine steps: requests in flight go on under
-        the new weights (`RequestEngine.weights_changed`)."""
+    def _load(self, place, payload, first: bool, last: bool, version: int) -> None:
+        """Run `place` on `payload` (shards, or a gathered bucket) in every vLLM worker, inside a sync's
+        first and last steps. In an asynchronous actor this runs between two engine steps: requests in
+        flight go on under the new weights (`RequestEngine.weights_changed`)."""
         try:
             if first:
                 self.memory.resume(WEIGHTS)
-            self.llm.collective_rpc(place, args=(shards,))
+            self.llm.collective_rpc(place, args=(payload,))
             if last:
                 self.memory.confirm_rewritten()
                 self.engine.weights_changed(version)

@@ -33,6 +33,7 @@ from rlsys.engine.state import export_hf
 from rlsys.host_memory import releases_freed_memory
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.router_replay import without_routing
+from rlsys.sync.gathered import BufferEntry, GatherBuffers, capacity
 from rlsys.sync.shards import ShardBucket, Shared, pack
 
 RENDEZVOUS_TIMEOUT_S = 300.0
@@ -124,6 +125,8 @@ class TrainWorker:
         torch.set_num_threads(spec.num_threads)
         self.device = torch.device("cuda", assigned_gpu_index()) if spec.use_gpu else torch.device("cpu")
         self.policy = self.reference = self.critic = self.teacher = None
+        self.gather_buffers: GatherBuffers | None = None
+        """Where this rank writes gathered buckets for the engine beside it (`share_gather_buffers`)."""
 
     def release(self) -> bool:
         """Drop this rank's engines and leave its process group, keeping the process and its imports
@@ -271,6 +274,24 @@ class TrainWorker:
         """Handles to this rank's shards of `names` (moved into shared memory on CPU) for engines on
         this machine to read in place at every sync (none of them: this rank holds only replicas)."""
         return self.policy.weights.share_shards(names)
+
+    def share_gather_buffers(self, buckets: list[list[str]], engine_dtype: torch.dtype | None) -> list[Shared]:
+        """Staging buffers for gathered buckets (`rlsys.sync.gathered`), each as large as the largest of
+        `buckets` in the engine's dtype, and handles to them for the engine beside this rank to map."""
+        params = dict(self.policy.weights.named_parameters())
+        self.gather_buffers = GatherBuffers(capacity(buckets, params, engine_dtype), self.device)
+        return self.gather_buffers.share()
+
+    def gather_bucket(self, names: list[str], slot: int, engine_dtype: torch.dtype | None) -> list[BufferEntry] | None:
+        """The full tensors of `names`, gathered from the ranks of this pipeline stage (a collective: each
+        of them calls this) and written into staging buffer `slot` for the engine beside this rank; where
+        each lies (None: no engine reads from this rank)."""
+        tensors = self.policy.weights.full_tensors(names)
+        if self.gather_buffers is None:
+            for _ in tensors:  # this rank's part of the collectives
+                pass
+            return None
+        return self.gather_buffers.write(slot, tensors, engine_dtype)
 
     # -- state --------------------------------------------------------------
 

@@ -176,11 +176,15 @@ class RolloutConfig:
     timeout_s: float = Field(default=3600.0, gt=0)
     """A call to an engine (its share of a step's generation, a memory release, a weight sync) running longer
     than this is a hung engine: killed and replaced as a dead one is (`train.max_worker_restarts`)."""
-    sync_shared_memory: bool = True
-    """With the engines on the training ranks' machine, they read the ranks' shards in place at every sync:
-    on CPU from shared memory (given room in /dev/shm and a free file descriptor per shard), on GPU through
-    CUDA IPC (where every engine sees the ranks' GPUs, as colocated engines do). False, or else: every sync
-    sends the shards bucket by bucket through Ray's object store."""
+    sync_mode: Literal["auto", "shared", "gathered", "object_store"] = "auto"
+    """How a sync reaches the engines. `shared`: with the engines on the training ranks' machine, each
+    engine reads every rank's shards in place (on CPU from shared memory, given room in /dev/shm and a free
+    file descriptor per shard; on GPU through CUDA IPC, where every engine sees every rank's GPU).
+    `gathered`: the ranks gather each bucket of full tensors among themselves (in the engine's dtype), and
+    each colocated engine reads it in place from the rank on its own device (CUDA IPC on a GPU, shared
+    memory on CPU), as VeRL and OpenRLHF do; no engine reads another rank's memory (one pipeline stage
+    only). `object_store`: each rank's shards bucket by bucket through Ray's object store. `auto`: gathered
+    on GPUs, shared on CPU; the object store where those cannot run (said in a warning)."""
 
     @property
     def response_budget(self) -> int:

@@ -118,13 +118,24 @@ def prepare_engine(dtype: str) -> str:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     on_gpu = torch.cuda.is_available()
-    dtype = dtype if dtype != "auto" else "bfloat16" if on_gpu else "float32"
+    dtype = resolved_dtype(dtype, on_gpu)
     if on_gpu and dtype == "float32":
         # Triton multiplies fp32 matrices in TF32 unless told otherwise, and vLLM's Triton attention
         # kernels (FlashAttention has no fp32) take that default: an fp32 engine would then sample
         # from log-probs ~1e-3 away from the trainer's fp32 ones
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     return dtype
+
+
+def resolved_dtype(dtype: str, on_gpu: bool) -> str:
+    """`rollout.dtype` as the engine takes it: auto is bfloat16 on a GPU, float32 on CPU."""
+    return dtype if dtype != "auto" else "bfloat16" if on_gpu else "float32"
+
+
+def synced_weight_dtype(dtype: str, on_gpu: bool, fp32_head: bool) -> torch.dtype | None:
+    """The dtype a sync that casts (`rlsys.sync.gathered`) sends an engine's weights in: the engine's, or
+    None (the trainer's own) where the engine keeps some weights in fp32 (its LM head, `model.fp32_lm_head`)."""
+    return None if fp32_head else getattr(torch, resolved_dtype(dtype, on_gpu))
 
 
 def free_memory_fraction() -> float:

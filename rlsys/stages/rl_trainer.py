@@ -54,6 +54,7 @@ from rlsys.parallel.router_replay import ROUTING_FIELD, engine_routing
 from rlsys.rewards.model_terms import exchanges
 from rlsys.rewards.scoring import ScoredSample, reward_inputs
 from rlsys.rollout.adapters import AdapterSpec
+from rlsys.rollout.vllm_engine import synced_weight_dtype
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_logprobs import SUM_PI_SQUARED, LogprobPasses, is_weights
@@ -155,12 +156,14 @@ class RLVRTrainer:
         """The adapters alone, or every weight (a LoRA policy's merged, through the object store:
         merged weights are not the shards the ranks keep; so are a GPU run's offloaded shards,
         which live in pinned host memory that sharing would move)."""
-        cfg = self.cfg
+        cfg, engines = self.cfg, self.rollout_group
         if cfg.model.lora.syncs_adapters:
-            return AdapterSync(self.train_group, self.rollout_group)
+            return AdapterSync(self.train_group, engines)
         offloaded_from_gpu = cfg.parallel.offload and cfg.ray.gpus_per_worker > 0
-        return WeightSync(self.train_group, self.rollout_group, cfg.rollout.sync_bucket_mb,
-                          cfg.rollout.sync_shared_memory and not cfg.model.lora.rank and not offloaded_from_gpu)
+        mode = "object_store" if cfg.model.lora.rank or offloaded_from_gpu else cfg.rollout.sync_mode
+        return WeightSync(self.train_group, engines, cfg.rollout.sync_bucket_mb, mode,
+                          [engines.placement.ranks_beside(i) for i in range(len(engines.actors))],
+                          synced_weight_dtype(cfg.rollout.dtype, self.train_group.on_gpu, cfg.model.fp32_lm_head))
 
     # -- one step -------------------------------------------------------------
 

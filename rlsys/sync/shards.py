@@ -174,7 +174,7 @@ class Assembler:
         """Full tensors by name, in the order of `pieces`. A tensor held whole by one rank is
         a view of its object-store buffer. Valid until the next call."""
         split = {name: parts for name, parts in pieces.items() if not _whole(parts)}
-        sizes = {name: _aligned(_nbytes(parts[0][0])) for name, parts in split.items()}
+        sizes = {name: aligned(_nbytes(parts[0][0])) for name, parts in split.items()}
         if sum(sizes.values()) > self.staging.numel():
             self.staging = torch.empty(sum(sizes.values()), dtype=torch.uint8)
         full, start = {}, 0
@@ -199,7 +199,8 @@ def _nbytes(entry: ShardEntry) -> int:
     return int(np.prod(entry.full_shape, dtype=np.int64)) * entry.dtype.itemsize
 
 
-def _aligned(nbytes: int, alignment: int = 64) -> int:
+def aligned(nbytes: int, alignment: int = 64) -> int:
+    """`nbytes` rounded up to a multiple of `alignment`."""
     return -(-nbytes // alignment) * alignment
 
 

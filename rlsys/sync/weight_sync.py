@@ -23,6 +23,10 @@ move into shared memory, where the optimizer then keeps stepping them; on a GPU
 they are CUDA IPC handles); every sync is then one call to each engine, which
 copies from the mapped shards straight into its parameters. Nothing is packed or
 copied on the trainer's side and nothing goes through the object store.
+
+Where an engine sees only its own rank's device (a colocated engine on a GPU), the ranks gather each
+bucket of full tensors among themselves instead, and each engine reads the bucket in place from the
+rank beside it (`gathered`), the next bucket gathered while the engines read this one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import time
 from dataclasses import dataclass
 
 import ray
+
+from rlsys.sync.gathered import SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +73,15 @@ def plan_buckets(nbytes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
 class WeightSync:
     """Streams the training group's policy to every engine of the rollout group. The groups
     are `rlsys.actors`' TrainGroup and RolloutGroup: this class calls their actors' sync
-    methods (`parameter_nbytes`, `sync_shards`, `share_shards`, `empty_gpu_cache`; `load_weights`,
-    `load_shared`) and nothing else of them."""
+    methods (`parameter_nbytes`, `sync_shards`, `share_shards`, `share_gather_buffers`, `gather_bucket`,
+    `empty_gpu_cache`; `load_weights`, `load_shared`, `load_gathered`) and nothing else of them.
 
-    def __init__(self, train_group, rollout_group, bucket_mb: float, shared_memory: bool = True):
+    `mode` is `rollout.sync_mode`; `engine_ranks[e]`, the training ranks on engine e's devices
+    (colocated engines; `EnginePlacement.ranks_beside`), which a gathered sync reads from;
+    `engine_dtype`, what the engines compute in (None: the trainer's dtype)."""
+
+    def __init__(self, train_group, rollout_group, bucket_mb: float, mode: str = "auto",
+                 engine_ranks: list[tuple[int, ...]] | None = None, engine_dtype=None):
         self.train_group, self.rollout_group = train_group, rollout_group
         nbytes = train_group.run_all("parameter_nbytes")
         stages = train_group.dims.stage_ranks()
@@ -78,10 +89,39 @@ class WeightSync:
                         for names in plan_buckets(nbytes[ranks[0]], int(bucket_mb * 2**20))]
         self.total_bytes = sum(sum(nbytes[ranks[0]].values()) for ranks in stages)
         self.stage_names = {rank: list(nbytes[ranks[0]]) for ranks in stages for rank in ranks}
-        self.in_place = shared_memory and self._can_share()
+        self.engine_ranks = engine_ranks or []
+        self.engine_dtype = engine_dtype
+        self.mode = self._choose(mode)
+        self.in_place = self.mode == "shared"
         self.shards_shared = False
         """Whether the engines hold handles to the ranks' shards (`in_place`, from the first sync on)."""
         self.handles: list | None = None
+        self.gather_handles: dict[int, list] | None = None
+        """Each serving rank's handles to its staging buffers (`gathered`, from the first sync on)."""
+        self.engines_mapped: set[int] = set()
+        """The engines that have mapped their ranks' staging buffers."""
+
+    def _choose(self, mode: str) -> str:
+        """The sync this run gets for `rollout.sync_mode`: `shared`, `gathered` or `object_store`."""
+        if mode == "object_store":
+            return mode
+        if mode == "gathered" or (mode == "auto" and self.train_group.on_gpu):
+            reason = self._cannot_gather()
+            if not reason:
+                return "gathered"
+            if mode == "gathered":
+                log.warning("weight sync through Ray's object store, not gathered: %s", reason)
+                return "object_store"
+        return "shared" if self._can_share() else "object_store"
+
+    def _cannot_gather(self) -> str:
+        """Why the engines cannot read gathered buckets from the ranks beside them, or "" if they can."""
+        if self.train_group.dims.pp > 1:
+            return "an engine beside one rank holds one pipeline stage's weights alone (parallel.pp > 1)"
+        engines = len(self.rollout_group.actors)
+        if len(self.engine_ranks) != engines or not all(self.engine_ranks):
+            return "the engines are not colocated with the training ranks (rollout.placement)"
+        return ""
 
     def run(self, version: int = 0) -> dict[str, float]:
         """Send the policy; the engines label what they sample next `version` (the trainer's step).
@@ -94,10 +134,12 @@ class WeightSync:
         try:
             self._load(version)
         except Exception as err:  # a dead engine is replaced here; anything else goes on up
-            self.rollout_group.replace_dead(err)
+            engine = self.rollout_group.replace_dead(err)
             self.shards_shared = False  # the new engine maps the ranks' shards; the others keep theirs
+            self.engines_mapped.discard(engine)
             self._load(version)
         return {"sync/time_s": time.perf_counter() - started, "sync/in_place": float(self.in_place),
+                "sync/gathered": float(self.mode == "gathered"),
                 "sync/buckets": 1 if self.in_place else len(self.buckets), "sync/mb": self.total_bytes / 2**20}
 
     def load_into(self, engine: int, version: int) -> None:
@@ -106,14 +148,20 @@ class WeightSync:
             handles = self._handles()
             self.rollout_group.wait([self.rollout_group.submit(engine, "load_shared", *handles, version=version)],
                                     [engine])
+        elif self.mode == "gathered":
+            self.engines_mapped.discard(engine)
+            self._load_gathered(version, [engine])
         else:
             self._load_buckets(version, [engine])
 
     def _load(self, version: int) -> None:
+        engines = list(range(len(self.rollout_group.actors)))
         if self.in_place:
             self._load_in_place(version)
+        elif self.mode == "gathered":
+            self._load_gathered(version, engines)
         else:
-            self._load_buckets(version, list(range(len(self.rollout_group.actors))))
+            self._load_buckets(version, engines)
 
     def _load_buckets(self, version: int, engines: list[int]) -> None:
         """Each bucket goes as every stage rank's shards, straight from the ranks' object
@@ -127,6 +175,43 @@ class WeightSync:
             loading = [rollout.submit(engine, "load_weights", *shards, first=index == 0,
                                       last=index == len(self.buckets) - 1, version=version) for engine in engines]
         rollout.wait(loading, engines)
+
+    def _load_gathered(self, version: int, engines: list[int]) -> None:
+        """Each bucket gathered by the ranks into one of two staging buffers, and read by each engine
+        from the rank beside it; the ranks gather the next bucket into the other buffer while the
+        engines read this one (a buffer is written again only once every engine has read it)."""
+        train, rollout = self.train_group, self.rollout_group
+        handles = self._gather_handles()
+        loading: list = []
+        gathering: list = []
+        for index, (ranks, names) in enumerate(self.buckets):
+            slot = index % SLOTS
+            gathered = {rank: train.submit(rank, "gather_bucket", names, slot, self.engine_dtype) for rank in ranks}
+            rollout.wait(loading, engines)
+            if gathering:
+                train.wait(gathering, list(ranks))
+            loading = [rollout.submit(engine, "load_gathered", self._first_handles(engine, handles),
+                                      gathered[self.engine_ranks[engine][0]], slot, first=index == 0,
+                                      last=index == len(self.buckets) - 1, version=version) for engine in engines]
+            gathering = list(gathered.values())
+        rollout.wait(loading, engines)
+        train.wait(gathering, list(self.buckets[-1][0]))
+
+    def _gather_handles(self) -> dict[int, list]:
+        """The staging buffers' handles of every rank an engine reads from, asked for once."""
+        if self.gather_handles is None:
+            serving = sorted({rank for ranks in self.engine_ranks for rank in ranks})
+            names = [names for _, names in self.buckets]
+            refs = [self.train_group.submit(rank, "share_gather_buffers", names, self.engine_dtype) for rank in serving]
+            self.gather_handles = dict(zip(serving, self.train_group.wait(refs, serving)))
+        return self.gather_handles
+
+    def _first_handles(self, engine: int, handles: dict[int, list]) -> list[list] | None:
+        """The buffers' handles of the ranks beside `engine` the first time it reads a bucket; else None."""
+        if engine in self.engines_mapped:
+            return None
+        self.engines_mapped.add(engine)
+        return [handles[rank] for rank in self.engine_ranks[engine]]
 
     def _load_in_place(self, version: int) -> None:
         """The engines read the ranks' shards where the optimizer keeps them: the first sync

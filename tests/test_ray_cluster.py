@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,11 +25,14 @@ from test_rlvr import rl_raw
 pytestmark = pytest.mark.xdist_group("ray_cluster")
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-WORKER_STARTS = 3
-JOIN_S = 240
-"""A running worker node's time to be listed alive: its raylet's start and registration, each of Ray's
-agents importing Ray, on a loaded 2-core machine (the three attempts and the head fit pytest's 900 s)."""
+NODE_STARTS = 3
+"""`ray start` gives up when its raylet has not registered within a fixed 30 s, which a loaded 2-core
+machine can miss, the head's as well as the worker's: a node that gave up is started again."""
+UP_S = 240
+"""A running node's time to be listed alive: its raylet's start and registration, each of Ray's agents
+importing Ray, on a loaded 2-core machine."""
 JOB = "rlsys-test-job"
+TOKEN = Path.home() / ".ray" / "auth_token"
 
 
 def free_port() -> int:
@@ -44,10 +48,11 @@ def get(url: str, token: str | None) -> dict | str:
     return json.loads(body) if body.startswith(("{", "[")) else body
 
 
-def alive_nodes(dashboard: str, token: str) -> int:
-    """ALIVE nodes, or 0 while the dashboard drops connections (it did once as the worker joined)."""
+def alive_nodes(dashboard: str) -> int:
+    """ALIVE nodes, or 0 while the head writes its token or its dashboard drops connections (it did once
+    as the worker joined)."""
     try:
-        nodes = get(f"{dashboard}/api/v0/nodes", token)["data"]["result"]["result"]
+        nodes = get(f"{dashboard}/api/v0/nodes", TOKEN.read_text().strip())["data"]["result"]["result"]
     except (OSError, urllib.error.URLError):
         return 0
     return sum(n["state"] == "ALIVE" for n in nodes)
@@ -59,53 +64,70 @@ def start_node(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def stop(node: subprocess.Popen) -> None:
+    """The node's whole process group: a `ray start` that gave up can leave its GCS or raylet behind."""
+    try:
+        os.killpg(node.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        node.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, signal.SIGKILL)
+
+
+def listed(count: int, dashboard: str, nodes: list[subprocess.Popen], log_path: Path) -> bool:
+    """True once `count` nodes are listed alive; False as soon as one of `nodes` has given up."""
+    up_by = time.monotonic() + UP_S
+    while all(node.poll() is None for node in nodes):
+        if alive_nodes(dashboard) >= count:
+            return True
+        assert time.monotonic() < up_by, f"no node {count} within {UP_S} s:\n{log_path.read_text()[-2000:]}"
+        time.sleep(1)
+    return False
+
+
+def start_cluster(env: dict, logs: Path, started: list[subprocess.Popen]) -> dict:
+    """A head and a worker node, each started again when its `ray start` gave up (the head on fresh
+    ports, with a fresh worker). Every process started goes into `started`, for the caller to stop."""
+    for attempt in range(NODE_STARTS):
+        ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
+        dashboard = f"http://127.0.0.1:{ports['dashboard']}"
+        head = start_node(
+            ["--head", f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+             f"--metrics-export-port={ports['metrics']}",
+             # fixed by default, so they would clash with another Ray instance on this machine
+             f"--dashboard-agent-listen-port={ports['agent']}", f"--ray-client-server-port={ports['client']}"],
+            env, logs / f"head-{attempt}.log")
+        started.append(head)
+        if not listed(1, dashboard, [head], logs / f"head-{attempt}.log"):
+            continue
+        for worker_attempt in range(NODE_STARTS):
+            log = logs / f"worker-{attempt}-{worker_attempt}.log"
+            worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
+                                 f"--dashboard-agent-listen-port={free_port()}"], env, log)
+            started.append(worker)
+            if listed(2, dashboard, [head, worker], log):
+                return {"dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+                        "token": TOKEN.read_text().strip(), "env": env}
+            if head.poll() is not None:
+                break
+        stop(head)
+    raise AssertionError(f"no two-node cluster in {NODE_STARTS} starts:\n"
+                         + "\n".join(f"{log.name}: {log.read_text()[-600:]}" for log in sorted(logs.iterdir())))
+
+
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     """A 1-CPU head node and a 1-CPU worker node on this machine."""
-    ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="1000")
-    logs = tmp_path_factory.mktemp("nodes")
-    process = start_node(
-        ["--head", f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
-         f"--metrics-export-port={ports['metrics']}",
-         # fixed by default, so they would clash with another Ray instance on this machine
-         f"--dashboard-agent-listen-port={ports['agent']}", f"--ray-client-server-port={ports['client']}"],
-        env, logs / "head.log")
-    token = (Path.home() / ".ray" / "auth_token")
-    dashboard = f"http://127.0.0.1:{ports['dashboard']}"
-    deadline = time.monotonic() + 120
-    nodes = [process]
+    started: list[subprocess.Popen] = []
     try:  # the nodes go with the fixture, also when it fails to bring them up
-        while True:
-            assert process.poll() is None, (logs / "head.log").read_text()[-3000:]
-            try:
-                get(f"{dashboard}/api/version", token.read_text().strip())
-                break
-            except (OSError, urllib.error.URLError):
-                assert time.monotonic() < deadline, "the dashboard did not come up"
-                time.sleep(1)
-        # `ray start` gives up when its raylet has not registered within a fixed 30 s, which a loaded
-        # 2-core machine can miss: a node that gave up is started again. One that runs is given
-        # JOIN_S from its own start to be listed alive (each attempt's own limit, not the head's).
-        for attempt in range(WORKER_STARTS):
-            worker = start_node([f"--address=127.0.0.1:{ports['gcs']}", f"--metrics-export-port={free_port()}",
-                                 f"--dashboard-agent-listen-port={free_port()}"], env, logs / f"worker-{attempt}.log")
-            nodes.insert(0, worker)
-            joined_by = time.monotonic() + JOIN_S
-            while alive_nodes(dashboard, token.read_text().strip()) < 2 and worker.poll() is None:
-                assert time.monotonic() < joined_by, (f"the worker node did not join within {JOIN_S} s:\n"
-                                                      f"{(logs / f'worker-{attempt}.log').read_text()[-2000:]}")
-                time.sleep(1)
-            if worker.poll() is None:
-                break
-        assert worker.poll() is None, (logs / f"worker-{attempt}.log").read_text()[-3000:]
-        yield {"dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
-               "token": token.read_text().strip(), "env": env}
+        yield start_cluster(env, tmp_path_factory.mktemp("nodes"), started)
     finally:
-        for node in nodes:
-            node.terminate()
-            node.wait(timeout=60)
+        for node in reversed(started):  # workers before their head
+            stop(node)
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,13 @@ import pytest
 import yaml
 from test_rlvr import rl_raw
 
-from rlsys.actors.cluster import RankPlacement, local_cluster_resources, ranks_by_node
+from rlsys.actors.cluster import RankPlacement, ranks_by_node
 from rlsys.actors.engine_placement import _check_one_node_each, check_colocated_engines
 from rlsys.config.layout import RayConfig
-from rlsys.config.loader import ConfigError
+from rlsys.config.loader import ConfigError, load_config, local_cluster_resources
 from rlsys.config.rollout import RolloutConfig
+from rlsys.config.schema import RLJobConfig
+from rlsys.rollout import vllm_engine
 from rlsys.run import main
 
 # One xdist worker runs this module (scripts/test.sh): the probe's clusters start once.
@@ -151,10 +153,41 @@ def rlvr_error(rl_yaml):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("gpus, overrides, expected", [
+    (8, [], (1, 2)),  # the job's 2 ranks each on a GPU, an engine on each
+    (8, ["rollout.tensor_parallel_size=2"], (1, 1)),
+    (8, ["parallel.dp_shard=4", "rollout.tensor_parallel_size=2"], (1, 2)),
+    (8, ["rollout.placement=separate"], (1, 1)),
+    (1, [], (0, 1)),  # fewer GPUs than ranks: on CPU (and said, below)
+    (0, [], (0, 1)),
+    (8, ["ray.gpus_per_worker=0", "rollout.num_engines=3"], (0, 3)),  # what the config sets stays
+], ids=["8gpus", "8gpus-engine-tp2", "8gpus-4ranks-engine-tp2", "8gpus-separate", "1gpu", "cpu", "8gpus-set"])
+def test_gpus_and_engines_left_empty_follow_the_clusters_gpus(rl_yaml, monkeypatch, gpus, overrides, expected):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", json.dumps({"GPU": gpus}))
+    cfg = load_config(RLJobConfig, rl_yaml, overrides)
+    assert (cfg.ray.gpus_per_worker, cfg.rollout.num_engines) == expected
+
+
+@pytest.mark.quick
+def test_a_gpu_engine_left_unsized_takes_its_share_of_what_is_free(monkeypatch):
+    """rollout.engine_memory_gib empty: 0.5 GiB of KV cache on CPU; on a GPU, vLLM's
+    gpu_memory_utilization at rollout.gpu_memory_utilization, never above what is free (the
+    device's reading stood in for: it needs CUDA)."""
+    monkeypatch.setattr(vllm_engine, "free_memory_fraction", lambda: 0.3)
+    assert vllm_engine.engine_memory(None, 0.5, on_gpu=False) == {"kv_cache_memory_bytes": 2**29}
+    assert vllm_engine.engine_memory(None, 0.5, on_gpu=True) == {"gpu_memory_utilization": 0.3}
+    assert vllm_engine.engine_memory(None, 0.2, on_gpu=True) == {"gpu_memory_utilization": 0.2}
+    assert vllm_engine.engine_memory(2.0, 0.5, on_gpu=True) == {"kv_cache_memory_bytes": 2 * 2**30,
+                                                                "gpu_memory_utilization": 0.3}
+
+
+@pytest.mark.quick
 def test_more_colocated_engines_than_the_clusters_gpus_are_refused_before_ray_starts(rlvr_error):
-    """With Ray told of 2 GPUs, 2 ranks of 1 GPU pass the training check (the cluster's GPUs are
-    counted, not this machine's CUDA devices) and 6 colocated engines are refused in one line."""
-    result = rlvr_error("ray.gpus_per_worker=1", "rollout.num_engines=6", RAY_OVERRIDE_RESOURCES='{"GPU": 2}')
+    """With Ray told of 2 GPUs, 2 ranks take a GPU each unasked (the cluster's GPUs are counted, not
+    this machine's CUDA devices), pass the training check, and 6 colocated engines are refused in
+    one line."""
+    result = rlvr_error("rollout.num_engines=6", RAY_OVERRIDE_RESOURCES='{"GPU": 2}')
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "rlsys rlvr: error: rollout.num_engines: 6 colocated engines x 1 GPU each (tensor_parallel_size) = 6 GPUs, "
@@ -172,3 +205,15 @@ def test_a_fraction_of_a_gpu_per_rank_is_refused(rl_yaml, capsys):
     assert capsys.readouterr().err.strip() == (
         "rlsys rlvr: error: ray.gpus_per_worker: 0.5; a training rank drives one GPU (1; 0 trains on CPU): two "
         "ranks on one GPU are refused by NCCL, and engines share a rank's GPU by rollout.placement: colocated")
+
+
+@pytest.mark.quick
+def test_a_run_on_cpu_beside_the_clusters_gpus_says_so(rlvr_error):
+    """Set to 0, or left empty with fewer GPUs than ranks: one line before the run starts (here the
+    run then stops at a later check of its config)."""
+    said = "running on CPU, though the Ray cluster has {} GPUs: ray.gpus_per_worker is 0"
+    for gpus, overrides in ((8, ["ray.gpus_per_worker=0"]), (1, [])):
+        result = rlvr_error(*overrides, "algorithm.ppo_mini_batch_size=3", RAY_OVERRIDE_RESOURCES=f'{{"GPU": {gpus}}}')
+        assert result.returncode == 2 and said.format(gpus) in result.stderr
+    result = rlvr_error("algorithm.ppo_mini_batch_size=3")
+    assert result.returncode == 2 and "running on CPU" not in result.stderr

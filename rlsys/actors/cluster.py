@@ -14,7 +14,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 
 from rlsys.config.layout import RayConfig
-from rlsys.config.loader import ConfigError
+from rlsys.config.loader import ConfigError, local_cluster_resources
 from rlsys.console import LOG_FILE_ENV, StartupClock, record_startup, verbose
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,14 @@ def _joins_a_cluster() -> bool:
     return bool(os.environ.get("RAY_ADDRESS")) or (ray.is_initialized() and len(ray.nodes()) > 1)
 
 
+def cluster_gpus(local: RayConfig) -> float:
+    """The GPUs of the cluster the run will use: a joined one's (RAY_ADDRESS, connected to here), else
+    those of the local cluster `ensure_ray` would start."""
+    if os.environ.get("RAY_ADDRESS"):
+        ensure_ray(local)
+    return sum(_node_resources("GPU", local))
+
+
 def largest_node_cpus() -> float:
     """The most CPUs one node of the cluster has: all that a single engine can take."""
     return max(_node_resources("CPU", None), default=0)
@@ -144,20 +152,6 @@ def _node_resources(resource: str, local: RayConfig | None) -> list[float]:
     if os.environ.get("RAY_ADDRESS"):
         return [float("inf")]  # an existing cluster: checked once connected
     return [local_cluster_resources(local or RayConfig())[resource]]
-
-
-def local_cluster_resources(cfg: RayConfig) -> dict[str, float]:
-    """The CPUs and GPUs of the local cluster `ensure_ray` would start: Ray's
-    RAY_OVERRIDE_RESOURCES over `ray.num_cpus` / `ray.num_gpus` over this machine's cores and the
-    GPUs CUDA sees."""
-    import json
-
-    import torch
-
-    resources = {"CPU": float(cfg.num_cpus or os.cpu_count() or 1),
-                 "GPU": float(cfg.num_gpus if cfg.num_gpus is not None else torch.cuda.device_count())}
-    override = json.loads(os.environ.get("RAY_OVERRIDE_RESOURCES") or "{}")
-    return {name: float(override.get(name, count)) for name, count in resources.items()}
 
 
 def wait_placed(placement, what: str, timeout_s: float = 120.0) -> None:

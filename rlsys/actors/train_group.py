@@ -28,8 +28,6 @@ class TrainGroup(ActorGroup):
         world_size = spec.dims.world_size
         super().__init__([actor_name("train", rank) for rank in range(world_size)], spec.collective_timeout_s)
         check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker")
-        if not spec.use_gpu and (gpus := ray.cluster_resources().get("GPU", 0)):
-            log.warning("training on CPU: ray.gpus_per_worker is 0, though the Ray cluster has %g GPUs", gpus)
         bundle = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": ray_cfg.gpus_per_worker} if spec.use_gpu else {})}
         num_gpus = (ray_cfg.gpus_per_worker if gpu_share is None else gpu_share) if spec.use_gpu else 0
         self.shape = (world_size, tuple(sorted(bundle.items())), num_gpus)

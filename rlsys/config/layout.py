@@ -73,9 +73,10 @@ class RayConfig:
     """CPUs reserved for each training rank (also its torch thread count). Unset: this machine's cores
     (at most ray.num_cpus) less separate rollout engines' CPUs, split evenly over the ranks; 1 when joining
     RAY_ADDRESS."""
-    gpus_per_worker: float = Field(default=0.0, ge=0)
+    gpus_per_worker: float | None = Field(default=None, ge=0)
     """GPUs for each training rank: 0 trains on CPU with gloo, 1 on its own GPU with nccl (a rank
-    drives one GPU; colocated engines share it)."""
+    drives one GPU; colocated engines share it). Empty: 1 when the Ray cluster has a GPU for every
+    rank, else 0 (a run on CPU beside a cluster's GPUs says so before it starts)."""
     num_cpus: int | None = Field(default=None, gt=0)
     """Logical CPUs of a local cluster (default: this machine's cores). More than the cores lets a
     layout with more ranks than cores run, slowly; ignored when joining RAY_ADDRESS."""

@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 import pydantic
 import yaml
 
+if typing.TYPE_CHECKING:
+    from rlsys.config.layout import RayConfig
+
 T = TypeVar("T")
 
 
@@ -45,6 +48,8 @@ def build_config(schema: type[T], raw: dict) -> T:
     ray_cfg = getattr(cfg, "ray", None)
     if ray_cfg is not None and ray_cfg.cpus_per_worker is None:
         ray_cfg.cpus_per_worker = default_cpus_per_worker(cfg)
+    if ray_cfg is not None and not os.environ.get("RAY_ADDRESS"):  # a joined cluster's: once connected
+        fill_gpu_defaults(cfg, local_cluster_resources(ray_cfg)["GPU"])
     return cfg
 
 
@@ -60,10 +65,38 @@ def default_cpus_per_worker(cfg: Any) -> int:
     cores = min(cores, cfg.ray.num_cpus or cores)
     rollout = getattr(cfg, "rollout", None)
     if rollout is not None and rollout.placement == "separate":
-        cores -= int(rollout.num_engines * rollout.cpus_per_engine)
+        cores -= int((rollout.num_engines or 1) * rollout.cpus_per_engine)
     parallel = getattr(cfg, "parallel", None)
     world_size = parallel.world_size if parallel is not None else 1
     return max(1, cores // world_size)
+
+
+def fill_gpu_defaults(cfg: Any, gpus: float) -> None:
+    """`ray.gpus_per_worker` and `rollout.num_engines` where the config left them empty, for a cluster of
+    `gpus` GPUs: a GPU for each training rank when there is one for every rank; colocated on them, an
+    engine per `rollout.tensor_parallel_size` GPUs (every GPU generates); else CPU training and one engine."""
+    parallel = getattr(cfg, "parallel", None)
+    ranks = parallel.world_size if parallel is not None else 1
+    if cfg.ray.gpus_per_worker is None:
+        cfg.ray.gpus_per_worker = 1.0 if gpus >= ranks else 0.0
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None and rollout.num_engines is None:
+        colocated_on_gpus = rollout.placement == "colocated" and cfg.ray.gpus_per_worker
+        rollout.num_engines = max(1, ranks // rollout.tensor_parallel_size) if colocated_on_gpus else 1
+
+
+def local_cluster_resources(cfg: RayConfig) -> dict[str, float]:
+    """The CPUs and GPUs of the local cluster `ensure_ray` would start: Ray's
+    RAY_OVERRIDE_RESOURCES over `ray.num_cpus` / `ray.num_gpus` over this machine's cores and the
+    GPUs CUDA sees."""
+    import json
+
+    import torch
+
+    resources = {"CPU": float(cfg.num_cpus or os.cpu_count() or 1),
+                 "GPU": float(cfg.num_gpus if cfg.num_gpus is not None else torch.cuda.device_count())}
+    override = json.loads(os.environ.get("RAY_OVERRIDE_RESOURCES") or "{}")
+    return {name: float(override.get(name, count)) for name, count in resources.items()}
 
 
 def config_to_dict(cfg: Any) -> dict:

@@ -97,10 +97,16 @@ class ServingConfig:
     killed and replaced as a dead one is (`train.max_worker_restarts`)."""
 
 
+CPU_ENGINE_MEMORY_GIB = 0.5
+"""A rollout engine's KV cache on CPU when rollout.engine_memory_gib is empty."""
+
+
 @dataclass(config=STRICT)
 class RolloutConfig:
-    num_engines: int = Field(default=1, gt=0)
-    """vLLM engines; the prompt batch is split across them (data parallel)."""
+    num_engines: int | None = Field(default=None, gt=0)
+    """vLLM engines; the prompt batch is split across them (data parallel). Empty: colocated on training
+    ranks that have GPUs, one engine per rollout.tensor_parallel_size of them (every GPU generates, as
+    VeRL's rollout data parallelism); otherwise 1."""
     tensor_parallel_size: int = Field(default=1, gt=0)
     """Tensor-parallel size of each engine (on CPU its ranks are worker processes, each bound to its share of
     the engine's cores)."""
@@ -151,9 +157,15 @@ class RolloutConfig:
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (the tokenizer's EOS always stops). As in VeRL, the reward sees the response's tokens
     decoded, so the text ends with the stop string: the tokens trained on."""
-    engine_memory_gib: float = Field(default=0.5, gt=0)
+    engine_memory_gib: float | None = Field(default=None, gt=0)
     """KV-cache memory per engine, in GiB. It must hold one sequence of max_model_len tokens (checked before
-    the run starts)."""
+    the run starts). Empty: 0.5 on CPU; on a GPU, what rollout.gpu_memory_utilization leaves of the device
+    after the engine's weights and activations."""
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, le=0.95)
+    """On a GPU with engine_memory_gib empty: the share of the device's memory an engine takes for its
+    weights, activations and KV cache (vLLM's gpu_memory_utilization; VeRL's default), at most what is free
+    when it starts. A colocated engine gives it back while the trainer updates (free_memory_in_update), so
+    the trainer's held states and this share must fit the device together."""
     max_model_len: int | None = Field(default=None, gt=0)
     """Longest sequence an engine takes; empty: the run's longest prompt (training and validation) plus a whole
     response's budget, as VeRL sets it (the model's context for the openai loop, whose harness writes the

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.loader import ConfigError, load_config
+from rlsys.config.rollout import RolloutConfig
 from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.planner.estimate import Layout, Precision, Workload
 from rlsys.planner.search import GIB, Cluster, plan, reason, table
@@ -46,7 +47,8 @@ def load_job(path: str, overrides: list[str]) -> RLJobConfig | TrainJobConfig:
             raise rl_error from None
 
 
-def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
+def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int, engine_kv_gib: float = 0.0) -> Workload:
+    """`engine_kv_gib`: a colocated rollout engine's KV cache on a GPU (`engine_kv`)."""
     train = cfg.train
     if isinstance(cfg, TrainJobConfig):
         return Workload(sequences=train.global_batch_size, seq_len=cfg.data.max_seq_len,
@@ -62,8 +64,17 @@ def workload(cfg: RLJobConfig | TrainJobConfig, prompt_tokens: int) -> Workload:
                     update_passes=algo.ppo_epochs * (2 if critic else 1),  # a critic trains beside the policy
                     forward_passes=old_logprobs + kl + critic, reference=kl, critic=critic,
                     lora_rank=cfg.model.lora.rank,
-                    engine_gib=rollout.engine_memory_gib if colocated else 0.0,
+                    engine_gib=engine_kv_gib if colocated else 0.0,
                     engine_tp=rollout.tensor_parallel_size, engine_released=rollout.free_memory_in_update)
+
+
+def engine_kv(rollout: RolloutConfig, shapes: ModelShapes, precision: Precision, gpu_memory_gib: float) -> float:
+    """A rollout engine's KV cache on a GPU, in GiB: rollout.engine_memory_gib, else what its share of the
+    device (rollout.gpu_memory_utilization) leaves after its weights, as vLLM sizes it."""
+    if rollout.engine_memory_gib is not None:
+        return rollout.engine_memory_gib
+    weights = shapes.total * precision.engine_bytes / rollout.tensor_parallel_size / 2**30
+    return max(0.0, rollout.gpu_memory_utilization * gpu_memory_gib - weights)
 
 
 def validator(cfg: RLJobConfig | TrainJobConfig, config) -> Callable[[ParallelConfig], None]:
@@ -102,7 +113,8 @@ def run_plan(args: PlanArgs) -> dict:
     cfg = load_job(args.config, args.overrides)
     config = preflight.read_model_config(cfg.model.path, "model.path")  # the shape is enough: no weights needed
     shapes = ModelShapes(config)
-    work = workload(cfg, args.prompt_tokens)
+    kv = engine_kv(cfg.rollout, shapes, precision(cfg), args.gpu_memory_gib) if isinstance(cfg, RLJobConfig) else 0
+    work = workload(cfg, args.prompt_tokens, kv)
     critic = ModelShapes(config, value_head=True) if work.critic else None
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom: a share of the GPU's memory in [0, 1), got {args.headroom:g}")

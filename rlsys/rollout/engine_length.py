@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rlsys.config.loader import ConfigError
+from rlsys.config.rollout import CPU_ENGINE_MEMORY_GIB
 
 BOUNDED_LOOPS = ("single_turn", "tool")
 """The agent loops that keep a trajectory within its prompt and response budget. Others (the openai
@@ -30,14 +31,20 @@ def run_length(prompt_lengths: Iterable[int], response_tokens: int, loop: str) -
     return max(prompt_lengths, default=0) + response_tokens
 
 
-def check_kv_budget(model_path: str, length: int | None, memory_gib: float, dtype: str, on_gpu: bool,
+def check_kv_budget(model_path: str, length: int | None, memory_gib: float | None, dtype: str, on_gpu: bool,
                     block_size: int | None, memory_key: str, length_key: str, tensor_parallel_size: int = 1) -> None:
     """Refuse, naming `memory_key` and `length_key` (what shortens the sequence), an engine whose KV
     cache (`memory_gib` for each of its `tensor_parallel_size` ranks, which split the key/value heads)
     cannot hold one sequence of `length` tokens (None: the model's context), as vLLM would refuse it at
     start. Only models whose every layer attends over the whole sequence are judged here; vLLM judges
-    the others (sliding windows, linear or latent attention)."""
+    the others (sliding windows, linear or latent attention), and a GPU engine sized by its share of
+    the device (`memory_gib` None), which the driver cannot see."""
     from transformers import AutoConfig
+
+    if memory_gib is None:
+        if on_gpu:
+            return
+        memory_gib = CPU_ENGINE_MEMORY_GIB
 
     text = AutoConfig.from_pretrained(model_path).get_text_config()
     if not _full_attention(text):

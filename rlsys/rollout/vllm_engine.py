@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlsys.config.rollout import CPU_ENGINE_MEMORY_GIB
 from rlsys.host_memory import release_freed_memory
 from rlsys.models.vision import engine_image_limits
 from rlsys.rollout.vllm_compat import routing_runner_env
@@ -40,8 +41,7 @@ def create_llm(model_path: str, cfg: RolloutConfig, seed: int, sleep_mode: bool 
         model=model_path,
         dtype=dtype,
         enforce_eager=not on_gpu,
-        kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
-        **({"gpu_memory_utilization": free_memory_fraction()} if on_gpu else {}),
+        **engine_memory(cfg.engine_memory_gib, cfg.gpu_memory_utilization, on_gpu),
         max_model_len=cfg.max_model_len,
         block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs,
@@ -75,8 +75,7 @@ def create_served_llm(model_path: str, cfg: ServingConfig, seed: int, pooling: b
         runner="pooling" if pooling else "generate",
         dtype=dtype,
         enforce_eager=not on_gpu,
-        kv_cache_memory_bytes=int(cfg.engine_memory_gib * 2**30),
-        **({"gpu_memory_utilization": free_memory_fraction()} if on_gpu else {}),
+        **engine_memory(cfg.engine_memory_gib, None, on_gpu),
         max_model_len=cfg.max_model_len,
         enable_chunked_prefill=on_gpu,  # as create_llm: seeded CPU samplers cannot rewind a partial prefill
         tensor_parallel_size=cfg.tensor_parallel_size,
@@ -136,6 +135,17 @@ def synced_weight_dtype(dtype: str, on_gpu: bool, fp32_head: bool) -> torch.dtyp
     """The dtype a sync that casts (`rlsys.sync.gathered`) sends an engine's weights in: the engine's, or
     None (the trainer's own) where the engine keeps some weights in fp32 (its LM head, `model.fp32_lm_head`)."""
     return None if fp32_head else getattr(torch, resolved_dtype(dtype, on_gpu))
+
+
+def engine_memory(kv_gib: float | None, gpu_share: float | None, on_gpu: bool) -> dict:
+    """vLLM's memory arguments: a KV cache of `kv_gib` GiB; else, on a GPU, `gpu_share` of the device for
+    the engine's weights, activations and KV cache (vLLM sizes the cache from what is left), at most what
+    is free now (`free_memory_fraction`)."""
+    if not on_gpu:
+        return {"kv_cache_memory_bytes": int((kv_gib or CPU_ENGINE_MEMORY_GIB) * 2**30)}
+    if kv_gib is None:
+        return {"gpu_memory_utilization": min(gpu_share, free_memory_fraction())}
+    return {"kv_cache_memory_bytes": int(kv_gib * 2**30), "gpu_memory_utilization": free_memory_fraction()}
 
 
 def free_memory_fraction() -> float:

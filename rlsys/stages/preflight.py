@@ -1,5 +1,7 @@
 """Checks that need more than types, all made before Ray starts: the model directory,
-data files, reward functions, batch arithmetic and the cluster's resources.
+data files, reward functions, batch arithmetic and the cluster's resources. The keys left for the
+cluster to size are filled first (`cluster_defaults`; a cluster joined through RAY_ADDRESS is
+connected to for its GPUs).
 
 Each failure is a ConfigError naming the key (exit code 2, one line).
 """
@@ -24,12 +26,14 @@ from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
 from rlsys.stages.algorithm_checks import check_algorithm, check_algorithm_against_job, check_router_replay
+from rlsys.stages.cluster_defaults import fill_cluster_defaults
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
+    fill_cluster_defaults(cfg)
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
     _check_vision_language(model_config, cfg.model, cfg.parallel, stage)
@@ -72,6 +76,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     from rlsys.rewards import registered_rewards
     from rlsys.rewards.loading import resolve_term
 
+    fill_cluster_defaults(cfg)
     _require(cfg.output_dir, "output_dir")
     _refuse_random_init(cfg.model)
     model_config = check_model_dir(cfg.model, "model.path")
@@ -145,6 +150,7 @@ def check_rl_batch(cfg: RLJobConfig, dp: int) -> None:
 
 
 def check_eval_job(cfg: EvalJobConfig) -> None:
+    fill_cluster_defaults(cfg)
     _require(cfg.output_dir, "output_dir")
     _refuse_random_init(cfg.model)
     check_model_dir(cfg.model, "model.path")

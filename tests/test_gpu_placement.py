@@ -154,19 +154,20 @@ def rlvr_error(rl_yaml):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("gpus, overrides, expected", [
-    (8, [], (1, 2)),  # the job's 2 ranks each on a GPU, an engine on each
-    (8, ["rollout.tensor_parallel_size=2"], (1, 1)),
-    (8, ["parallel.dp_shard=4", "rollout.tensor_parallel_size=2"], (1, 2)),
-    (8, ["rollout.placement=separate"], (1, 1)),
-    (1, [], (0, 1)),  # fewer GPUs than ranks: on CPU (and said, below)
-    (0, [], (0, 1)),
-    (8, ["ray.gpus_per_worker=0", "rollout.num_engines=3"], (0, 3)),  # what the config sets stays
+    (8, [], (1, 2, None)),  # the job's 2 ranks each on a GPU, an engine on each sized by its share of it
+    (8, ["rollout.tensor_parallel_size=2"], (1, 1, None)),
+    (8, ["parallel.dp_shard=4", "rollout.tensor_parallel_size=2"], (1, 2, None)),
+    (8, ["rollout.placement=separate"], (1, 1, 0.5)),  # an engine of its own, without GPUs (gpus_per_engine)
+    (1, [], (0, 1, 0.5)),  # fewer GPUs than ranks: on CPU (and said, below)
+    (0, [], (0, 1, 0.5)),
+    (8, ["ray.gpus_per_worker=0", "rollout.num_engines=3"], (0, 3, 0.5)),  # what the config sets stays
 ], ids=["8gpus", "8gpus-engine-tp2", "8gpus-4ranks-engine-tp2", "8gpus-separate", "1gpu", "cpu", "8gpus-set"])
 def test_gpus_and_engines_left_empty_follow_the_clusters_gpus(rl_yaml, monkeypatch, gpus, overrides, expected):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", json.dumps({"GPU": gpus}))
-    cfg = load_config(RLJobConfig, rl_yaml, overrides)
-    assert (cfg.ray.gpus_per_worker, cfg.rollout.num_engines) == expected
+    cfg = load_config(RLJobConfig, rl_yaml, [*overrides, "rollout.engine_memory_gib=null"])
+    assert (cfg.ray.gpus_per_worker, cfg.rollout.num_engines, cfg.rollout.engine_memory_gib) == expected
+    assert load_config(RLJobConfig, rl_yaml, overrides).rollout.engine_memory_gib == 0.1  # as the job sets it
 
 
 @pytest.mark.quick

@@ -32,15 +32,17 @@ def first_line(err: Exception) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def load_config(schema: type[T], path: str | None, overrides: list[str] = ()) -> T:
+def load_config(schema: type[T], path: str | None, overrides: list[str] = (), gpus: float | None = None) -> T:
     raw = _read_yaml(path) if path else {}
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(raw, key, value)
-    return build_config(schema, raw)
+    return build_config(schema, raw, gpus)
 
 
-def build_config(schema: type[T], raw: dict) -> T:
+def build_config(schema: type[T], raw: dict, gpus: float | None = None) -> T:
+    """`gpus`: the cluster's GPUs, which size the keys left to them (`fill_gpu_defaults`); None: the local
+    cluster's, or, when joining RAY_ADDRESS, left for preflight to fill once connected."""
     try:
         cfg = pydantic.TypeAdapter(schema).validate_python(raw)
     except pydantic.ValidationError as err:
@@ -48,8 +50,10 @@ def build_config(schema: type[T], raw: dict) -> T:
     ray_cfg = getattr(cfg, "ray", None)
     if ray_cfg is not None and ray_cfg.cpus_per_worker is None:
         ray_cfg.cpus_per_worker = default_cpus_per_worker(cfg)
-    if ray_cfg is not None and not os.environ.get("RAY_ADDRESS"):  # a joined cluster's: once connected
-        fill_gpu_defaults(cfg, local_cluster_resources(ray_cfg)["GPU"])
+    if ray_cfg is not None and gpus is None and not os.environ.get("RAY_ADDRESS"):
+        gpus = local_cluster_resources(ray_cfg)["GPU"]
+    if ray_cfg is not None and gpus is not None:
+        fill_gpu_defaults(cfg, gpus)
     return cfg
 
 
@@ -72,17 +76,26 @@ def default_cpus_per_worker(cfg: Any) -> int:
 
 
 def fill_gpu_defaults(cfg: Any, gpus: float) -> None:
-    """`ray.gpus_per_worker` and `rollout.num_engines` where the config left them empty, for a cluster of
-    `gpus` GPUs: a GPU for each training rank when there is one for every rank; colocated on them, an
-    engine per `rollout.tensor_parallel_size` GPUs (every GPU generates); else CPU training and one engine."""
+    """`ray.gpus_per_worker`, `rollout.num_engines` and `rollout.engine_memory_gib` where the config left
+    them empty, for a cluster of `gpus` GPUs: a GPU for each training rank when there is one for every
+    rank; colocated on them, an engine per `rollout.tensor_parallel_size` GPUs (every GPU generates);
+    else CPU training and one engine. An engine on CPU gets a KV cache of CPU_ENGINE_MEMORY_GIB; one on a
+    GPU keeps it empty, sized by its share of the device (`rollout.gpu_memory_utilization`)."""
+    from rlsys.config.rollout import CPU_ENGINE_MEMORY_GIB
+
     parallel = getattr(cfg, "parallel", None)
     ranks = parallel.world_size if parallel is not None else 1
     if cfg.ray.gpus_per_worker is None:
         cfg.ray.gpus_per_worker = 1.0 if gpus >= ranks else 0.0
     rollout = getattr(cfg, "rollout", None)
-    if rollout is not None and rollout.num_engines is None:
-        colocated_on_gpus = rollout.placement == "colocated" and cfg.ray.gpus_per_worker
+    if rollout is None:
+        return
+    on_gpu = cfg.ray.gpus_per_worker if rollout.placement == "colocated" else rollout.gpus_per_engine
+    if rollout.num_engines is None:
+        colocated_on_gpus = rollout.placement == "colocated" and on_gpu
         rollout.num_engines = max(1, ranks // rollout.tensor_parallel_size) if colocated_on_gpus else 1
+    if rollout.engine_memory_gib is None and not on_gpu:
+        rollout.engine_memory_gib = CPU_ENGINE_MEMORY_GIB
 
 
 def local_cluster_resources(cfg: RayConfig) -> dict[str, float]:

@@ -36,13 +36,14 @@ class PlanArgs:
     check_full: bool = False
 
 
-def load_job(path: str, overrides: list[str]) -> RLJobConfig | TrainJobConfig:
-    """An RL job's config, else a pretraining or SFT one."""
+def load_job(path: str, overrides: list[str], gpus: int | None = None) -> RLJobConfig | TrainJobConfig:
+    """An RL job's config, else a pretraining or SFT one; `gpus`: the planned cluster's, which size the keys
+    left to the cluster (else this machine's)."""
     try:
-        return load_config(RLJobConfig, path, overrides)
+        return load_config(RLJobConfig, path, overrides, gpus)
     except ConfigError as rl_error:
         try:
-            return load_config(TrainJobConfig, path, overrides)
+            return load_config(TrainJobConfig, path, overrides, gpus)
         except ConfigError:
             raise rl_error from None
 
@@ -110,7 +111,7 @@ def overrides_of(layout: Layout, base: ParallelConfig) -> str:
 def run_plan(args: PlanArgs) -> dict:
     if args.prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens: must be > 0, got {args.prompt_tokens}")
-    cfg = load_job(args.config, args.overrides)
+    cfg = load_job(args.config, args.overrides, args.gpus)
     config = preflight.read_model_config(cfg.model.path, "model.path")  # the shape is enough: no weights needed
     shapes = ModelShapes(config)
     kv = engine_kv(cfg.rollout, shapes, precision(cfg), args.gpu_memory_gib) if isinstance(cfg, RLJobConfig) else 0

@@ -169,7 +169,7 @@ class RolloutConfig:
     max_model_len: int | None = Field(default=None, gt=0)
     """Longest sequence an engine takes; empty: the run's longest prompt (training and validation) plus a whole
     response's budget, as VeRL sets it (the model's context for the openai loop, whose harness writes the
-    requests, and for a loop of your own)."""
+    requests, and for a loop of your own). Set, it must hold that sequence (checked before the run starts)."""
     block_size: int | None = Field(default=None, gt=0)
     """KV-cache block size in tokens (empty: vLLM's default, 128 on CPU). The prefix cache reuses whole
     blocks only, so a multi-turn loop continues from its cached turns with smaller blocks (a multiple of 32

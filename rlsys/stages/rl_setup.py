@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig
 
 from rlsys.agents.context_hooks import resolve_context_hook
+from rlsys.config.loader import ConfigError
 from rlsys.config.rl import DistillConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.files import DataError
@@ -89,14 +90,25 @@ def teacher_length(distill: DistillConfig, rollout_length: int | None) -> int | 
 
 def _engine_length(cfg: RLJobConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:
     """The rollout engines' length: as configured, else the longest sequence of the training prompts
-    and of the validation split, which the same engines answer."""
-    configured = cfg.rollout.engine_kwargs.get("max_model_len") or cfg.rollout.max_model_len
-    if configured:
-        return configured
+    and of the validation split, which the same engines answer. A configured length that cannot hold
+    the longest prompt and a whole response is refused (vLLM would reject its requests)."""
     lengths = [run_length((p.engine_tokens for p in prompts), cfg.rollout.response_budget, cfg.rollout.agent_loop)]
     if evaluator is not None:
         lengths.append(evaluator.engine_length)
-    return None if None in lengths else max(lengths)
+    longest = None if None in lengths else max(lengths)
+    configured = cfg.rollout.engine_kwargs.get("max_model_len") or cfg.rollout.max_model_len
+    if not configured:
+        return longest
+    prompt = max(p.engine_tokens for p in [*prompts, *(evaluator.prompts if evaluator else [])])
+    needed = longest if longest is not None else prompt + 1
+    if configured < needed:
+        key = "rollout.engine_kwargs.max_model_len" if "max_model_len" in cfg.rollout.engine_kwargs else \
+            "rollout.max_model_len"
+        response = "a whole response (rollout.max_response_tokens, else max_new_tokens)" if longest else "a token"
+        raise ConfigError(f"{key}: {configured} tokens cannot hold the longest prompt ({prompt} tokens, training or "
+                          f"validation) and {response}: {needed} tokens; set at least {needed}, or leave it empty "
+                          f"(the run's longest sequence)")
+    return configured
 
 
 def _loops(cfg: RLJobConfig) -> dict[str, str]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
+from rlsys.config import peer_names
+from rlsys.config.docs import config_rows
 from rlsys.config.loader import ConfigError, load_config
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.run import main
@@ -238,3 +241,28 @@ def test_help_at_both_levels(capsys, argv):
         main(argv)
     assert exit_info.value.code == 0
     assert "usage: python -m rlsys.run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("typed", list(peer_names.PEER_NAMES))
+def test_a_verl_or_trl_key_is_answered_with_rlsys_name(typed):
+    """Each name of the table, typed as an override of an RL job (a TRL field also under a section),
+    ends in one line giving rlsys's name; each rlsys key the table gives exists."""
+    entry = peer_names.PEER_NAMES[typed]
+    for schema, target in ((RLJobConfig, entry.rl), (TrainJobConfig, entry.in_training_job)):
+        schema = RLJobConfig if target.endswith("(in an RL job)") else schema
+        rows = {key.replace("[]", "") for key, *_ in config_rows(schema)}
+        named = target.split(" ")[0]
+        if re.fullmatch(r"[a-z_]+(\.[a-z_\[\]]+)*", named) and named not in ("none:", "the"):
+            assert named.replace("[]", "") in rows or any(row.startswith(named + ".") for row in rows), target
+    typed_as = [typed] if "." in typed else [typed, f"rollout.{typed}"]
+    for key in typed_as:
+        with pytest.raises(ConfigError) as err:
+            load_config(RLJobConfig, None, [f"{key}=1"])
+        whose = f"{entry.peer}'s name" if key == typed else f"{typed} is {entry.peer}'s name"
+        assert str(err.value) == f"{key}: {whose}; rlsys's: {entry.rl}"
+
+
+def test_the_peer_names_table_is_current():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    block = re.search(r"<!-- peer-names:start -->\n(.*)<!-- peer-names:end -->", text, re.S)
+    assert block and block.group(1) == peer_names.markdown(), "regenerate with: peer_names.markdown()"

@@ -96,6 +96,8 @@ def test_bad_input_exits_2_with_one_line_before_ray_starts(bad_inputs, tiny_mode
         ("parallel.cp=2", "parallel.tp=2"): "parallel.cp: tp x cp = 4 does not divide the model's attention heads",
         "parallel.sequence_parallel=true": "parallel.sequence_parallel: needs parallel.tp > 1",
         "ray.cpus_per_worker=64": "ray.cpus_per_worker: 1 worker x 64 CPUs",
+        f"data.val_files=[{arith_files['test']}]": "data.val_files: the rm stage's held-out pairs; an RL run "
+                                                    "validates on eval.files",
         "rollout.max_model_len=4": "rollout.max_model_len: 4 tokens cannot hold the longest prompt (",
         ("rollout.max_model_len=100000", "rollout.engine_memory_gib=0.01"):
             "rollout.engine_memory_gib: one sequence of 100000 tokens needs 0.0954 GiB of KV cache in the engine, "

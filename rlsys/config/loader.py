@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import pydantic
 import yaml
 
+from rlsys.config import peer_names
+
 if typing.TYPE_CHECKING:
     from rlsys.config.layout import RayConfig
 
@@ -155,6 +157,10 @@ def _describe(schema: type, error: dict) -> str:
     loc = [str(part) for part in error["loc"]]
     key = ".".join(loc) or "<root>"
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        rl_job = "rollout" in _field_names(schema, [])
+        for typed in _typed_keys(key, error.get("input")):
+            if said := peer_names.answer(typed, rl_job):
+                return f"{typed}: {said}"
         known = _field_names(schema, loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1)
         hint = f"; did you mean '{'.'.join(loc[:-1] + close)}'?" if close else ""
@@ -165,6 +171,13 @@ def _describe(schema: type, error: dict) -> str:
         return f"{key}.{error['msg'].removeprefix('Value error, ')}"
     shown = "" if isinstance(given, dict) else f" (got {given!r})"
     return f"{key}: {error['msg']}{shown}"
+
+
+def _typed_keys(key: str, value: Any) -> list[str]:
+    """The dotted keys as typed under an unknown `key` (the YAML below it flattened)."""
+    if not isinstance(value, dict) or not value:
+        return [key]
+    return [typed for name, child in value.items() for typed in _typed_keys(f"{key}.{name}", child)]
 
 
 def _field_names(schema: type, path: list[str]) -> list[str]:

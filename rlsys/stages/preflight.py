@@ -87,6 +87,9 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError("train.async_mode: the adapter sync runs with async_mode: off; for asynchronous RL "
                           "with LoRA set model.lora.sync: merged")
     _check_files(cfg.data.train_files, "data.train_files")
+    if cfg.data.val_files:  # the rm stage's held-out pairs; VeRL's validation split is eval.files here
+        raise ConfigError("data.val_files: the rm stage's held-out pairs; an RL run validates on eval.files "
+                          "(VeRL's data.val_files)")
     _check_heads_split(model_config.get_text_config(), cfg.rollout.tensor_parallel_size,
                        "rollout.tensor_parallel_size")
     prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size

@@ -11,6 +11,7 @@ import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, `ar
 from rlsys.actors.cluster import interrupt_on_sigterm
 from rlsys.actors.failures import WorkerFailure
 from rlsys.config.loader import ConfigError, load_config
+from rlsys.models.hub import remember_user_offline
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, RLJobConfig, TrainJobConfig
 from rlsys.console import setup_console
 from rlsys.data.files import DataError
@@ -118,6 +119,7 @@ def _plan(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_console(args.verbose)
+    remember_user_offline()  # a model named by its Hub id is fetched as the user set it (rlsys.models.hub)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     interrupt_on_sigterm()

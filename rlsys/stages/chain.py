@@ -21,6 +21,7 @@ import yaml
 from rlsys.actors import kept_actors
 from rlsys.config.loader import ConfigError, build_config, config_to_dict, load_config
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, PipelineStage, RLJobConfig, TrainJobConfig
+from rlsys.stages.preflight import resolve_models
 from rlsys.stages.run_dir import CONFIG_FILE, HF_MODEL_DIR, SUMMARY_FILE
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ def finished_summary(index: int, spec: PipelineStage, job) -> dict | None:
         return None
     with open(os.path.join(job.output_dir, CONFIG_FILE)) as f:
         recorded = _in_current_schema(type(job), yaml.safe_load(f))
+    resolve_models(job)  # the stage recorded its models' snapshots, not the Hub ids
     difference = _first_difference(recorded, _plain(job))
     if difference:
         raise ConfigError(f"stages[{index}] ({spec.name}): finished in {job.output_dir} with a different config "

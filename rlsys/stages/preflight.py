@@ -20,6 +20,7 @@ from rlsys.config.rl import RewardTerm
 from rlsys.config.rollout import EvalConfig
 from rlsys.config.schema import EvalJobConfig, RLJobConfig, TrainJobConfig
 from rlsys.config.training import TrainConfig
+from rlsys.models import hub
 from rlsys.models.moe import moe_family
 from rlsys.models.vision import VL_FAMILIES, is_vision_language, model_class
 from rlsys.parallel.dims import LayoutError, ParallelDims
@@ -33,6 +34,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 
 
 def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
+    resolve_models(cfg)
     fill_cluster_defaults(cfg)
     _require(cfg.output_dir, "output_dir")
     model_config = check_model_dir(cfg.model, "model.path")
@@ -76,6 +78,7 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     from rlsys.rewards import registered_rewards
     from rlsys.rewards.loading import resolve_term
 
+    resolve_models(cfg)
     fill_cluster_defaults(cfg)
     _require(cfg.output_dir, "output_dir")
     _refuse_random_init(cfg.model)
@@ -153,12 +156,24 @@ def check_rl_batch(cfg: RLJobConfig, dp: int) -> None:
 
 
 def check_eval_job(cfg: EvalJobConfig) -> None:
+    resolve_models(cfg)
     fill_cluster_defaults(cfg)
     _require(cfg.output_dir, "output_dir")
     _refuse_random_init(cfg.model)
     check_model_dir(cfg.model, "model.path")
     _check_eval(cfg.eval)
     _check_training_resources(cfg.ray, 1)  # the engine takes ray.cpus_per_worker CPUs
+
+
+def resolve_models(cfg: TrainJobConfig | RLJobConfig | EvalJobConfig) -> None:
+    """Every model the job names by a Hub id, as its local snapshot (`rlsys.models.hub`)."""
+    cfg.model.path = hub.resolve(cfg.model.path, "model.path")
+    if isinstance(cfg, RLJobConfig):
+        for i, term in enumerate(cfg.reward.terms):
+            if term.model:
+                term.model = hub.resolve(term.model, f"reward.terms[{i}].model")
+        if cfg.algorithm.distill is not None and cfg.algorithm.distill.teacher:
+            cfg.algorithm.distill.teacher = hub.resolve(cfg.algorithm.distill.teacher, "algorithm.distill.teacher")
 
 
 def check_model_term(term: RewardTerm, key: str) -> None:

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import yaml
+from hub_server import Hub, serve
 from test_rlvr import rl_raw
 
 from rlsys.actors.cluster import RankPlacement, ranks_by_node
@@ -33,9 +34,20 @@ PROBE = pathlib.Path(__file__).parent / "assets" / "gpu_placement_probe.py"
 
 
 @pytest.fixture(scope="module")
-def placed(tmp_path_factory) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def hub(tiny_model_dir):
+    """The tiny model as the Hub's `test-org/tiny`, served on this machine (tests/hub_server.py)."""
+    served = Hub()
+    served.add("test-org/tiny", tiny_model_dir)
+    server, url = serve(served)
+    yield served, url
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory, hub) -> dict:
     shared = tmp_path_factory.mktemp("shared")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("HF_")}
+    env |= {"HF_ENDPOINT": hub[1], "HF_HOME": str(shared / "hf"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     result = subprocess.run([sys.executable, str(PROBE), str(shared)], capture_output=True, text=True, timeout=600,
                             env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -95,6 +107,16 @@ def test_a_node_that_does_not_share_the_run_directory_is_named(placed):
         pytest.skip(f"no node with a filesystem of its own on this machine: {nodes['not_shared']['unavailable']}")
     assert re.fullmatch(r"output_dir: node \S+ \(\w{8}\) does not see \S+ as this machine does; every node must "
                         r"share output_dir and the local model paths .*", nodes["not_shared"]["refusal"])
+
+
+def test_a_node_without_a_hub_models_snapshot_fetches_its_own(placed, hub):
+    """A model named by its Hub id is downloaded once per filesystem: by the driver, and by the third
+    node (which sees another filesystem where HF_HOME is) before the run starts, to the same path."""
+    nodes = placed["two_nodes"]
+    if "unavailable" in nodes["not_shared"]:
+        pytest.skip(f"no node with a filesystem of its own on this machine: {nodes['not_shared']['unavailable']}")
+    assert nodes["not_shared"]["hub_fetch"] == ""
+    assert hub[0].downloads[("test-org/tiny", "config.json")] == 2
 
 
 @pytest.mark.quick

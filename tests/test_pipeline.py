@@ -13,6 +13,7 @@ import time
 
 import pytest
 import yaml
+from hub_server import Hub, serve
 
 from rlsys.config.loader import ConfigError, build_config
 from rlsys.config.schema import PipelineConfig
@@ -59,14 +60,14 @@ def pipeline_file(tmp_path, tiny_model_dir, arith_files) -> str:
     return str(path)
 
 
-def run_pipeline(pipeline_file: str, *overrides: str) -> subprocess.CompletedProcess:
+def run_pipeline(pipeline_file: str, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlsys.run", "pipeline", "--config", pipeline_file, *overrides],
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
 
 
-def start_pipeline(pipeline_file: str) -> subprocess.Popen:
+def start_pipeline(pipeline_file: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "rlsys.run", "pipeline", "--config", pipeline_file],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def wait_for(path: str, process: subprocess.Popen, timeout_s: float = TIMEOUT_S) -> None:
@@ -79,9 +80,27 @@ def wait_for(path: str, process: subprocess.Popen, timeout_s: float = TIMEOUT_S)
         time.sleep(0.2)
 
 
-def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_file):
-    out = yaml.safe_load(open(pipeline_file))["output_dir"]
-    first = start_pipeline(pipeline_file)
+@pytest.fixture
+def hub_env(tiny_model_dir, tmp_path):
+    """The tiny model as the Hub's `test-org/tiny`, served on this machine (tests/hub_server.py), and the
+    environment that points huggingface_hub there, with a cache of the test's own."""
+    hub = Hub()
+    hub.add("test-org/tiny", tiny_model_dir)
+    server, url = serve(hub)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    yield hub, env | {"HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    server.shutdown()
+
+
+def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_file, hub_env):
+    """The first stage trains the model named by its Hub id, downloaded once: the re-runs that skip
+    that stage find the snapshot it recorded in the cache."""
+    hub, env = hub_env
+    raw = yaml.safe_load(open(pipeline_file))
+    raw["stages"][0]["overrides"] = ["model.path=test-org/tiny"]
+    yaml.safe_dump(raw, open(pipeline_file, "w"))
+    out = raw["output_dir"]
+    first = start_pipeline(pipeline_file, env)
     wait_for(os.path.join(out, "rlvr", "checkpoints", "step_000002"), first)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=120) == 130, first.stdout.read()[-3000:]
@@ -90,7 +109,7 @@ def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_f
     for stage in ("sft", "rlvr"):
         assert "ranks the last group kept" in open(os.path.join(out, stage, "logs", "driver.log")).read(), stage
 
-    second = run_pipeline(pipeline_file)
+    second = run_pipeline(pipeline_file, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     stages = {s["name"]: s for s in json.load(open(os.path.join(out, "summary.json")))["stages"]}
     assert list(stages) == ["pretrain", "sft", "rlvr"]
@@ -106,10 +125,13 @@ def test_pipeline_runs_resumes_after_a_kill_and_skips_finished_stages(pipeline_f
     page = open(os.path.join(out, "report.html")).read()
     assert page.count("data:image/png;base64,") == 3  # pretrain, sft, rlvr curves
 
-    third = run_pipeline(pipeline_file)
+    third = run_pipeline(pipeline_file, env=env)
     assert third.returncode == 0, third.stderr[-3000:]
     assert third.stdout.count("skipped (finished earlier)") == 3
     assert "Started a local Ray instance" not in third.stderr
+    pretrained_from = yaml.safe_load(open(os.path.join(out, "pretrain", "config.yaml")))["model"]["path"]
+    assert pretrained_from.startswith(env["HF_HOME"]) and os.path.isfile(os.path.join(pretrained_from, "config.json"))
+    assert hub.downloads[("test-org/tiny", "config.json")] == 1
 
 
 @pytest.mark.quick

@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import shutil
+import stat
 
 import pytest
 
@@ -61,6 +62,10 @@ def test_output_directory_layout(straight_run):
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "report.png", "report.html",
                  "hf_model/config.json", weights, "hf_model/tokenizer.json"):
         assert os.path.isfile(os.path.join(out, name)), name
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(os.path.join(out, "hf_model")):  # readable as the umask says, the weights too
+        assert stat.S_IMODE(os.stat(os.path.join(out, "hf_model", name)).st_mode) == 0o666 & ~umask, name
     assert list(losses(out)) == list(range(1, STEPS + 1))
     assert summary["final_loss"] == losses(out)[STEPS]
 

@@ -16,6 +16,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from rlsys.config.layout import RayConfig
 from rlsys.config.loader import ConfigError, local_cluster_resources
 from rlsys.console import LOG_FILE_ENV, StartupClock, record_startup, verbose
+from rlsys.models import hub
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,8 @@ def check_nodes_share(output_dir: str, paths: dict[str, str], timeout_s: float =
     """On a cluster of several nodes, ask each node (a task pinned to it) whether it sees `output_dir`
     as this one does (a file written here is read there: ranks write checkpoint shards and the
     export there, the driver renames and prunes) and every local path of `paths` (config key ->
-    path). Refuse in one line naming the first node that does not."""
+    path); a model named by its Hub id is fetched there first (`rlsys.models.hub`: its snapshot
+    must come to the same path). Refuse in one line naming the first node that does not."""
     nodes = [node for node in ray.nodes() if node["Alive"]]
     if len(nodes) < 2:
         return
@@ -214,35 +216,48 @@ def check_nodes_share(output_dir: str, paths: dict[str, str], timeout_s: float =
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    hub_names = {key: hub.RESOLVED[path] for key, path in paths.items() if path in hub.RESOLVED}
+    runtime_env = {"env_vars": hub.fetch_env()} if hub_names else None
     token = secrets.token_hex(16)
     probe = os.path.join(output_dir, f".rlsys-node-check-{token[:8]}")
     with open(probe, "w") as f:
         f.write(token)
     try:
-        checks = [(node, _node_sees.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            node["NodeID"], soft=False)).remote(probe, token, paths)) for node in nodes]
+        checks = [(node, _node_sees.options(num_cpus=0, runtime_env=runtime_env,
+                                            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"],
+                                                                                               soft=False))
+                   .remote(probe, token, paths, hub_names)) for node in nodes]
         for node, check in checks:
             unseen = ray.get(check, timeout=timeout_s)
             if unseen:
-                key, path = unseen
-                where = f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})"
-                raise ConfigError(f"{key}: {where} does not see {path} as this machine does; every node must "
-                                  f"share output_dir and the local model paths (a shared filesystem: NFS, Lustre, "
-                                  f"a cloud file store)")
+                key, why = unseen
+                raise ConfigError(f"{key}: node {node['NodeManagerAddress']} ({node['NodeID'][:8]}) {why}")
     finally:
         os.remove(probe)
 
 
 @ray.remote
-def _node_sees(probe: str, token: str, paths: dict[str, str]) -> tuple[str, str] | None:
-    """(key, path) of the first thing this node does not see, or None."""
+def _node_sees(probe: str, token: str, paths: dict[str, str], hub_names: dict[str, str]) -> tuple[str, str] | None:
+    """(key, what this node lacks) of the first thing this node does not see, or None."""
+    shared = ("as this machine does; every node must share output_dir and the local model paths (a shared "
+              "filesystem: NFS, Lustre, a cloud file store)")
     try:
         with open(probe) as f:
             if f.read() != token:
-                return "output_dir", os.path.dirname(probe)
+                return "output_dir", f"does not see {os.path.dirname(probe)} {shared}"
     except OSError:
-        return "output_dir", os.path.dirname(probe)
-    return next(((key, path) for key, path in paths.items() if not os.path.exists(path)), None)
+        return "output_dir", f"does not see {os.path.dirname(probe)} {shared}"
+    for key, path in paths.items():
+        if not os.path.exists(path) and key in hub_names:
+            try:
+                fetched = hub.resolve(hub_names[key], key)
+            except ConfigError as err:
+                return key, f"cannot fetch it: {err}"
+            if fetched != path:
+                return key, f"keeps {hub_names[key]} at {fetched}, not {path} (set one HF_HOME for every node)"
+        if not os.path.exists(path):
+            return key, f"does not see {path} {shared}"
+    return None
 
 
 # -- named actors --------------------------------------------------------------

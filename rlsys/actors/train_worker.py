@@ -29,7 +29,7 @@ from rlsys.config.training import OptimConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.data.batching import Batch
 from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
-from rlsys.engine.state import export_hf
+from rlsys.engine.hf_export import export_hf
 from rlsys.host_memory import releases_freed_memory
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.router_replay import without_routing

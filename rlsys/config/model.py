@@ -38,9 +38,13 @@ class LoraConfig:
 @dataclass(config=STRICT)
 class ModelConfig:
     path: str = ""
-    """Local Hugging Face causal-LM directory (config.json, safetensors, tokenizer files)."""
+    """Hugging Face causal-LM directory (config.json, safetensors, tokenizer files), or a Hub id
+    (org/name[@revision]) whose snapshot is fetched before the stage starts (docs/models.md)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the trainer keeps parameters in; bf16 compute on GPU comes from `parallel.mixed_precision`."""
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the exported model (hf_model/); auto: the one the model's config.json names (a Hub model's
+    bfloat16), else float32."""
     router_aux_loss_coef: float | None = Field(default=None, ge=0)
     """MoE models: weight of the routers' load-balancing loss in every training loss (per layer, over
     all data-parallel ranks' tokens, averaged over layers); unset takes the model config's

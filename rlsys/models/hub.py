@@ -20,6 +20,8 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 SKIPPED_FILES = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.gguf", "*.mlmodel", "original/*", "onnx/*",
                  "coreml/*", "openvino/*"]
 """Formats and copies of the weights that transformers and vLLM do not load here."""
+RESOLVED: dict[str, str] = {}
+"""Snapshot directory -> the Hub id it was resolved from, in this process (each node fetches its own)."""
 USER_OFFLINE_ENV = "RLSYS_USER_HF_HUB_OFFLINE"
 """HF_HUB_OFFLINE as the user set it, kept by `remember_user_offline` before rlsys turns the Hub off."""
 
@@ -63,7 +65,16 @@ def resolve(name: str, key: str) -> str:
     except (HfHubHTTPError, OSError) as err:
         raise ConfigError(f"{key}: {name}: {first_line(err)}") from None
     log.info("%s: %s is %s", key, name, path)
+    RESOLVED[path] = name
     return path
+
+
+def fetch_env() -> dict[str, str]:
+    """The environment a task on another node fetches a Hub id in: the user's Hub settings, which its
+    node's processes do not have."""
+    names = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_PROGRESS_BARS")
+    return {USER_OFFLINE_ENV: os.environ.get(USER_OFFLINE_ENV, os.environ.get("HF_HUB_OFFLINE", "")),
+            **{name: os.environ[name] for name in names if name in os.environ}}
 
 
 def _announce(repo_id: str, revision: str, name: str, key: str) -> bool:

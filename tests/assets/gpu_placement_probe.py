@@ -9,7 +9,8 @@ One node: 4 training ranks (1 GPU each) with two kinds of colocated engines, the
 engines, tensor parallel 2: vLLM's Ray workers in the ranks' bundles) and a reward model's (4
 engines, tp 1), so each GPU holds a rank and one engine rank of each kind (a third of it each);
 a separate rollout engine of tp 2 in a bundle of its own; a rank whose Ray leaves
-CUDA_VISIBLE_DEVICES alone."""
+CUDA_VISIBLE_DEVICES alone. The two-node cluster's third node, with a filesystem of its own, fetches a
+Hub id's snapshot itself (HF_ENDPOINT and HF_HOME from the test)."""
 
 from __future__ import annotations
 
@@ -156,6 +157,24 @@ def refusal(shared_dir: str) -> str:
     return ""
 
 
+def hub_fetch() -> str:
+    """check_nodes_share's line for a model named by its Hub id whose snapshot (HF_HOME, set by the test
+    inside the directory the third node sees another filesystem at) that node lacks: it fetches its own
+    ("" if none). output_dir is a directory every node sees."""
+    from rlsys.actors.cluster import check_nodes_share
+    from rlsys.config.loader import ConfigError
+    from rlsys.models import hub
+
+    output_dir = tempfile.mkdtemp()
+    try:
+        check_nodes_share(output_dir, {"model.path": hub.resolve("test-org/tiny", "model.path")})
+    except ConfigError as err:
+        return str(err)
+    finally:
+        shutil.rmtree(output_dir)
+    return ""
+
+
 def last_error(output) -> str:
     """The last line of a process's output that names an error, else its last line."""
     output.seek(0)
@@ -183,7 +202,7 @@ def with_node_of_another_filesystem(address: str, shared_dir: str) -> dict:
                     return {"unavailable": f"the node did not join within {JOIN_S:g} s: {last_error(output)}"}
                 time.sleep(0.5)
             if node.poll() is None:
-                return {"refusal": refusal(shared_dir)}
+                return {"refusal": refusal(shared_dir), "hub_fetch": hub_fetch()}
         finally:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGTERM)

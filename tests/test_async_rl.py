@@ -20,6 +20,7 @@ from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import collate_rollouts
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
+from rlsys.stages.run_schedule import read_schedule
 
 # One xdist worker runs this module (scripts/test.sh): the tool-calling model, built once, with test_agents'.
 pytestmark = pytest.mark.xdist_group("tool_caller")
@@ -165,7 +166,7 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
     trains on: a run records its schedule; a second run follows it (`train.replay`) and has a
     training rank killed after step 3 (max_restarts=1: it resumes from the step-2 checkpoint). Every
     step of the second run logs what the first logged, and its schedule, written again after the
-    restart, is the first's.
+    restart, holds the first's takes and engine events.
     Weights go bucket by bucket, a call each: no engine step may run between the first and the last."""
     from conftest import EXPRESSION, QUESTION
     from datasets import Dataset
@@ -192,8 +193,18 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
     assert all(row["agent/tool_calls_mean"] > 0 for row in reference.values())
     assert sum(row["actor/grad_norm"] > 0 for row in reference.values()) >= 2  # (a step all right has no gradient)
     assert any(row["async/staleness_mean"] > 0 for row in reference.values())  # syncs landed mid-generation
-    schedules = [open(os.path.join(c.output_dir, "schedule.jsonl")).read() for c in (recorded, cfg)]
-    assert schedules[0] == schedules[1]
+    # the same takes in each step and the same events of each engine in order; which line holds an
+    # engine's event is when the driver asked for them (the clock), not part of what was decided
+    schedules = [read_schedule(c.output_dir) for c in (recorded, cfg)]
+    assert [(line["step"], line["taken"]) for line in schedules[0]] == \
+        [(line["step"], line["taken"]) for line in schedules[1]]
+    assert [_engine_events(schedule) for schedule in schedules[1:]] == [_engine_events(schedules[0])]
+
+
+def _engine_events(schedule: list[dict]) -> list[list]:
+    """Each engine's events over the whole schedule, in order."""
+    return [[event for line in schedule for event in line["engines"][engine]]
+            for engine in range(len(schedule[0]["engines"]))]
 
 
 def _steps(output_dir: str, figures: tuple[str, ...]) -> dict[int, dict[str, float]]:

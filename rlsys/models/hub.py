@@ -72,7 +72,8 @@ def resolve(name: str, key: str) -> str:
 def fetch_env() -> dict[str, str]:
     """The environment a task on another node fetches a Hub id in: the user's Hub settings, which its
     node's processes do not have."""
-    names = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_PROGRESS_BARS")
+    names = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_PROGRESS_BARS",
+             "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
     return {USER_OFFLINE_ENV: os.environ.get(USER_OFFLINE_ENV, os.environ.get("HF_HUB_OFFLINE", "")),
             **{name: os.environ[name] for name in names if name in os.environ}}
 

@@ -36,8 +36,13 @@ def served(tiny_model_dir):
     server.shutdown()
 
 
+def user_env() -> dict:
+    """This process's environment without its Hub settings (a run in this process set its own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+
+
 def resolve(name: str, hf_home, endpoint: str, **env: str) -> dict:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    environment = user_env()
     environment |= {"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}
     result = subprocess.run([sys.executable, "-c", RESOLVE, name], capture_output=True, text=True, timeout=120,
                             env=environment)
@@ -86,7 +91,7 @@ def test_each_bad_hub_id_is_one_line_naming_the_key(served, tmp_path):
 
 def test_the_command_line_refuses_a_bad_hub_id_before_ray_starts(served, arith_files, tmp_path):
     _, url = served
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "RAY_ADDRESS"))}
+    environment = {k: v for k, v in user_env().items() if k != "RAY_ADDRESS"}
     environment |= {"HF_HOME": str(tmp_path), "HF_ENDPOINT": url}
     result = subprocess.run([sys.executable, "-m", "rlsys.run", "sft", "--config", "examples/arith/sft.yaml",
                              "model.path=test-org/missing", f"output_dir={tmp_path / 'out'}",

@@ -9,6 +9,7 @@ suite's time."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -98,8 +99,6 @@ def test_a_group_of_the_same_shape_takes_the_ranks_the_last_one_kept(ray_cluster
     (`rlsys.actors.kept_actors`, on in this suite): the next group's ranks are the same processes and
     give the SFT loss and gradients a group of new processes gives, bit for bit; a group that saw a
     rank die is not kept, and the next group starts processes of its own."""
-    import os
-
     import ray
 
     from rlsys.actors import kept_actors
@@ -118,6 +117,7 @@ def test_a_group_of_the_same_shape_takes_the_ranks_the_last_one_kept(ray_cluster
                 results.append(trained_gradients(group, (sft, nll_loss(num_targets(sft))))[0])
             else:
                 ray.kill(group.actors[1])
+                wait_gone(pids[-1][1])  # ray.kill returns before the process ends: a call may still land
                 with pytest.raises(WorkerFailure):
                     group.on_each(lambda worker: os.getpid())
         finally:
@@ -131,6 +131,16 @@ def test_a_group_of_the_same_shape_takes_the_ranks_the_last_one_kept(ray_cluster
         assert not set(group.on_each(lambda worker: os.getpid())) & set(pids[0])
     finally:
         group.shutdown()
+
+
+def wait_gone(pid: int, timeout_s: float = 120.0) -> None:
+    """Until the process `pid` (on this machine) has ended."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, f"process {pid} still runs {timeout_s:g} s after it was killed"
+        time.sleep(0.1)
 
 
 def long_answers_match_one_process(model_dir: str, batches, cp: int):

@@ -22,13 +22,15 @@ SKIPPED_FILES = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.gguf",
 """Formats and copies of the weights that transformers and vLLM do not load here."""
 RESOLVED: dict[str, str] = {}
 """Snapshot directory -> the Hub id it was resolved from, in this process (each node fetches its own)."""
-USER_OFFLINE_ENV = "RLSYS_USER_HF_HUB_OFFLINE"
+_user_offline_setting: bool | None = None
 """HF_HUB_OFFLINE as the user set it, kept by `remember_user_offline` before rlsys turns the Hub off."""
 
 
 def remember_user_offline() -> None:
     """Keep the user's HF_HUB_OFFLINE (unset: online) before the run sets it for itself."""
-    os.environ.setdefault(USER_OFFLINE_ENV, os.environ.get("HF_HUB_OFFLINE", ""))
+    global _user_offline_setting
+    if _user_offline_setting is None:
+        _user_offline_setting = _is_true(os.environ.get("HF_HUB_OFFLINE", ""))
 
 
 def is_hub_id(name: str) -> bool:
@@ -74,7 +76,7 @@ def fetch_env() -> dict[str, str]:
     node's processes do not have."""
     names = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_PROGRESS_BARS",
              "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
-    return {USER_OFFLINE_ENV: os.environ.get(USER_OFFLINE_ENV, os.environ.get("HF_HUB_OFFLINE", "")),
+    return {"HF_HUB_OFFLINE": "1" if _user_offline() else "0",
             **{name: os.environ[name] for name in names if name in os.environ}}
 
 
@@ -100,7 +102,12 @@ def _announce(repo_id: str, revision: str, name: str, key: str) -> bool:
 
 
 def _user_offline() -> bool:
-    setting = os.environ.get(USER_OFFLINE_ENV, os.environ.get("HF_HUB_OFFLINE", ""))
+    if _user_offline_setting is not None:
+        return _user_offline_setting
+    return _is_true(os.environ.get("HF_HUB_OFFLINE", ""))
+
+
+def _is_true(setting: str) -> bool:
     return setting.upper() in ("1", "ON", "YES", "TRUE")
 
 

@@ -11,10 +11,10 @@ import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, `ar
 from rlsys.actors.cluster import interrupt_on_sigterm
 from rlsys.actors.failures import WorkerFailure
 from rlsys.config.loader import ConfigError, load_config
-from rlsys.models.hub import remember_user_offline
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, RLJobConfig, TrainJobConfig
 from rlsys.console import setup_console
 from rlsys.data.files import DataError
+from rlsys.models.hub import remember_user_offline
 
 
 def _pretrain(config: str, overrides: list[str]) -> dict:
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", required=True, metavar="FILE", help="YAML config file")
         sub.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
         sub.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="override a config key")
+    export = stages.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
+    export.add_argument("--checkpoint", required=True, metavar="DIR", help="a run's checkpoint: RUN/checkpoints/step_N")
+    export.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    export.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
     plan = stages.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP)
     plan.add_argument("--config", required=True, metavar="FILE", help="the job's YAML config (RL, SFT or pretrain)")
     plan.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in the cluster")
@@ -100,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXPORT_HELP = "the Hugging Face directory of any step a run checkpointed, as the run's own export writes it"
 PLAN_HELP = "which layouts (pp x dp x cp x tp x ep) of a cluster fit the job, what each rank holds, which to run"
 
 
@@ -126,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stage == "plan":
             _plan(args)
+        elif args.stage == "export":
+            from rlsys.stages.export import run_export
+
+            print(run_export(args.checkpoint, args.out)["hf_model"])
         else:
             STAGES[args.stage][1](args.config, args.overrides)
     except (ConfigError, DataError) as err:

@@ -88,6 +88,33 @@ def test_resume_reproduces_the_uninterrupted_losses(straight_run, tmp_path):
     assert got[4] != pytest.approx(expected[1], abs=1e-3)  # it resumed, it did not restart
 
 
+def test_the_export_command_writes_a_checkpoint_as_the_run_exports_it(straight_run, tmp_path):
+    """`rlsys.run export --checkpoint RUN/checkpoints/step_6` (the stage's last step) gives the run's
+    own export tensor for tensor; the step-3 checkpoint's weights differ. (The command takes any
+    layout alike: checked once, on two pipeline stages' shards.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    from rlsys.stages.export import run_export
+
+    cfg, summary = straight_run
+    if cfg.parallel.pp != 2:
+        pytest.skip("run once, on the pipeline stages' shards")
+
+    def weights(model_dir: str) -> dict:
+        index = json.load(open(os.path.join(model_dir, "model.safetensors.index.json")))["weight_map"]
+        shards = [load_file(os.path.join(model_dir, shard)) for shard in sorted(set(index.values()))]
+        return {name: tensor for shard in shards for name, tensor in shard.items()}
+
+    checkpoints = os.path.join(cfg.output_dir, "checkpoints")
+    last = run_export(os.path.join(checkpoints, "step_000006"), str(tmp_path / "step6"))
+    assert last["step"] == 6 and last["stage"] == "sft"
+    exported, own = weights(last["hf_model"]), weights(summary["hf_model"])
+    assert exported.keys() == own.keys() and all(torch.equal(exported[k], own[k]) for k in own)
+    earlier = weights(run_export(os.path.join(checkpoints, "step_000003"), str(tmp_path / "step3"))["hf_model"])
+    assert not all(torch.equal(earlier[k], own[k]) for k in own)
+
+
 def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

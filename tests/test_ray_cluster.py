@@ -65,15 +65,19 @@ def start_node(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
 
 
 def stop(node: subprocess.Popen) -> None:
-    """The node's whole process group: a `ray start` that gave up can leave its GCS or raylet behind."""
+    """The node's `ray start`, which stops its processes, then whatever of its process group is left (a
+    `ray start` that gave up can leave its GCS or raylet behind)."""
+    if node.poll() is None:
+        node.terminate()
+        try:
+            node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
     try:
-        os.killpg(node.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        node.wait(timeout=60)
-    except subprocess.TimeoutExpired:
         os.killpg(node.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    node.wait()
 
 
 def listed(count: int, dashboard: str, nodes: list[subprocess.Popen], log_path: Path) -> bool:

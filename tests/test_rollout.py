@@ -109,3 +109,17 @@ def test_a_released_engine_fails_what_is_in_flight_and_the_next_samples_alike(wo
     after = rollout(worker, prompts, n=2, max_new_tokens=8, seed=5)
     assert [t.response_ids for t in after] == [t.response_ids for t in before]
     assert [t.logprobs for t in after] == [t.logprobs for t in before]
+
+
+@pytest.mark.quick
+def test_a_request_the_engine_refuses_fails_its_sample_alone(worker, tokenizer):
+    """A prompt longer than the engine's max_model_len, rolled out beside others: its samples are left
+    out (`dropped: rejected`, empty) and the others sample what they sample without it."""
+    prompts = [(i, tokenizer(f"{i}+{2 * i}=")["input_ids"]) for i in range(3)]
+    too_long = (3, prompts[0][1] * (worker.engine.max_model_len // len(prompts[0][1]) + 1))
+    alone = rollout(worker, prompts, n=2, max_new_tokens=6, seed=5)
+    beside = rollout(worker, [*prompts[:2], too_long, prompts[2]], n=2, max_new_tokens=6, seed=5)
+    refused = [t for t in beside if t.dropped]
+    assert [t.prompt_index for t in refused] == [3, 3] and {t.dropped for t in refused} == {"rejected"}
+    assert all(t.response_ids == [] for t in refused)
+    assert [t.response_ids for t in beside if not t.dropped] == [t.response_ids for t in alone]

@@ -17,7 +17,7 @@ import torch
 
 from rlsys.actors.kept_actors import BuiltInPlace
 from rlsys.agents.loop import AgentContext, AgentLoop
-from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Trajectory
+from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectories, Trajectory, dropped
 from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.host_memory import TRIM_ABOVE_BYTES, release_freed_memory, releases_freed_memory
@@ -26,7 +26,7 @@ from rlsys.models.moe import moe_family
 from rlsys.rollout.adapters import AdapterSpec, ServedAdapter
 from rlsys.rollout.cpu_experts import cpu_packed_experts, repack_written
 from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
-from rlsys.rollout.request_engine import RequestEngine
+from rlsys.rollout.request_engine import RequestEngine, RequestRejected
 from rlsys.rollout.vllm_engine import create_llm, free_stopped_engine, set_engine_threads, stop_engine
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
 from rlsys.sync.engine_writer import EngineWeightWriter
@@ -48,6 +48,15 @@ def _place_shared(worker, shards_by_rank: list[list[Shared]]) -> None:
     _place(worker, worker.rlsys_shared)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the trainer's next step rewrites the shards these copies read
+
+
+async def _run(agent, request: RolloutRequest, sampling: Sampling) -> Trajectory:
+    """The loop's trajectory of `request`; a sample whose request the engine refused is left out of the
+    step, counted (`agent/dropped_rejected`; the reason is in the engine's log)."""
+    try:
+        return await agent.run(request, sampling)
+    except RequestRejected:
+        return dropped(request, "rejected")
 
 
 def _place_gathered(worker, bucket: tuple[list[list[Shared]] | None, list[BufferEntry], int]) -> None:
@@ -146,7 +155,7 @@ class RolloutWorker(BuiltInPlace):
         requests = [RolloutRequest(index, ids, j, seed * 1_000_003 + index + j, row)
                     for index, ids, row in prompts for j in range(n)]
         started, engine_before = time.perf_counter(), self.engine.step_s
-        trajectories = await asyncio.gather(*(agent.run(request, sampling) for request in requests))
+        trajectories = await asyncio.gather(*(_run(agent, request, sampling) for request in requests))
         self._decode(trajectories)
         release_freed_memory(TRIM_ABOVE_BYTES)
         return Trajectories.of(trajectories, requests, {"rollout_s": time.perf_counter() - started,

@@ -26,7 +26,7 @@ from rlsys.agents.chat import ChatTurns
 from rlsys.agents.loop import AgentContext, AgentLoop, register_agent_loop
 from rlsys.agents.openai_endpoint import LISTEN_BACKLOG, OpenAIEndpoint
 from rlsys.agents.tool_parsers import TOOL_PARSERS
-from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory
+from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory, dropped
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,7 @@ def _segment(request: RolloutRequest, segment) -> Trajectory:
 
 
 def _dropped(request: RolloutRequest, chat, reason: str) -> Trajectory:
-    return Trajectory(request.prompt_index, request.prompt_ids, [], [], [], [], text="", finish_reason=reason,
-                      num_turns=0, prefix_breaks=chat.prefix_breaks, dropped=reason)
+    return dropped(request, reason, chat.prefix_breaks)
 
 
 def _node_address() -> str:

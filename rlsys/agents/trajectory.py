@@ -107,6 +107,12 @@ class Trajectory:
         return [*(segment for segment in self.earlier if segment.sampled_tokens), self]
 
 
+def dropped(request: RolloutRequest, reason: str, prefix_breaks: int = 0) -> Trajectory:
+    """The sample of `request` left out of the step, for `reason` (counted as `agent/dropped_<reason>`)."""
+    return Trajectory(request.prompt_index, request.prompt_ids, [], [], [], [], text="", finish_reason=reason,
+                      num_turns=0, prefix_breaks=prefix_breaks, dropped=reason)
+
+
 def episode_rows(episodes: list[Trajectory], which: str = "all") -> tuple[list[Trajectory], list[int]]:
     """The segments of `episodes` to train on (`Trajectory.segments`), each a row, episode after episode,
     and the index of each row's episode."""

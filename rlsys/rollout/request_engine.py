@@ -20,6 +20,9 @@ them; their sampled tokens stay). Nothing sampled is lost or sampled twice, and 
 completion says which weights sampled it. A sync's weights arrive in one call or several
 (buckets); the engine takes no step between its first and its last.
 
+A request the engine refuses (too long for it, parameters it cannot take) fails alone, with
+`RequestRejected` and vLLM's reason; the others go on.
+
 A request may be streamed (`on_tokens`): after each engine step its tokens so far reach the
 callback, for the OpenAI endpoint's `stream: true`; it samples what it would unstreamed.
 
@@ -70,6 +73,10 @@ class Request:
     images: list | None = None
     on_tokens: Callable[[list[int]], None] | None = None
     """Called after each engine step with the tokens sampled so far (a streamed request)."""
+
+
+class RequestRejected(ValueError):
+    """vLLM refused one request (its reason follows); the engine serves the others."""
 
 
 class EngineClosed(RuntimeError):
@@ -169,6 +176,8 @@ class RequestEngine:
                 while self._syncing:
                     await asyncio.sleep(POLL_S)
                 self._add_submitted()
+                if not self._running and not self._submitted:  # each request added was refused
+                    continue
                 if not self._running:
                     raise ScheduleDiverged(f"engine step {self.schedule.step}: the requests waiting are recorded "
                                            f"for later steps, and none is running")
@@ -229,9 +238,21 @@ class RequestEngine:
             prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
             if request.images:
                 prompt["multi_modal_data"] = {"image": request.images}
-            self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.lora_request)
+            try:
+                self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.lora_request)
+            except Exception as err:  # this request's own fault: its samples fail, the engine goes on
+                self._reject(request_id, futures, len(request.prompt_ids), err)
+                continue
             self._running[request_id] = futures
             self._versions.added(request_id, self.version)
+
+    def _reject(self, request_id: str, futures: list[asyncio.Future], prompt_tokens: int, err: Exception) -> None:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("rollout engine: refused a request of %d prompt tokens: %s", prompt_tokens, reason)
+        self._streamed.pop(request_id, None)
+        for future in futures:
+            if not future.done():
+                future.set_exception(RequestRejected(f"the engine refused the request: {reason}"))
 
     def _take_submitted(self, keys: list[str]) -> list[tuple[Request, asyncio.Future]]:
         """The waiting requests named `keys`, in that order, removed from the waiting list; of several

@@ -44,9 +44,11 @@ def dropped_metrics(samples: list[Trajectory], step: int) -> dict[str, float]:
     reasons = [s.dropped for s in samples if s.dropped]
     if len(reasons) == len(samples):
         counts = ", ".join(f"{reasons.count(r)} {r}" for r in sorted(set(reasons)))
-        raise ConfigError(f"rollout.agent_entry: at step {step} the harness made no trajectory of any sample "
-                          f"({counts}); its errors are in the rollout engines' log")
-    metrics = {f"agent/dropped_{reason}": float(reasons.count(reason)) for reason in ("error", "timeout", "no_call")}
+        key = "rollout.max_model_len" if set(reasons) == {"rejected"} else "rollout.agent_entry"
+        raise ConfigError(f"{key}: at step {step} no sample made a trajectory ({counts}); the reasons are in the "
+                          f"rollout engines' log")
+    metrics = {f"agent/dropped_{reason}": float(reasons.count(reason))
+               for reason in ("error", "timeout", "no_call", "rejected")}
     return {**metrics, "agent/prefix_breaks": float(sum(s.prefix_breaks for s in samples))}
 
 

@@ -248,15 +248,16 @@ def _node_sees(probe: str, token: str, paths: dict[str, str], hub_names: dict[st
     except OSError:
         return "output_dir", f"does not see {os.path.dirname(probe)} {shared}"
     for key, path in paths.items():
-        if not os.path.exists(path) and key in hub_names:
-            try:
-                fetched = hub.resolve(hub_names[key], key)
-            except ConfigError as err:
-                return key, f"cannot fetch it: {err}"
-            if fetched != path:
-                return key, f"keeps {hub_names[key]} at {fetched}, not {path} (set one HF_HOME for every node)"
-        if not os.path.exists(path):
+        if os.path.exists(path):
+            continue
+        if key not in hub_names:
             return key, f"does not see {path} {shared}"
+        try:
+            fetched = hub.resolve(hub_names[key], key)
+        except ConfigError as err:
+            return key, f"cannot fetch it: {err}"
+        if fetched != path:
+            return key, f"keeps {hub_names[key]} at {fetched}, not {path} (set one HF_HOME for every node)"
     return None
 
 

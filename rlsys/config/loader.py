@@ -17,6 +17,7 @@ import pydantic
 import yaml
 
 from rlsys.config import peer_names
+from rlsys.config.rollout import CPU_ENGINE_MEMORY_GIB
 
 if typing.TYPE_CHECKING:
     from rlsys.config.layout import RayConfig
@@ -83,8 +84,6 @@ def fill_gpu_defaults(cfg: Any, gpus: float) -> None:
     rank; colocated on them, an engine per `rollout.tensor_parallel_size` GPUs (every GPU generates);
     else CPU training and one engine. An engine on CPU gets a KV cache of CPU_ENGINE_MEMORY_GIB; one on a
     GPU keeps it empty, sized by its share of the device (`rollout.gpu_memory_utilization`)."""
-    from rlsys.config.rollout import CPU_ENGINE_MEMORY_GIB
-
     parallel = getattr(cfg, "parallel", None)
     ranks = parallel.world_size if parallel is not None else 1
     if cfg.ray.gpus_per_worker is None:

@@ -5,7 +5,7 @@ are generated from them (`python -m rlsys.config.docs`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
@@ -27,6 +27,11 @@ class JobConfig:
     seed: int = 0
     """Seed for data order, sampling and any randomness on the ranks."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+
+    def named_models(self) -> list[tuple[str, Any, str]]:
+        """Every model the job names (a directory or a Hub id), as (config key, the section holding it,
+        its field): the model it trains or evaluates."""
+        return [("model.path", self.model, "path")]
 
 
 @dataclass(config=STRICT)
@@ -63,6 +68,14 @@ class RLJobConfig(JobConfig):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     eval: EvalConfig | None = None
     """Validation split, scored with greedy decoding by the rollout engines."""
+
+    def named_models(self) -> list[tuple[str, Any, str]]:
+        """The policy, and each reward model's or judge's, a distillation teacher's."""
+        named = [*super().named_models(),
+                 *((f"reward.terms[{i}].model", term, "model") for i, term in enumerate(self.reward.terms))]
+        if self.algorithm.distill is not None:
+            named.append(("algorithm.distill.teacher", self.algorithm.distill, "teacher"))
+        return named
 
     def engine_groups(self) -> list[tuple[str, RolloutConfig | ServingConfig]]:
         """Each group of vLLM engines the run starts, with its config key: the rollout's, each reward

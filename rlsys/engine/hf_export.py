@@ -9,6 +9,7 @@ readable as the user's umask says (safetensors itself writes 0600)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -131,7 +132,7 @@ def name_shards(out_dir: str) -> None:
             for key in f.keys():
                 weight_map[key] = shard
                 piece = f.get_slice(key)
-                total += _numel(piece.get_shape()) * _element_size(piece.get_dtype())
+                total += math.prod(piece.get_shape()) * _element_size(piece.get_dtype())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
@@ -142,13 +143,6 @@ def readable(path: str) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _element_size(name: str) -> int:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from rlsys.config.loader import first_line
 from rlsys.rollout.schedule import POLL_S, EngineSchedule, ScheduleDiverged, request_key
 from rlsys.rollout.vllm_compat import TokenVersions
 
@@ -247,7 +248,7 @@ class RequestEngine:
             self._versions.added(request_id, self.version)
 
     def _reject(self, request_id: str, futures: list[asyncio.Future], prompt_tokens: int, err: Exception) -> None:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         log.warning("rollout engine: refused a request of %d prompt tokens: %s", prompt_tokens, reason)
         self._streamed.pop(request_id, None)
         for future in futures:

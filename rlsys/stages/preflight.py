@@ -167,13 +167,9 @@ def check_eval_job(cfg: EvalJobConfig) -> None:
 
 def resolve_models(cfg: TrainJobConfig | RLJobConfig | EvalJobConfig) -> None:
     """Every model the job names by a Hub id, as its local snapshot (`rlsys.models.hub`)."""
-    cfg.model.path = hub.resolve(cfg.model.path, "model.path")
-    if isinstance(cfg, RLJobConfig):
-        for i, term in enumerate(cfg.reward.terms):
-            if term.model:
-                term.model = hub.resolve(term.model, f"reward.terms[{i}].model")
-        if cfg.algorithm.distill is not None and cfg.algorithm.distill.teacher:
-            cfg.algorithm.distill.teacher = hub.resolve(cfg.algorithm.distill.teacher, "algorithm.distill.teacher")
+    for key, section, field in cfg.named_models():
+        if getattr(section, field):
+            setattr(section, field, hub.resolve(getattr(section, field), key))
 
 
 def check_model_term(term: RewardTerm, key: str) -> None:

@@ -80,11 +80,7 @@ def run_stage(cfg: TrainJobConfig | RLJobConfig, stage: str,
 
 def _model_paths(cfg: TrainJobConfig | RLJobConfig) -> dict[str, str]:
     """The model directories the run's actors load, by config key: every node must see them."""
-    paths = {"model.path": cfg.model.path}
-    if isinstance(cfg, RLJobConfig):
-        paths |= {f"reward.terms[{i}].model": term.model for i, term in enumerate(cfg.reward.terms)}
-        if cfg.algorithm.distill is not None:
-            paths["algorithm.distill.teacher"] = cfg.algorithm.distill.teacher
+    paths = {key: getattr(section, field) for key, section, field in cfg.named_models()}
     return {key: path for key, path in paths.items() if path}
 
 

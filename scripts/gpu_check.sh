@@ -170,6 +170,9 @@ write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
     --out "$out/bench" --steps "${GRPO_STEPS:-3}" --prompts 64 --n 8 --max-new-tokens 256 "ray.gpus_per_worker=$gpus" \
     rollout.engine_memory_gib=8 rollout.max_num_seqs=512 train.micro_batch_tokens=16384
   check rl_fp32_head rl rl_fp32_head train.steps=5 model.fp32_lm_head=true
+  # the engine sized by the cluster's defaults: rollout.gpu_memory_utilization of the GPU (at most what
+  # is free when it starts), not a KV budget in GiB
+  check rl_gpu_share rl rl_gpu_share train.steps=3 rollout.engine_memory_gib=null
   # the weight sync three ways on the same rank and colocated engine: gathered (auto on a GPU: bf16 read
   # through CUDA IPC from the rank beside the engine), the rank's fp32 shards read in place, the object store
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --release --model "$out/qwen05b" "${common[@]}"

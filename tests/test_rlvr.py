@@ -93,15 +93,18 @@ def test_shards_of_uneven_and_whole_tensors_reassemble():
                                      "rollout.sync_mode=object_store"],
                                     ["parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2"],
                                     ["rollout.tensor_parallel_size=2", "rollout.temperature=0.7"],
-                                    ["rollout.sync_mode=gathered", "rollout.num_engines=2"]],
+                                    ["rollout.sync_mode=gathered", "rollout.num_engines=2"],
+                                    ["parallel.dp_shard=4", "rollout.sync_mode=gathered", "rollout.num_engines=4"]],
                          ids=["fsdp2xtp2-sp-object-store-then-gathered", "pp2xtp2",
-                              "fsdp2-to-rollout-tp2-temperature0.7", "fsdp2-gathered-by-an-engine-per-rank"])
+                              "fsdp2-to-rollout-tp2-temperature0.7", "fsdp2-gathered-by-an-engine-per-rank",
+                              "fsdp4-gathered-by-an-engine-per-rank"])
 def test_vllm_logprobs_match_trainer_after_sync(ray_cluster, rl_config, layout):
     """Perturb the sharded policy, free an engine's weights as a step does, sync the policy from
     its training layout into vLLM's (one or two engines, or one engine of 2 tensor-parallel worker
     processes on CPU): read in place from the ranks' shared memory; bucket by bucket through the
     object store; or gathered bucket by bucket by the ranks, each engine reading from the rank
-    beside it alone (a GPU's condition; on 4 ranks of fsdp2 x tp2 two of them only gather). vLLM's
+    beside it alone (a GPU's condition: on 2 and 4 FSDP ranks, one all-gather a bucket; on 4 ranks of
+    fsdp2 x tp2, tensor by tensor, two of the ranks only gathering). vLLM's
     per-token log-probs equal the trainer's within 1e-4 (and differ before), after a second
     perturbation and sync too, at temperature 0.7 too (the engine's processed log-probs against the
     trainer's at the sampling temperature). (The plain fsdp2 layout's syncs to one engine are

@@ -286,10 +286,8 @@ class TrainWorker:
         """The full tensors of `names`, gathered from the ranks of this pipeline stage (a collective: each
         of them calls this) and written into staging buffer `slot` for the engine beside this rank; where
         each lies (None: no engine reads from this rank)."""
-        tensors = self.policy.weights.full_tensors(names)
-        if self.gather_buffers is None:
-            for _ in tensors:  # this rank's part of the collectives
-                pass
+        tensors = self.policy.weights.bucket_tensors(names, engine_dtype)
+        if self.gather_buffers is None:  # this rank took its part in the collectives
             return None
         return self.gather_buffers.write(slot, tensors, engine_dtype)
 

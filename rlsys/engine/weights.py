@@ -14,6 +14,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from rlsys.config.model import LoraConfig
 from rlsys.models import lora
+from rlsys.parallel.bucket_gather import gather_full
 from rlsys.sync.shards import Shared, share
 
 Shard = tuple[str, torch.Tensor, tuple, tuple]
@@ -46,6 +47,14 @@ class RankWeights:
         params = dict(self.named_parameters())
         for name in names:
             yield name, full_tensor(params[name]).detach()
+
+    def bucket_tensors(self, names: list[str], dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of `names`, floating point ones in `dtype` (None: their own), gathered
+        at once (`rlsys.parallel.bucket_gather`: one collective for FSDP's row shards) over the ranks
+        of this pipeline stage, each of which calls this with the same names."""
+        self._reshard()
+        params = dict(self.named_parameters())
+        return list(zip(names, gather_full([params[name] for name in names], dtype)))
 
     @torch.no_grad()
     def local_shards(self, names: list[str]) -> list[Shard]:

@@ -1,12 +1,12 @@
 """Weight-sync buckets gathered on the training ranks and read in place by the engine beside each rank.
 
-For each bucket the ranks of a pipeline stage gather the full tensors among themselves (DTensor's
-all-gather, every rank in the same order), and each rank that has a colocated engine on its device
-writes them, cast to the engine's dtype, into one of its two staging buffers. The engine maps that
-rank's buffers once (`share`: shared memory on CPU, CUDA IPC on a GPU) and reads each bucket from
-them in place, while the ranks gather the next bucket into the other buffer. No engine reads another
-rank's memory, which is a GPU's condition: a colocated engine sees its own rank's GPU alone (VeRL's
-and OpenRLHF's colocated sync works the same way)."""
+For each bucket the ranks of a pipeline stage gather the full tensors among themselves, cast to the
+engine's dtype before they travel (`rlsys.parallel.bucket_gather`: one all-gather for FSDP's row
+shards), and each rank that has a colocated engine on its device writes them into one of its two
+staging buffers. The engine maps that rank's buffers once (`share`: shared memory on CPU, CUDA IPC
+on a GPU) and reads each bucket from them in place, while the ranks gather the next bucket into the
+other buffer. No engine reads another rank's memory, which is a GPU's condition: a colocated engine
+sees its own rank's GPU alone (VeRL's and OpenRLHF's colocated sync works the same way)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsys.parallel.bucket_gather import travel_dtype
 from rlsys.sync.shards import ShardEntry, Shared, aligned, share
 
 SLOTS = 2
@@ -44,14 +45,9 @@ class BufferEntry:
         return ShardEntry(self.name, self.dtype, self.shape, self.shape, (0,) * len(self.shape)), self.view(buffer)
 
 
-def sync_dtype(param_dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch.dtype:
-    """What a floating-point weight is gathered in: the engine's dtype (None: the trainer's own)."""
-    return engine_dtype if engine_dtype is not None and param_dtype.is_floating_point else param_dtype
-
-
 def capacity(buckets: list[list[str]], params: dict[str, torch.Tensor], engine_dtype: torch.dtype | None) -> int:
     """Bytes of a staging buffer: the largest bucket's full tensors, each aligned."""
-    return max((sum(aligned(p.numel() * sync_dtype(p.dtype, engine_dtype).itemsize)
+    return max((sum(aligned(p.numel() * travel_dtype(p, engine_dtype).itemsize)
                     for p in (params[name] for name in names)) for names in buckets), default=0)
 
 
@@ -72,7 +68,7 @@ class GatherBuffers:
         """Write full tensors into buffer `slot`, each cast to the dtype the engine takes; their places."""
         buffer, start, entries = self.buffers[slot], 0, []
         for name, tensor in tensors:
-            entry = BufferEntry(name, sync_dtype(tensor.dtype, engine_dtype), tuple(tensor.shape), start)
+            entry = BufferEntry(name, travel_dtype(tensor, engine_dtype), tuple(tensor.shape), start)
             if start + entry.nbytes > buffer.numel():
                 raise ValueError(f"{name}: the bucket outgrows the {buffer.numel()}-byte staging buffer "
                                  f"sized by `capacity` for the sync's buckets")

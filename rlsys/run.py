@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = stages.add_parser(name, help=summary, description=summary)
         sub.add_argument("--config", required=True, metavar="FILE", help="YAML config file")
         sub.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
+        if name != "pipeline":
+            sub.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
         sub.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="override a config key")
     export = stages.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
     export.add_argument("--checkpoint", required=True, metavar="DIR", help="a run's checkpoint: RUN/checkpoints/step_N")
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DRY_RUN_HELP = ("make the checks the stage makes before it starts (model, data, layout, the cluster's resources, "
+                "rewards) and exit: no Ray cluster, no training")
 EXPORT_HELP = "the Hugging Face directory of any step a run checkpointed, as the run's own export writes it"
 PLAN_HELP = "which layouts (pp x dp x cp x tp x ep) of a cluster fit the job, what each rank holds, which to run"
 
@@ -121,6 +125,18 @@ def _plan(args: argparse.Namespace) -> dict:
                              args.check_full))
 
 
+def _dry_run(stage: str, config: str, overrides: list[str]) -> None:
+    from rlsys.stages import preflight
+
+    if stage == "rlvr":
+        preflight.check_rl_job(load_config(RLJobConfig, config, overrides))
+    elif stage == "eval":
+        preflight.check_eval_job(load_config(EvalJobConfig, config, overrides))
+    else:
+        preflight.check_train_job(load_config(TrainJobConfig, config, overrides), stage)
+    print(f"rlsys {stage}: {config} passes the checks a run makes before it starts")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_console(args.verbose)
@@ -135,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             from rlsys.stages.export import run_export
 
             print(run_export(args.checkpoint, args.out)["hf_model"])
+        elif getattr(args, "dry_run", False):
+            _dry_run(args.stage, args.config, args.overrides)
         else:
             STAGES[args.stage][1](args.config, args.overrides)
     except (ConfigError, DataError) as err:

@@ -108,6 +108,21 @@ def overrides_of(layout: Layout, base: ParallelConfig) -> str:
     return " ".join(keys) or "(none: the config's own layout)"
 
 
+def resources_of(cfg: RLJobConfig | TrainJobConfig, layout: Layout) -> str:
+    """The `ray.*` and `rollout.*` keys that give `layout` its GPUs: a GPU per training rank and, for
+    colocated engines, one engine per `rollout.tensor_parallel_size` of the ranks' GPUs."""
+    keys = ["ray.gpus_per_worker=1"]
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None and rollout.placement == "colocated":
+        keys.append(f"rollout.num_engines={max(1, layout.dims.world_size // rollout.tensor_parallel_size)}")
+    return " ".join(keys)
+
+
+def _nodes(cluster: Cluster) -> str:
+    nodes, gpus = -(-cluster.gpus // cluster.gpus_per_node), cluster.ranks_per_node
+    return f"{nodes} node{'s' if nodes > 1 else ''} of {gpus} GPU{'s' if gpus > 1 else ''}"
+
+
 def run_plan(args: PlanArgs) -> dict:
     if args.prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens: must be > 0, got {args.prompt_tokens}")
@@ -139,7 +154,8 @@ def run_plan(args: PlanArgs) -> dict:
               f"(train.micro_batch_tokens) or a smaller engine share)")
         return {"fits": False}
     print(f"\nrecommended: {best.layout.name}: {reason(best, cluster)}\n"
-          f"  overrides: {overrides_of(best.layout, cfg.parallel)}")
+          f"  overrides: {overrides_of(best.layout, cfg.parallel)}\n"
+          f"  resources: {resources_of(cfg, best.layout)} (a Ray cluster of {_nodes(cluster)})")
     if args.check:
         from rlsys.planner.check import check, check_table
 
@@ -149,7 +165,8 @@ def run_plan(args: PlanArgs) -> dict:
               "peaks on the 0.5B shape)")
     if args.check_full:
         _check_full_size(cfg.model.path, best.layout)
-    return {"fits": True, "layout": best.layout.name}
+    return {"fits": True, "layout": best.layout.name, "parallel": best.layout.parallel,
+            "resources": resources_of(cfg, best.layout)}
 
 
 def _available_memory() -> int:

@@ -115,6 +115,19 @@ def teach_tool_call(model_dir: str, out: str, tools, lr: float, max_steps: int =
     return out
 
 
+@pytest.fixture(scope="module")
+def hub(tiny_model_dir):
+    """The tiny model as the Hub's `test-org/tiny`, served on this machine (tests/hub_server.py): the
+    Hub and its URL (HF_ENDPOINT)."""
+    from hub_server import Hub, serve
+
+    served = Hub()
+    served.add("test-org/tiny", tiny_model_dir)
+    server, url = serve(served)
+    yield served, url
+    server.shutdown()
+
+
 @pytest.fixture(scope="session")
 def arith_files(tmp_path_factory) -> dict[str, str]:
     from rlsys.tasks.arith import ArithSpec, write_splits

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import yaml
-from hub_server import Hub, serve
+from cli_runs import run_commands
 from test_rlvr import rl_raw
 
 from rlsys.actors.cluster import RankPlacement, ranks_by_node
@@ -31,16 +31,6 @@ from rlsys.run import main
 pytestmark = pytest.mark.xdist_group("gpu_placement")
 
 PROBE = pathlib.Path(__file__).parent / "assets" / "gpu_placement_probe.py"
-
-
-@pytest.fixture(scope="module")
-def hub(tiny_model_dir):
-    """The tiny model as the Hub's `test-org/tiny`, served on this machine (tests/hub_server.py)."""
-    served = Hub()
-    served.add("test-org/tiny", tiny_model_dir)
-    server, url = serve(served)
-    yield served, url
-    server.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -162,17 +152,28 @@ def rl_yaml(tiny_model_dir, arith_files, tmp_path) -> str:
     return str(config)
 
 
-@pytest.fixture
-def rlvr_error(rl_yaml):
-    """Runs `rlvr` on `rl_yaml` with `overrides`, in an environment with `env` added; returns the process."""
+REFUSALS = {  # name: (overrides, environment additions)
+    "6-engines-on-2-gpus": (["rollout.num_engines=6"], {"RAY_OVERRIDE_RESOURCES": '{"GPU": 2}'}),
+    "2-ranks-on-1-gpu": (["ray.gpus_per_worker=1"], {"RAY_OVERRIDE_RESOURCES": '{"GPU": 1}'}),
+    # each stopped after the cluster's defaults by a later check of the config
+    "cpu-set-beside-8-gpus": (["ray.gpus_per_worker=0", "algorithm.ppo_mini_batch_size=3"],
+                              {"RAY_OVERRIDE_RESOURCES": '{"GPU": 8}'}),
+    "cpu-beside-1-gpu": (["algorithm.ppo_mini_batch_size=3"], {"RAY_OVERRIDE_RESOURCES": '{"GPU": 1}'}),
+    "cpu-without-gpus": (["algorithm.ppo_mini_batch_size=3"], {}),
+    "separate-engine-beyond-the-gpus": (["rollout.placement=separate"], {"RAY_OVERRIDE_RESOURCES": '{"GPU": 2}'}),
+}
 
-    def run(*overrides: str, **env: str) -> subprocess.CompletedProcess:
-        environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | env
-        return subprocess.run([sys.executable, "-m", "rlsys.run", "rlvr", "--config", rl_yaml,
-                               "ray.cpus_per_worker=1", *overrides],
-                              capture_output=True, text=True, timeout=120, env=environment)
 
-    return run
+@pytest.fixture(scope="module")
+def refusals(tiny_model_dir, arith_files, tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """`rlvr` on a small job of 2 ranks and one colocated engine with each of REFUSALS' overrides and
+    environment (tests/cli_runs.py: in one process); (exit code, stdout, stderr) by name."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    config = tmp / "rl.yaml"
+    config.write_text(yaml.safe_dump(rl_raw(tiny_model_dir, arith_files, str(tmp / "rl"))))
+    commands = [(["rlvr", "--config", str(config), "ray.cpus_per_worker=1", *overrides], env)
+                for overrides, env in REFUSALS.values()]
+    return dict(zip(REFUSALS, run_commands(commands)))
 
 
 @pytest.mark.quick
@@ -180,7 +181,7 @@ def rlvr_error(rl_yaml):
     (8, [], (1, 2, None)),  # the job's 2 ranks each on a GPU, an engine on each sized by its share of it
     (8, ["rollout.tensor_parallel_size=2"], (1, 1, None)),
     (8, ["parallel.dp_shard=4", "rollout.tensor_parallel_size=2"], (1, 2, None)),
-    (8, ["rollout.placement=separate"], (1, 1, 0.5)),  # an engine of its own, without GPUs (gpus_per_engine)
+    (8, ["rollout.placement=separate"], (1, 1, None)),  # an engine of its own, on a GPU of its own
     (1, [], (0, 1, 0.5)),  # fewer GPUs than ranks: on CPU (and said, below)
     (0, [], (0, 1, 0.5)),
     (8, ["ray.gpus_per_worker=0", "rollout.num_engines=3"], (0, 3, 0.5)),  # what the config sets stays
@@ -207,20 +208,40 @@ def test_a_gpu_engine_left_unsized_takes_its_share_of_what_is_free(monkeypatch):
 
 
 @pytest.mark.quick
-def test_more_colocated_engines_than_the_clusters_gpus_are_refused_before_ray_starts(rlvr_error):
+def test_an_engine_whose_workers_sit_in_the_ranks_bundles_reads_free_memory_without_cuda(monkeypatch):
+    """Its actor holds no GPU: the free share comes from NVML over the node's GPUs (the reading stood in
+    for), never from a CUDA call, which would open a context on the node's first GPU (and raises here)."""
+    monkeypatch.setenv("VLLM_RAY_BUNDLE_INDICES", "2,3")
+    monkeypatch.setattr(vllm_engine, "least_free_share_of_node_gpus", lambda: 0.42)
+    assert vllm_engine.free_memory_fraction() == pytest.approx(0.41)
+
+
+@pytest.mark.quick
+def test_more_colocated_engines_than_the_clusters_gpus_are_refused_before_ray_starts(refusals):
     """With Ray told of 2 GPUs, 2 ranks take a GPU each unasked (the cluster's GPUs are counted, not
     this machine's CUDA devices), pass the training check, and 6 colocated engines are refused in
     one line."""
-    result = rlvr_error("rollout.num_engines=6", RAY_OVERRIDE_RESOURCES='{"GPU": 2}')
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
+    code, _, err = refusals["6-engines-on-2-gpus"]
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
         "rlsys rlvr: error: rollout.num_engines: 6 colocated engines x 1 GPU each (tensor_parallel_size) = 6 GPUs, "
         "but the 2 training ranks hold 2 (one each, ray.gpus_per_worker=1); a colocated engine's ranks take one "
         "GPU each: set rollout.num_engines to at most 2 or rollout.placement: separate")
-    short = rlvr_error("ray.gpus_per_worker=1", RAY_OVERRIDE_RESOURCES='{"GPU": 1}')
-    assert short.returncode == 2
-    assert short.stderr.strip().splitlines()[-1].startswith(
+    code, _, err = refusals["2-ranks-on-1-gpu"]
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith(
         "rlsys rlvr: error: ray.gpus_per_worker: 2 workers x 1 GPUs = 2 GPUs, but the Ray cluster has 1; ")
+
+
+@pytest.mark.quick
+def test_separate_engines_take_gpus_of_their_own_and_are_refused_beyond_the_clusters(refusals):
+    """On a cluster with GPUs a separate engine gets a GPU of its own unasked (on CPU it would generate
+    slowly, unsaid); the 2 ranks' 2 GPUs and its own are more than the cluster's 2: one line."""
+    code, _, err = refusals["separate-engine-beyond-the-gpus"]
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "rlsys rlvr: error: rollout.gpus_per_engine: the training ranks take 2 GPUs and the separate engines 1 of "
+        "their own, 3 in all, but the Ray cluster has 2; lower rollout.num_engines or the parallel degrees, set "
+        "rollout.placement: colocated, or rollout.gpus_per_engine: 0 to generate on CPU")
 
 
 @pytest.mark.quick
@@ -232,12 +253,12 @@ def test_a_fraction_of_a_gpu_per_rank_is_refused(rl_yaml, capsys):
 
 
 @pytest.mark.quick
-def test_a_run_on_cpu_beside_the_clusters_gpus_says_so(rlvr_error):
+def test_a_run_on_cpu_beside_the_clusters_gpus_says_so(refusals):
     """Set to 0, or left empty with fewer GPUs than ranks: one line before the run starts (here the
     run then stops at a later check of its config)."""
     said = "running on CPU, though the Ray cluster has {} GPUs: ray.gpus_per_worker is 0"
-    for gpus, overrides in ((8, ["ray.gpus_per_worker=0"]), (1, [])):
-        result = rlvr_error(*overrides, "algorithm.ppo_mini_batch_size=3", RAY_OVERRIDE_RESOURCES=f'{{"GPU": {gpus}}}')
-        assert result.returncode == 2 and said.format(gpus) in result.stderr
-    result = rlvr_error("algorithm.ppo_mini_batch_size=3")
-    assert result.returncode == 2 and "running on CPU" not in result.stderr
+    for name, gpus in (("cpu-set-beside-8-gpus", 8), ("cpu-beside-1-gpu", 1)):
+        code, _, err = refusals[name]
+        assert code == 2 and said.format(gpus) in err, (name, err)
+    code, _, err = refusals["cpu-without-gpus"]
+    assert code == 2 and "running on CPU" not in err

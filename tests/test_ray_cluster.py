@@ -122,10 +122,13 @@ def start_cluster(env: dict, logs: Path, started: list[subprocess.Popen]) -> dic
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    """A 1-CPU head node and a 1-CPU worker node on this machine."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="1000")
+def head(tmp_path_factory, hub):
+    """A 1-CPU head node and a 1-CPU worker node on this machine, each with the Hub settings a cluster's
+    nodes would have (the test's hub as HF_ENDPOINT, one HF_HOME)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("HF_")}
+    env.update(RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="1000", HF_ENDPOINT=hub[1],
+               HF_HOME=str(tmp_path_factory.mktemp("hf")), HF_HUB_DISABLE_PROGRESS_BARS="1",
+               HF_HUB_ETAG_TIMEOUT="120", HF_HUB_DOWNLOAD_TIMEOUT="120")  # a loaded machine's server answers late
     started: list[subprocess.Popen] = []
     try:  # the nodes go with the fixture, also when it fails to bring them up
         yield start_cluster(env, tmp_path_factory.mktemp("nodes"), started)
@@ -135,12 +138,12 @@ def head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def submitted(head, tiny_model_dir, arith_files, tmp_path_factory):
-    """An RLVR job sent with `ray job submit --no-wait`; while it runs, the metrics endpoint is
-    scraped (Ray drops a process's metrics when it exits). Returns the job's config, its final
-    state from the dashboard API and every rlsys metric line seen."""
+def submitted(head, arith_files, tmp_path_factory):
+    """An RLVR job of the Hub's `test-org/tiny` sent with `ray job submit --no-wait`; while it runs, the
+    metrics endpoint is scraped (Ray drops a process's metrics when it exits). Returns the job's config,
+    its final state from the dashboard API and every rlsys metric line seen."""
     tmp = tmp_path_factory.mktemp("job")
-    raw = rl_raw(tiny_model_dir, arith_files, str(tmp / "rl"))
+    raw = rl_raw("test-org/tiny", arith_files, str(tmp / "rl"))  # fetched from the hub before the groups start
     raw["train"].update(steps=6, save_every=0)
     raw["tracking"]["backends"] = ["jsonl", "ray"]
     config = tmp / "rl.yaml"
@@ -163,13 +166,18 @@ def submitted(head, tiny_model_dir, arith_files, tmp_path_factory):
     return raw, job, seen
 
 
-def test_job_submit_runs_rlvr_on_the_cluster(submitted, head):
+def test_job_submit_runs_rlvr_on_the_cluster(submitted, head, hub):
+    """The job trains a model named by its Hub id on both nodes: downloaded once (the nodes share this
+    machine's HF_HOME, so the second finds the driver's snapshot) and loaded offline by every actor."""
     raw, job, _ = submitted
     assert job["status"] == "SUCCEEDED", job
     logs = get(f"{head['dashboard']}/api/jobs/{JOB}/logs", head["token"])["logs"]
     assert "[rlsys] connected to the Ray cluster at" in logs and "started a local Ray" not in logs
     rows = [json.loads(line) for line in open(os.path.join(raw["output_dir"], "metrics.jsonl"))]
     assert rows[-1]["step"] == 6
+    assert hub[0].downloads[("test-org/tiny", "model.safetensors")] == 1
+    resolved = yaml.safe_load(open(os.path.join(raw["output_dir"], "config.yaml")))["model"]["path"]
+    assert resolved.startswith(head["env"]["HF_HOME"]), resolved
 
 
 def test_dashboard_needs_the_token(head):

@@ -79,15 +79,20 @@ def default_cpus_per_worker(cfg: Any) -> int:
 
 
 def fill_gpu_defaults(cfg: Any, gpus: float) -> None:
-    """`ray.gpus_per_worker`, `rollout.num_engines` and `rollout.engine_memory_gib` where the config left
-    them empty, for a cluster of `gpus` GPUs: a GPU for each training rank when there is one for every
-    rank; colocated on them, an engine per `rollout.tensor_parallel_size` GPUs (every GPU generates);
-    else CPU training and one engine. An engine on CPU gets a KV cache of CPU_ENGINE_MEMORY_GIB; one on a
-    GPU keeps it empty, sized by its share of the device (`rollout.gpu_memory_utilization`)."""
+    """`ray.gpus_per_worker`, each engine group's `gpus_per_engine`, `rollout.num_engines` and
+    `rollout.engine_memory_gib` where the config left them empty, for a cluster of `gpus` GPUs: a GPU for
+    each training rank when there is one for every rank, and for each rank of a separate engine when the
+    cluster has GPUs (preflight checks that both fit); colocated on the ranks' GPUs, an engine per
+    `rollout.tensor_parallel_size` of them (every GPU generates); else CPU training and one engine. An
+    engine on CPU gets a KV cache of CPU_ENGINE_MEMORY_GIB; one on a GPU keeps it empty, sized by its
+    share of the device (`rollout.gpu_memory_utilization`)."""
     parallel = getattr(cfg, "parallel", None)
     ranks = parallel.world_size if parallel is not None else 1
     if cfg.ray.gpus_per_worker is None:
         cfg.ray.gpus_per_worker = 1.0 if gpus >= ranks else 0.0
+    for _, engines in cfg.engine_groups() if hasattr(cfg, "engine_groups") else ():
+        if engines.gpus_per_engine is None:  # engines of their own generate on GPUs of their own
+            engines.gpus_per_engine = 1.0 if gpus else 0.0
     rollout = getattr(cfg, "rollout", None)
     if rollout is None:
         return

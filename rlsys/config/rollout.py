@@ -82,8 +82,9 @@ class ServingConfig:
     """Tensor-parallel size of each engine."""
     cpus_per_engine: float = Field(default=1.0, ge=0)
     """CPUs reserved per engine with placement=separate."""
-    gpus_per_engine: float = Field(default=0.0, ge=0)
-    """GPUs per engine with placement=separate (0 on CPU)."""
+    gpus_per_engine: float | None = Field(default=None, ge=0)
+    """GPUs per engine rank with placement=separate (each rank of a tensor-parallel engine takes this many).
+    Empty: 1 on a cluster with GPUs, beside those of the training ranks; 0 (CPU) on one without."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Weights and compute: auto is bfloat16 on GPU, float32 on CPU."""
     engine_memory_gib: float = Field(default=0.5, gt=0)
@@ -118,8 +119,9 @@ class RolloutConfig:
     sync and the next rollout."""
     cpus_per_engine: float = Field(default=1.0, ge=0)
     """CPUs reserved per engine with placement=separate."""
-    gpus_per_engine: float = Field(default=0.0, ge=0)
-    """GPUs per engine with placement=separate (0 on CPU)."""
+    gpus_per_engine: float | None = Field(default=None, ge=0)
+    """GPUs per engine rank with placement=separate (each rank of a tensor-parallel engine takes this many).
+    Empty: 1 on a cluster with GPUs, beside those of the training ranks; 0 (CPU) on one without."""
     n: int = Field(default=4, gt=0)
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = Field(default=1.0, ge=0, le=2)

@@ -46,9 +46,9 @@ class EngineMemory:
         if self.on_gpu:
             if self.released:  # vLLM puts only a fully awake engine to sleep
                 self.llm.wake_up(tags=sorted(self.released))
-            free_before = torch.cuda.mem_get_info()[0]
+            free_before = sum(self.llm.collective_rpc(_free_device_bytes))
             self.llm.sleep(level=2)
-            freed = torch.cuda.mem_get_info()[0] - free_before
+            freed = sum(self.llm.collective_rpc(_free_device_bytes)) - free_before
         else:
             freed = sum(self.llm.collective_rpc(_shrink_storages, args=(held,)))
         self.released = set(self.freed_tags)
@@ -102,6 +102,13 @@ def _storages(worker, tag: str) -> dict[int, torch.UntypedStorage]:
     else:
         tensors = list(worker.model_runner.kv_caches)
     return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+
+
+def _free_device_bytes(worker) -> int:
+    """Free memory of the GPU a vLLM worker runs on, read there: an engine of tensor-parallel workers in
+    other actors' bundles holds no GPU of its own, and reading one from its actor would open a CUDA
+    context on the node's first GPU."""
+    return torch.cuda.mem_get_info()[0]
 
 
 def _shrink_storages(worker, tags: list[str]) -> int:

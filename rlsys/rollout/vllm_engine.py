@@ -151,9 +151,30 @@ def engine_memory(kv_gib: float | None, gpu_share: float | None, on_gpu: bool) -
 def free_memory_fraction() -> float:
     """vLLM refuses to start unless `gpu_memory_utilization` x the device's memory is free, even
     when `kv_cache_memory_bytes` alone sizes its KV cache. A colocated engine starts beside training
-    ranks (or another engine) that already hold memory, so it asks for no more than is free now."""
-    free, total = torch.cuda.mem_get_info()
-    return max(0.01, min(0.9, free / total - 0.01))
+    ranks (or another engine) that already hold memory, so it asks for no more than is free now: on
+    its GPU, or, for an engine whose tensor-parallel workers start in the training ranks' bundles
+    (`VLLM_RAY_BUNDLE_INDICES`) and which holds no GPU itself, the least free of its node's GPUs,
+    read through NVML (a CUDA call would open a context on the node's first GPU)."""
+    if os.environ.get("VLLM_RAY_BUNDLE_INDICES"):
+        share = least_free_share_of_node_gpus()
+    else:
+        free, total = torch.cuda.mem_get_info()
+        share = free / total
+    return max(0.01, min(0.9, share - 0.01))
+
+
+def least_free_share_of_node_gpus() -> float:
+    from vllm.third_party import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        shares = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            memory = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+            shares.append(memory.free / memory.total)
+        return min(shares)
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def set_engine_threads(num_threads: int, tensor_parallel_size: int) -> None:

@@ -387,6 +387,26 @@ def _check_engine_resources(cfg: RLJobConfig, world_size: int) -> None:
                               f"engine's {tp} ranks takes a GPU of its own (1)")
         check_resources(engines.num_engines, engines.cpus_per_engine, engines.gpus_per_engine * tp,
                         f"{key}.cpus_per_engine", cfg.ray)
+    _check_separate_gpus(cfg, world_size)
+
+
+def _check_separate_gpus(cfg: RLJobConfig, world_size: int) -> None:
+    """Engines of their own take GPUs beside the training ranks': all of them must fit the cluster's."""
+    from rlsys.actors.cluster import cluster_gpus
+
+    separate = [(key, engines) for key, engines in cfg.engine_groups()
+                if engines.placement == "separate" and engines.gpus_per_engine]
+    if not separate:
+        return
+    training = world_size * cfg.ray.gpus_per_worker
+    engines = sum(group.num_engines * group.tensor_parallel_size * group.gpus_per_engine for _, group in separate)
+    total = cluster_gpus(cfg.ray)
+    if training + engines > total:
+        key = separate[0][0]
+        raise ConfigError(f"{key}.gpus_per_engine: the training ranks take {training:g} GPUs and the separate "
+                          f"engines {engines:g} of their own, {training + engines:g} in all, but the Ray cluster has "
+                          f"{total:g}; lower {key}.num_engines or the parallel degrees, set {key}.placement: "
+                          f"colocated, or {key}.gpus_per_engine: 0 to generate on CPU")
 
 
 def _check_files(paths: list[str], key: str) -> None:

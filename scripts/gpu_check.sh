@@ -173,6 +173,8 @@ write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
   # the engine sized by the cluster's defaults: rollout.gpu_memory_utilization of the GPU (at most what
   # is free when it starts), not a KV budget in GiB
   check rl_gpu_share rl rl_gpu_share train.steps=3 rollout.engine_memory_gib=null
+  # an engine of tp 2 in two training ranks' bundles of half the GPU each: vLLM's workers are scheduled
+  check tp2_one_gpu "$py" scripts/gpu_tp_one_gpu.py --model "$arith/sft"
   # the weight sync three ways on the same rank and colocated engine: gathered (auto on a GPU: bf16 read
   # through CUDA IPC from the rank beside the engine), the rank's fp32 shards read in place, the object store
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --release --model "$out/qwen05b" "${common[@]}"

@@ -38,7 +38,8 @@ print(json.dumps(results), file=sys.__stdout__)
 """
 
 
-def run_commands(commands: list[tuple[list[str], dict[str, str]]], timeout_s: float = 300) -> list[tuple[int, str, str]]:
+def run_commands(commands: list[tuple[list[str], dict[str, str]]],
+                 timeout_s: float = 300) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of `python -m rlsys.run ARGV` for each (ARGV, environment additions),
     run one after another without RAY_ADDRESS and the user's HF_* settings."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "RAY_ADDRESS"}

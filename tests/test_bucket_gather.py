@@ -1,5 +1,5 @@
 """A bucket of FSDP-sharded tensors is gathered whole in one all-gather per mesh dimension, in the
-engine's dtype (`rlsys.parallel.bucket_gather`), equal bit for bit to each tensor's own
+engine's dtype (`rlsys.sync.bucket_gather`), equal bit for bit to each tensor's own
 `full_tensor` cast after; other layouts go by `full_tensor`. Four gloo ranks, no Ray."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _rank(rank: int, store: str, conn) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from rlsys.parallel import bucket_gather
+    from rlsys.sync import bucket_gather
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     flat, square = init_device_mesh("cpu", (WORLD,)), init_device_mesh("cpu", (2, 2))

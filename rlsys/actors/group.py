@@ -37,7 +37,16 @@ class Call:
     """The actor it went to."""
 
 
+ENGINE_STOP_S = 120.0
+"""A vLLM engine group's `stop_timeout_s`: an engine's stop ends its worker processes and unlinks its
+shared-memory queues in /dev/shm, which a tensor-parallel engine on a loaded machine took over 10 s to
+do; killed before that, the queues outlive it."""
+
+
 class ActorGroup:
+    stop_timeout_s: float = 10.0
+    """How long `shutdown` lets the actors release what outlives a killed process before killing them."""
+
     def __init__(self, names: list[str], straggler_timeout_s: float | None = None):
         self.names = names
         self.actors: list = []
@@ -124,5 +133,6 @@ class ActorGroup:
         return self.wait([actor.__ray_call__.remote(fn, *args) for actor in self.actors])
 
     def shutdown(self) -> None:
-        """Let the actors that still answer release what outlives a killed process, then kill them all."""
-        shut_down(self.actors, self.names)
+        """Let the actors that still answer release what outlives a killed process, then kill them all
+        (a group that failed, whose actors may hang, gets the shorter of its time and 10 s)."""
+        shut_down(self.actors, self.names, min(self.stop_timeout_s, 10.0) if self.failed else self.stop_timeout_s)

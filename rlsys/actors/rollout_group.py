@@ -9,7 +9,7 @@ from rlsys.actors import kept_actors
 from rlsys.actors.cluster import actor_name, log_file_of, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
-from rlsys.actors.group import ActorGroup, contiguous_shares
+from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, contiguous_shares
 from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.agents.loop import AgentLoop
 from rlsys.agents.trajectory import Sampling, Trajectory
@@ -23,6 +23,8 @@ pages fault in faster than 4 KiB ones. No effect on GPU memory."""
 
 
 class RolloutGroup(ActorGroup):
+    stop_timeout_s = ENGINE_STOP_S
+
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
                  gpu_share: float = 0.0, loops: dict[str, type[AgentLoop]] | None = None,
                  tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,

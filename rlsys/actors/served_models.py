@@ -17,7 +17,7 @@ from rlsys.actors.kept_actors import BuiltInPlace
 from rlsys.actors.cluster import actor_name, log_file_of, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
-from rlsys.actors.group import ActorGroup, Call, contiguous_shares
+from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, Call, contiguous_shares
 from rlsys.algorithms.distill import TeacherTokens
 from rlsys.config.rollout import ServingConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
@@ -109,6 +109,8 @@ def _prompt_token_logprobs(flat, ids: list[int], start: int, top_k: int) -> Teac
 
 
 class ServedModelGroup(ActorGroup):
+    stop_timeout_s = ENGINE_STOP_S
+
     def __init__(self, role: str, model_path: str, cfg: ServingConfig, seed: int, key: str, pooling: bool = False,
                  train_placement=None, train_cpus: float = 1.0, gpu_share: float = 0.0):
         """Engines rlsys/<role>/<i> serving `model_path`; `key` is the config key of their serving settings."""

@@ -14,7 +14,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from rlsys.config.model import LoraConfig
 from rlsys.models import lora
-from rlsys.parallel.bucket_gather import gather_full
+from rlsys.sync.bucket_gather import gather_full
 from rlsys.sync.shards import Shared, share
 
 Shard = tuple[str, torch.Tensor, tuple, tuple]
@@ -50,7 +50,7 @@ class RankWeights:
 
     def bucket_tensors(self, names: list[str], dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors of `names`, floating point ones in `dtype` (None: their own), gathered
-        at once (`rlsys.parallel.bucket_gather`: one collective for FSDP's row shards) over the ranks
+        at once (`rlsys.sync.bucket_gather`: one collective for FSDP's row shards) over the ranks
         of this pipeline stage, each of which calls this with the same names."""
         self._reshard()
         params = dict(self.named_parameters())

@@ -1,7 +1,7 @@
 """Weight-sync buckets gathered on the training ranks and read in place by the engine beside each rank.
 
 For each bucket the ranks of a pipeline stage gather the full tensors among themselves, cast to the
-engine's dtype before they travel (`rlsys.parallel.bucket_gather`: one all-gather for FSDP's row
+engine's dtype before they travel (`rlsys.sync.bucket_gather`: one all-gather for FSDP's row
 shards), and each rank that has a colocated engine on its device writes them into one of its two
 staging buffers. The engine maps that rank's buffers once (`share`: shared memory on CPU, CUDA IPC
 on a GPU) and reads each bucket from them in place, while the ranks gather the next bucket into the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.parallel.bucket_gather import travel_dtype
+from rlsys.sync.bucket_gather import travel_dtype
 from rlsys.sync.shards import ShardEntry, Shared, aligned, share
 
 SLOTS = 2

@@ -40,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import datasets
 
+    from rlsys.config.loader import first_line
+
     try:
         splits = datasets.load_dataset(DATA_SOURCE, "main")
     except Exception as error:  # no network, no cached copy, a proxy's refusal: one line, whatever the client raised
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"examples/gsm8k/prepare.py: cannot read {DATA_SOURCE} from the Hub or the cache: {first}",
+        print(f"examples/gsm8k/prepare.py: cannot read {DATA_SOURCE} from the Hub or the cache: {first_line(error)}",
               file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)

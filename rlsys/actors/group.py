@@ -134,5 +134,6 @@ class ActorGroup:
 
     def shutdown(self) -> None:
         """Let the actors that still answer release what outlives a killed process, then kill them all
-        (a group that failed, whose actors may hang, gets the shorter of its time and 10 s)."""
-        shut_down(self.actors, self.names, min(self.stop_timeout_s, 10.0) if self.failed else self.stop_timeout_s)
+        (a group that failed, whose actors may hang, gets the shorter of its time and the default)."""
+        failed_s = min(self.stop_timeout_s, ActorGroup.stop_timeout_s)
+        shut_down(self.actors, self.names, failed_s if self.failed else self.stop_timeout_s)

@@ -20,9 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-ALIGN = 16
-"""Bytes each packed tensor's rows start on, so a cut-out piece views as any dtype."""
-
+from rlsys.sync.shards import aligned
 
 def travel_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """What a tensor is gathered in: `dtype` for floating point (None: its own), its own otherwise."""
@@ -58,14 +56,11 @@ class Packed:
 
     @property
     def slot_bytes(self) -> int:
-        return _aligned(self.chunk_rows * self.row_bytes)
+        """Aligned, so that each tensor's piece views as any dtype."""
+        return aligned(self.chunk_rows * self.row_bytes)
 
     def rows_of(self, rank: int) -> int:
         return max(0, min(self.chunk_rows, self.shape[0] - rank * self.chunk_rows))
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _pack_layout(tensors: list[tuple[int, DTensor]], world: int, dtype: torch.dtype | None) -> tuple[list[Packed], int]:
@@ -83,10 +78,9 @@ def _gather_rows(tensors: list[tuple[int, DTensor]], mesh: DeviceMesh, mesh_dim:
     """The full tensors of row-sharded `tensors` (all split over `mesh_dim` of `mesh`): one all-gather."""
     world, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     layout, total = _pack_layout(tensors, world, dtype)
-    device = tensors[0][1].to_local().device
-    send = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-    for packed, (_, tensor) in zip(layout, tensors):
-        local = tensor.to_local()
+    shards = [tensor.to_local() for _, tensor in tensors]
+    send = torch.empty(max(total, 1), dtype=torch.uint8, device=shards[0].device)
+    for packed, local in zip(layout, shards):
         if local.shape[0] != packed.rows_of(rank):
             raise RuntimeError(f"a shard of {packed.rows_of(rank)} rows was expected on mesh rank {rank}, "
                                f"not {local.shape[0]}: the row split is not torch.chunk's")

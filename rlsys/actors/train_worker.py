@@ -312,6 +312,16 @@ class TrainWorker:
         for the engines colocated with this rank to wake into."""
         torch.cuda.empty_cache()
 
+    def gpu_memory_peaks(self) -> dict[str, float]:
+        """The most GPU memory this rank's tensors took ("allocated") and its caching allocator held
+        ("reserved") since the last call, in GiB; empty on CPU."""
+        if self.device.type != "cuda":
+            return {}
+        peaks = {"allocated": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                 "reserved": torch.cuda.max_memory_reserved(self.device) / 2**30}
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peaks
+
     def export_hf(self, out_dir: str) -> None:
         export_hf(self.policy.weights, self.spec.model, out_dir, self.where.pp, self.spec.dims.pp,
                   writes_stage=self.where.leads_stage, writes_config=self.rank == 0, reward_head=self.spec.value_head)

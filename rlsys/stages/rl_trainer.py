@@ -207,6 +207,7 @@ class RLVRTrainer:
             _, batch["returns"] = gae_advantages_and_returns(inputs, cfg.algorithm.gamma, cfg.algorithm.lam)
         with timer("update"):
             update_metrics, sampler_logprobs = self._update(batch, train_actor=step > cfg.critic.warmup_steps)
+        update_metrics.update(self.train_group.gpu_memory_peaks())  # the log-prob passes' and the update's
         self.policy_version = step
         with timer("sync"):
             if self.stream is not None and not cfg.train.partial_rollout:

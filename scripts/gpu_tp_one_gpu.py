@@ -6,8 +6,9 @@ vLLM's Ray executor puts one worker in each bundle (`VLLM_RAY_BUNDLE_INDICES`,
 asked the group for GPUs that its bundles already held and waited without end.
 
 What it shows: both of vLLM's workers are scheduled (their actors have processes), each in its own
-bundle, within `--schedule-s` (exit 1 if they are still waiting: the hang). What follows on one GPU is printed but not required:
-NCCL refuses two ranks of one group on one device, which a node of GPUs never asks of it.
+bundle, within `--schedule-s` (exit 1 if they are still waiting: the hang). What follows on one GPU
+is printed but not required: NCCL refuses two ranks of one group on one device, which a node of GPUs
+never asks of it.
 
     python scripts/gpu_tp_one_gpu.py --model DIR
 """

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = stages.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
     export.add_argument("--checkpoint", required=True, metavar="DIR", help="a run's checkpoint: RUN/checkpoints/step_N")
     export.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    export.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
+                        help="the weights' dtype (default: the run's model.export_dtype)")
     export.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=verbose)
     plan = stages.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP)
     plan.add_argument("--config", required=True, metavar="FILE", help="the job's YAML config (RL, SFT or pretrain)")
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "export":
             from rlsys.stages.export import run_export
 
-            print(run_export(args.checkpoint, args.out)["hf_model"])
+            print(run_export(args.checkpoint, args.out, args.dtype)["hf_model"])
         elif getattr(args, "dry_run", False):
             _dry_run(args.stage, args.config, args.overrides)
         else:

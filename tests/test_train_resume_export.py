@@ -1,6 +1,7 @@
 """A real SFT run on 2 tensor-parallel ranks, on 2 pipeline stages, on 2 context-parallel
 ranks and of an MoE model on 2 expert-parallel ranks: resume reproduces the losses; the HF
-export loads in transformers and vLLM, which generate the same tokens."""
+export loads in transformers and vLLM, which generate the same tokens; the export command writes
+any checkpointed step, in fp32 or bf16."""
 
 from __future__ import annotations
 
@@ -94,7 +95,6 @@ def test_the_export_command_writes_a_checkpoint_as_the_run_exports_it(straight_r
     checkpoint read back gives them. (The command takes any layout alike: checked once, on two
     pipeline stages' shards.)"""
     import torch
-    from safetensors.torch import load_file
 
     from rlsys.stages.export import run_export
 
@@ -102,16 +102,84 @@ def test_the_export_command_writes_a_checkpoint_as_the_run_exports_it(straight_r
     if cfg.parallel.pp != 2:
         pytest.skip("run once, on the pipeline stages' shards")
 
-    def weights(model_dir: str) -> dict:
-        index = json.load(open(os.path.join(model_dir, "model.safetensors.index.json")))["weight_map"]
-        shards = [load_file(os.path.join(model_dir, shard)) for shard in sorted(set(index.values()))]
-        return {name: tensor for shard in shards for name, tensor in shard.items()}
-
     checkpoints = os.path.join(cfg.output_dir, "checkpoints")
     last = run_export(os.path.join(checkpoints, "step_000006"), str(tmp_path / "step6"))
     assert last["step"] == 6 and last["stage"] == "sft"
     exported, own = weights(last["hf_model"]), weights(summary["hf_model"])
     assert exported.keys() == own.keys() and all(torch.equal(exported[k], own[k]) for k in own)
+
+
+def weights(model_dir: str) -> dict:
+    """Every tensor of a sharded Hugging Face directory, by name."""
+    from safetensors.torch import load_file
+
+    index = json.load(open(os.path.join(model_dir, "model.safetensors.index.json")))["weight_map"]
+    shards = [load_file(os.path.join(model_dir, shard)) for shard in sorted(set(index.values()))]
+    return {name: tensor for shard in shards for name, tensor in shard.items()}
+
+
+def test_a_mid_run_step_exports_in_bf16_that_transformers_and_vllm_read_alike(straight_run, tmp_path):
+    """`export --checkpoint RUN/checkpoints/step_3 --dtype bfloat16`: step 3's weights as the checkpoint
+    holds them (read here in one process), rounded to bf16, and a config that says bf16. transformers
+    and vLLM, each computing in bf16, then pick the exact model's greedy token (the same bf16 weights
+    computed in fp32) wherever its lead over the runner-up is more than twice the larger of their own
+    distances from the exact log-probs: their rounding, measured here, is the tolerance."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    from rlsys.config.rollout import RolloutConfig
+    from rlsys.rollout.vllm_engine import create_llm
+    from rlsys.stages.export import run_export
+
+    cfg, summary = straight_run
+    if cfg.parallel.pp != 2:
+        pytest.skip("run once, on the pipeline stages' shards")
+    step3 = os.path.join(cfg.output_dir, "checkpoints", "step_000003")
+    result = run_export(step3, str(tmp_path / "step3"), dtype="bfloat16")
+    assert result["step"] == 3
+    dcp_to_torch_save(os.path.join(step3, "model_optim"), tmp_path / "step3.pt")
+    held = torch.load(tmp_path / "step3.pt", weights_only=False)["model"]
+    exported, last = weights(result["hf_model"]), weights(summary["hf_model"])
+    assert exported.keys() == last.keys() and exported.keys() <= held.keys()
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, held[name].to(torch.bfloat16)), name
+    assert any(not torch.equal(exported[name], last[name].to(torch.bfloat16)) for name in last)  # not step 6
+    assert json.load(open(os.path.join(result["hf_model"], "config.json")))["dtype"] == "bfloat16"
+
+    hf_dir = result["hf_model"]
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    prompts = ["<|user|>12+7=<|end|><|assistant|>", "<|user|>3-15=<|end|><|assistant|>",
+               "<|user|>40+2=<|end|><|assistant|>", "<|user|>9-9=<|end|><|assistant|>"]
+    llm = create_llm(hf_dir, RolloutConfig(engine_memory_gib=0.25, dtype="bfloat16"), seed=0)
+    generated = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True),
+                             use_tqdm=False)
+    exact = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    in_bf16 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    assert next(in_bf16.parameters()).dtype == torch.bfloat16
+    rows = []  # per generated position: exact log-probs, transformers' bf16 ones, vLLM's token and its log-prob
+    for prompt, output in zip(prompts, generated):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        tokens = list(output.outputs[0].token_ids)
+        ids = torch.tensor([prompt_ids + tokens])
+        with torch.no_grad():
+            exact_lp = torch.log_softmax(exact(ids).logits[0].float(), -1)
+            bf16_lp = torch.log_softmax(in_bf16(ids).logits[0].float(), -1)
+        for i, (token, logprobs) in enumerate(zip(tokens, output.outputs[0].logprobs)):
+            at = len(prompt_ids) - 1 + i
+            rows.append((exact_lp[at], bf16_lp[at], token, logprobs[token].logprob))
+    hf_error = max(float((bf16 - ex).abs().max()) for ex, bf16, _, _ in rows)
+    vllm_error = max(abs(lp - float(ex[token])) for ex, _, token, lp in rows)
+    tolerance = 2 * max(hf_error, vllm_error)
+    assert 0 < tolerance < 0.1, (hf_error, vllm_error)  # bf16 rounding of a small model, not a misread weight
+    decided = 0
+    for ex, bf16, token, _ in rows:
+        top2 = ex.topk(2)
+        if float(top2.values[0] - top2.values[1]) > tolerance:
+            decided += 1
+            assert token == int(top2.indices[0]) == int(bf16.argmax()), (token, top2, hf_error, vllm_error)
+    assert decided >= len(rows) // 2, (decided, len(rows), tolerance)
 
 
 def test_export_loads_in_transformers_and_vllm_and_generates(straight_run):

@@ -1,12 +1,13 @@
 """`python -m rlsys.run export --checkpoint RUN/checkpoints/step_N --out DIR`: the Hugging Face
 directory of any step a run checkpointed, written as the run's own export is at its end (the model's
-dtype, 5 GB shards and their index; with LoRA the merged model and the adapter beside it), by the
-run's own layout read back from its config.yaml."""
+dtype or `--dtype`, 5 GB shards and their index; with LoRA the merged model and the adapter beside
+it), by the run's own layout read back from its config.yaml."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.train_group import TrainGroup
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 TRAINING_STAGES = ("pretrain", "sft", "rm", "rlvr")
 
 
-def run_export(checkpoint: str, out_dir: str) -> dict:
+def run_export(checkpoint: str, out_dir: str, dtype: str | None = None) -> dict:
+    """`dtype`: the weights' dtype in place of the run's `model.export_dtype`."""
     checkpoint = os.path.abspath(checkpoint)
     if not os.path.isfile(os.path.join(checkpoint, DRIVER_STATE)):
         raise ConfigError(f"--checkpoint: {checkpoint} is not a complete checkpoint (it has no {DRIVER_STATE})")
@@ -29,6 +31,8 @@ def run_export(checkpoint: str, out_dir: str) -> dict:
     config_path = os.path.join(run_dir, CONFIG_FILE)
     stage = stage_of(config_path)
     cfg = load_config(RLJobConfig if stage == "rlvr" else TrainJobConfig, config_path)
+    if dtype is not None:
+        cfg = replace(cfg, model=replace(cfg.model, export_dtype=dtype))
     ensure_ray(cfg.ray)
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps, value_head=stage == "rm"),
                        cfg.ray)

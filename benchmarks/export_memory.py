@@ -1,0 +1,88 @@
+"""Host memory of writing a Hugging Face directory (a stage's `hf_model/`, `rlsys.run export`): the
+rank's resident set while it exports, above what it held before (its own weights), beside the largest
+shard it writes. The export converts each tensor to the export dtype and holds a shard's tensors
+until the shard is full (at most 5 GB), so it should take about one shard beyond the rank's own.
+
+Each case runs in a process of its own (one rank, gloo), on a random model of the shape named,
+exported in fp32 and in bf16:
+
+    .venv/bin/python benchmarks/export_memory.py                       # the 22.7 M model, Qwen2.5-0.5B's shape
+    .venv/bin/python benchmarks/export_memory.py --shapes 22.7M --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import multiprocessing as mp
+import os
+import tempfile
+
+MIB = 2**20
+SHAPES = {
+    "22.7M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=512),  # benchmarks/vs_trl.py's random model
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=512),  # benchmarks/sync.py's QWEN25_05B
+}
+
+
+def export_once(model_dir: str, dtype: str, out_dir: str, results) -> None:
+    """Build one rank's engine of `model_dir`, then export it in `dtype`, sampling the resident set."""
+    import torch
+    import torch.distributed as dist
+
+    from rlsys.config.layout import ParallelConfig
+    from rlsys.config.model import ModelConfig
+    from rlsys.config.training import OptimConfig
+    from rlsys.engine.hf_export import export_hf
+    from rlsys.engine.model_engine import EngineSpec, ModelEngine
+    from rlsys.parallel.dims import ParallelDims
+    from rlsys.planner.measure import PeakSampler
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel = ParallelConfig()
+    dims = ParallelDims.of(parallel)
+    model = ModelConfig(path=model_dir, export_dtype=dtype)
+    engine = ModelEngine(EngineSpec(model, OptimConfig(), dims, parallel, micro_batch_size=1, total_steps=1,
+                                    param_dtype=None),
+                         dims.build_mesh("cpu"), torch.device("cpu"))
+    own = sum(p.numel() * p.element_size() for _, p in engine.named_parameters())
+    before = PeakSampler.rss()
+    with PeakSampler() as sampler:
+        export_hf(engine.weights, model, out_dir, 0, 1, writes_stage=True, writes_config=True)
+    shards = [os.path.getsize(path) for path in glob.glob(os.path.join(out_dir, "*.safetensors"))]
+    results.put({"own": own, "before": before, "growth": sampler.peak - before, "largest": max(shards),
+                 "total": sum(shards), "shards": len(shards)})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    context = mp.get_context("spawn")
+    print("| model | export dtype | rank's weights MiB | shards | largest shard MiB | resident set while exporting, "
+          "above before, MiB | that / largest shard |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as work:
+        for shape in args.shapes:
+            model_dir = write_tiny_model(os.path.join(work, shape), TinyModelSpec(**SHAPES[shape]))
+            for dtype in args.dtypes:
+                results = context.Queue()
+                process = context.Process(target=export_once,
+                                          args=(model_dir, dtype, os.path.join(work, f"{shape}-{dtype}"), results))
+                process.start()
+                row = results.get()
+                process.join()
+                ratio = row["growth"] / row["largest"]
+                print(f"| {shape} | {dtype} | {row['own'] / MIB:,.0f} | {row['shards']} | "
+                      f"{row['largest'] / MIB:,.0f} | {row['growth'] / MIB:,.0f} | {ratio:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -222,9 +222,10 @@ class DistillConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (VeRL's names): grpo (group-normalised; Dr. GRPO without
-    norm_adv_by_std), grpo_passk, rloo, opo, gpg, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, gae (PPO with a critic, see `critic`), or one registered by a
-    file in `extensions`."""
+    norm_adv_by_std), grpo_passk, rloo, opo, gpg, remax (the greedy response's reward as the
+    baseline), reinforce_plus_plus, reinforce_plus_plus_baseline, optimal_token_baseline,
+    tir_optimal_token_baseline, gae (PPO with a critic, see `critic`), or one registered by a file in
+    `extensions`."""
     norm_adv_by_std: bool = True
     """grpo, grpo_passk: divide by the group's reward std; false gives Dr. GRPO's mean-only
     centring."""

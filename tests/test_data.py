@@ -145,6 +145,30 @@ def test_arith_test_split_is_held_out():
     assert not set(train) & set(test) and len(test) == 40
 
 
+def test_a_careless_teachers_sft_answers_drop_that_share_of_minus_signs_and_nothing_else(tmp_path):
+    """ArithSpec.sign_slips: the SFT file's negative answers lose their sign at that rate; every other
+    answer, the pretraining corpus and the RL and test files' ground truths stay right."""
+    import json
+
+    import pandas as pd
+
+    from rlsys.tasks.arith import write_splits
+
+    spec = ArithSpec(max_operand=19, num_test=40, sign_slips=0.75, pretrain_passes=1)
+    files = write_splits(str(tmp_path), spec)
+    train, _ = split_problems(spec)
+    taught = [json.loads(line)["response"] for line in open(files["sft"])]
+    negative = [(p, answer) for p, answer in zip(train, taught) if p.answer.startswith("-")]
+    assert all(answer == p.answer for p, answer in zip(train, taught) if not p.answer.startswith("-"))
+    assert all(answer in (p.answer, p.answer[1:]) for p, answer in negative)
+    slipped = sum(answer != p.answer for p, answer in negative) / len(negative)
+    assert 0.65 < slipped < 0.85, slipped  # 179 negative answers, each slipping with probability 0.75 (seeded)
+    truths = pd.read_parquet(files["rl_train"])["reward_model"].map(lambda r: r["ground_truth"]).tolist()
+    assert truths == [p.answer for p in train]
+    corpus = "\n".join(json.loads(line)["text"] for line in open(files["pretrain"]))
+    assert all(f"{p.question}{p.answer}" in corpus for p, _ in negative)
+
+
 def test_sampler_resumes_the_same_order():
     straight = EpochSampler(10, 4, seed=3)
     order = [straight.next_indices() for _ in range(6)]

@@ -46,6 +46,10 @@ class ArithSpec:
     pretrain_passes: int = 20
     """Each pass lists every training equation in a fresh random order, so the
     packed windows differ from pass to pass instead of repeating verbatim."""
+    sign_slips: float = 0.0
+    """Share of the SFT answers to a negative result written without their minus sign: a careless
+    teacher's systematic slip, which SFT imitates and the verifier in RL does not reward. The
+    pretraining corpus, the RL files and the test split keep every sign."""
     seed: int = 0
 
 
@@ -69,8 +73,15 @@ def pretrain_rows(problems: list[Problem], per_document: int) -> list[dict]:
     return [{"text": "\n".join(lines[i:i + per_document])} for i in range(0, len(lines), per_document)]
 
 
-def sft_rows(problems: list[Problem]) -> list[dict]:
-    return [{"prompt": _chat(p), "response": p.answer} for p in problems]
+def sft_rows(problems: list[Problem], sign_slips: float = 0.0, rng: random.Random | None = None) -> list[dict]:
+    """Each problem's answer as the response; with `sign_slips`, that share of the negative answers
+    (drawn by `rng`) without their minus sign."""
+    rng = rng or random.Random(0)
+    return [{"prompt": _chat(p), "response": _as_taught(p.answer, sign_slips, rng)} for p in problems]
+
+
+def _as_taught(answer: str, sign_slips: float, rng: random.Random) -> str:
+    return answer[1:] if answer.startswith("-") and rng.random() < sign_slips else answer
 
 
 def preference_rows(problems: list[Problem], rng: random.Random) -> list[dict]:
@@ -102,7 +113,7 @@ def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
     corpus = [p for _ in range(spec.pretrain_passes) for p in rng.sample(train, len(train))]
     files = {
         "pretrain": write_jsonl(out_dir, "pretrain.jsonl", pretrain_rows(corpus, spec.equations_per_document)),
-        "sft": write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train)),
+        "sft": write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train, spec.sign_slips, random.Random(spec.seed + 3))),
         "rl_train": write_parquet(out_dir, "rl_train.parquet", rl_rows(train, "train")),
         "preferences": write_jsonl(out_dir, "preferences.jsonl", preference_rows(train, rng)),
         "test": write_parquet(out_dir, "test.parquet", rl_rows(test, "test")),
@@ -122,9 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-operand", type=int, default=ArithSpec.max_operand)
     parser.add_argument("--ops", default=ArithSpec.ops)
     parser.add_argument("--num-test", type=int, default=ArithSpec.num_test)
+    parser.add_argument("--sign-slips", type=float, default=ArithSpec.sign_slips,
+                        help="share of negative SFT answers written without their minus sign")
     parser.add_argument("--seed", type=int, default=ArithSpec.seed)
     args = parser.parse_args(argv)
-    spec = ArithSpec(max_operand=args.max_operand, ops=args.ops, num_test=args.num_test, seed=args.seed)
+    spec = ArithSpec(max_operand=args.max_operand, ops=args.ops, num_test=args.num_test, sign_slips=args.sign_slips,
+                     seed=args.seed)
     for kind, path in write_splits(args.out, spec).items():
         print(f"{kind:9s} {path}")
 

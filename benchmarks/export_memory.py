@@ -19,13 +19,6 @@ import os
 import tempfile
 
 MIB = 2**20
-SHAPES = {
-    "22.7M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, max_position_embeddings=512),  # benchmarks/vs_trl.py's random model
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=512),  # benchmarks/sync.py's QWEN25_05B
-}
 
 
 def export_once(model_dir: str, dtype: str, out_dir: str, results) -> None:
@@ -59,8 +52,12 @@ def export_once(model_dir: str, dtype: str, out_dir: str, results) -> None:
 
 
 def main() -> None:
+    from sync import QWEN25_05B  # the benchmarks' own shapes (imported here: not in each case's process)
+    from vs_trl import RANDOM22M
+
+    shapes = {"22.7M": RANDOM22M, "qwen2.5-0.5b": QWEN25_05B}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(shapes))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = parser.parse_args()
     from rlsys.models.tiny import TinyModelSpec, write_tiny_model
@@ -71,7 +68,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as work:
         for shape in args.shapes:
-            model_dir = write_tiny_model(os.path.join(work, shape), TinyModelSpec(**SHAPES[shape]))
+            model_dir = write_tiny_model(os.path.join(work, shape), TinyModelSpec(**shapes[shape]))
             for dtype in args.dtypes:
                 results = context.Queue()
                 process = context.Process(target=export_once,

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from rlsys.sync.shards import aligned
 
+
 def travel_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """What a tensor is gathered in: `dtype` for floating point (None: its own), its own otherwise."""
     return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype

@@ -70,7 +70,8 @@ def keep_actors(enabled: bool) -> None:
 
 def take(role: str, key: tuple) -> tuple[Any, list] | None:
     """The kept `role` set's placement and actors (index order) when it was kept under `key` on this
-    Ray job; else None, having retired every kept set."""
+    Ray job; else None, having retired every kept set if this role's did not match (a group that then
+    places itself retires the others first: their bundles hold what it needs)."""
     kept = _kept.pop(role, None)
     if kept is not None and kept.key == key and kept.job == _job():
         return kept.placement, kept.actors

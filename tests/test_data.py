@@ -146,8 +146,9 @@ def test_arith_test_split_is_held_out():
 
 
 def test_a_careless_teachers_sft_answers_drop_that_share_of_minus_signs_and_nothing_else(tmp_path):
-    """ArithSpec.sign_slips: the SFT file's negative answers lose their sign at that rate; every other
-    answer, the pretraining corpus and the RL and test files' ground truths stay right."""
+    """ArithSpec.sign_slips: the careless SFT file's negative answers lose their sign at that rate; every
+    other answer, the right SFT file, the pretraining corpus and the RL and test files' ground truths
+    stay right."""
     import json
 
     import pandas as pd
@@ -157,7 +158,8 @@ def test_a_careless_teachers_sft_answers_drop_that_share_of_minus_signs_and_noth
     spec = ArithSpec(max_operand=19, num_test=40, sign_slips=0.75, pretrain_passes=1)
     files = write_splits(str(tmp_path), spec)
     train, _ = split_problems(spec)
-    taught = [json.loads(line)["response"] for line in open(files["sft"])]
+    taught = [json.loads(line)["response"] for line in open(files["sft_careless"])]
+    assert [json.loads(line)["response"] for line in open(files["sft"])] == [p.answer for p in train]
     negative = [(p, answer) for p, answer in zip(train, taught) if p.answer.startswith("-")]
     assert all(answer == p.answer for p, answer in zip(train, taught) if not p.answer.startswith("-"))
     assert all(answer in (p.answer, p.answer[1:]) for p, answer in negative)

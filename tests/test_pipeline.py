@@ -5,6 +5,7 @@ test_train_resume_export.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from rlsys.stages.chain import finished_summary, plan_jobs
 pytestmark = pytest.mark.xdist_group("pipeline")
 
 TIMEOUT_S = 300
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def stage_configs(tmp_path, model_dir: str, files: dict[str, str]) -> dict[str, str]:
@@ -215,3 +217,33 @@ def test_bad_pipeline_configs_name_the_key(change, message, tmp_path):
     with pytest.raises(ConfigError) as err:
         plan_jobs(build_config(PipelineConfig, raw))
     assert message in str(err.value)
+
+
+def _arith_example(module: str):
+    spec = importlib.util.spec_from_file_location(module, os.path.join(EXAMPLES, "arith", f"{module}.py"))
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+@pytest.mark.quick
+def test_the_main_job_reads_what_its_prepare_writes_and_the_spread_reruns_it_per_seed_and_layout(tmp_path):
+    """Every file the main job's stages read is one examples/arith/prepare.py writes (SFT's the careless
+    teacher's); examples/arith/spread.py runs the same stages with its seed, layout and data."""
+    spread = _arith_example("spread")
+    out, data = str(tmp_path / "runs" / "arith"), str(tmp_path / "data")
+    spread.prepare(out, data_dir=data)
+    jobs = plan_jobs(build_config(PipelineConfig, spread.run_config(out, data, seed=2, threads=2)))
+    pretrain, sft, rlvr, evaluation = jobs
+    read = [*pretrain.data.train_files, *sft.data.train_files, *rlvr.data.train_files, *evaluation.eval.files]
+    assert all(os.path.isfile(path) and path.startswith(data) for path in read), read
+    assert sft.data.train_files == [os.path.join(data, "sft_careless.jsonl")]
+    assert pretrain.model.path == os.path.join(out, "tiny-init")
+    assert os.path.isfile(os.path.join(out, "tiny-init", "config.json"))
+    assert [job.seed for job in (pretrain, sft, rlvr)] == [2, 2, 2]
+    assert [pretrain.parallel.dp_shard, sft.parallel.dp_shard, rlvr.ray.cpus_per_worker] == [1, 1, 2]
+    one_thread = plan_jobs(build_config(PipelineConfig, spread.run_config(out, data, seed=0, threads=1)))
+    assert [one_thread[0].parallel.dp_shard, one_thread[1].parallel.dp_shard, one_thread[2].ray.cpus_per_worker] == \
+        [2, 2, 1]
+    main_job = plan_jobs(build_config(PipelineConfig, yaml.safe_load(open(os.path.join(EXAMPLES, "arith", "pipeline.yaml")))))
+    assert [os.path.basename(path) for path in main_job[1].data.train_files] == ["sft_careless.jsonl"]

@@ -1,6 +1,7 @@
 """On-policy distillation on the arithmetic task, against GRPO at equal training time. The student
-is the example's SFT stage cut short (300 of its 1,500 steps: a model with errors left, as
-examples/arith/reward_model.py trains), the teacher the whole SFT model. From the student's
+is the example's SFT stage on the right answers (`sft_train.jsonl`) cut short (300 of its 1,500 steps:
+a model with errors left, as examples/arith/reward_model.py trains), the teacher the main job's final
+model. From the student's
 checkpoint three runs train: GRPO on the verifier alone, and GRPO plus distillation from the
 teacher, with the sampled token's reverse KL as advantage (`algorithm.distill`) and with the KL
 over the teacher's top-k tokens as a loss term (`algorithm.distill.top_k`). Every run validates on
@@ -24,6 +25,10 @@ import sys
 import time
 
 
+RIGHT_ANSWERS = ("data.train_files=[runs/arith/data/sft_train.jsonl]",)
+"""A student's SFT data: every answer right, not the main job's careless teacher's."""
+
+
 def stage(kind: str, config: str, *overrides: str) -> float:
     """Run one stage (skipped when its summary exists); its wall time in seconds."""
     out = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
@@ -36,6 +41,11 @@ def stage(kind: str, config: str, *overrides: str) -> float:
 
 def summary(out: str) -> dict:
     return json.load(open(os.path.join(out, "summary.json")))
+
+
+def held_out(stage_summary: dict) -> float:
+    """A finished stage's final held-out accuracy: an SFT stage's eval, an RL stage's last validation."""
+    return stage_summary["eval"]["accuracy"] if "eval" in stage_summary else stage_summary["val_accuracy_after"]
 
 
 def rows(out: str) -> list[dict]:
@@ -66,7 +76,7 @@ def first_and_last(out: str, name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--teacher", default="runs/arith/sft/hf_model")
+    parser.add_argument("--teacher", default="runs/arith/rlvr/hf_model")
     parser.add_argument("--out", default="runs/arith/distill")
     parser.add_argument("--student-steps", type=int, default=300, help="the student's SFT steps (the example's: 1500)")
     parser.add_argument("--rl-steps", type=int, default=100, help="the distillation runs' steps (GRPO: twice)")
@@ -76,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sft = os.path.join(args.out, "student")
-    stage("sft", "examples/arith/sft.yaml", f"output_dir={sft}", f"train.steps={args.student_steps}")
+    stage("sft", "examples/arith/sft.yaml", f"output_dir={sft}", f"train.steps={args.student_steps}", *RIGHT_ANSWERS)
     val_every = max(1, args.rl_steps // 10)
     rl = [f"model.path={sft}/hf_model", f"optim.lr={args.lr}", "train.save_every=0", f"train.val_every={val_every}",
           "tracking.backends=[jsonl]"]
@@ -95,7 +105,7 @@ def main() -> None:
     outs = {name: overrides[0].split("=", 1)[1] for name, overrides in runs.items()}
     curves = {name: curve(out) for name, out in outs.items()}
     budget = min(points[-1][0] for points in curves.values())
-    print(f"\nteacher {args.teacher}: {summary(args.teacher.rsplit('/', 1)[0])['eval']['accuracy']:.1%} held-out; "
+    print(f"\nteacher {args.teacher}: {held_out(summary(args.teacher.rsplit('/', 1)[0])):.1%} held-out; "
           f"student: the example's SFT stage cut to {args.student_steps} steps "
           f"({summary(sft)['eval']['accuracy']:.1%}); RL at lr {args.lr:g}")
     print(f"| run | steps | held-out accuracy at {budget:.0f} s of training | at its end (training s) "

@@ -12,12 +12,19 @@ from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 from rlsys.tasks.arith import ArithSpec, write_splits
 
 
-def prepare(out: str, spec: TinyModelSpec = TinyModelSpec(), model_name: str = "tiny-init") -> None:
-    """The model under `out`/`model_name` (kept if written before) and the splits under `out`/data."""
+TASK = ArithSpec(sign_slips=0.75)
+"""The main job's task: its SFT answers come from a careless teacher who drops the minus sign of three
+in four negative results (a quarter of the problems), which SFT imitates and RL's verifier corrects."""
+
+
+def prepare(out: str, spec: TinyModelSpec = TinyModelSpec(), model_name: str = "tiny-init",
+            data_dir: str | None = None) -> None:
+    """The model under `out`/`model_name` (kept if written before) and the splits under `data_dir`
+    (default `out`/data)."""
     model_dir = os.path.join(out, model_name)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         write_tiny_model(model_dir, spec)
-    files = write_splits(os.path.join(out, "data"), ArithSpec())
+    files = write_splits(data_dir or os.path.join(out, "data"), TASK)
     print(f"tiny model: {model_dir}")
     for kind, path in files.items():
         print(f"{kind:9s} {path}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from distill import stage, summary
+from distill import RIGHT_ANSWERS, stage, summary
 
 
 def main() -> None:
@@ -37,7 +37,8 @@ def main() -> None:
                     f"train.val_every={max(1, args.rm_steps // 4)}", "train.global_batch_size=64",
                     "train.micro_batch_size=32", f"optim.lr={args.rm_lr}", "train.save_every=0", "eval=null")
     student = os.path.join(args.out, "student")
-    stage("sft", "examples/arith/sft.yaml", f"output_dir={student}", f"train.steps={args.student_steps}")
+    stage("sft", "examples/arith/sft.yaml", f"output_dir={student}", f"train.steps={args.student_steps}",
+          *RIGHT_ANSWERS)
     rl = [f"model.path={student}/hf_model", f"train.steps={args.rl_steps}", "train.save_every=0",
           f"train.val_every={args.rl_steps}", "tracking.backends=[jsonl]"]
     runs = {

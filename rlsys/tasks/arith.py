@@ -47,9 +47,10 @@ class ArithSpec:
     """Each pass lists every training equation in a fresh random order, so the
     packed windows differ from pass to pass instead of repeating verbatim."""
     sign_slips: float = 0.0
-    """Share of the SFT answers to a negative result written without their minus sign: a careless
-    teacher's systematic slip, which SFT imitates and the verifier in RL does not reward. The
-    pretraining corpus, the RL files and the test split keep every sign."""
+    """A careless teacher's SFT file besides the right one: `sft_careless.jsonl`, where this share of
+    the answers to a negative result lose their minus sign, a systematic slip that SFT imitates and
+    the verifier in RL does not reward. The pretraining corpus, `sft_train.jsonl`, the RL files and
+    the test split keep every sign."""
     seed: int = 0
 
 
@@ -105,21 +106,25 @@ def rl_rows(problems: list[Problem], split: str) -> list[dict]:
 
 
 def write_splits(out_dir: str, spec: ArithSpec = ArithSpec()) -> dict[str, str]:
-    """Write pretrain/SFT/RL train files, reward-model preference pairs (training problems' and, held
-    out, the test problems') and the RL-schema test split."""
+    """Write pretrain/SFT/RL train files (with `spec.sign_slips`, the careless teacher's SFT file too),
+    reward-model preference pairs (training problems' and, held out, the test problems') and the
+    RL-schema test split."""
     os.makedirs(out_dir, exist_ok=True)
     train, test = split_problems(spec)
     rng = random.Random(spec.seed + 1)
     corpus = [p for _ in range(spec.pretrain_passes) for p in rng.sample(train, len(train))]
     files = {
         "pretrain": write_jsonl(out_dir, "pretrain.jsonl", pretrain_rows(corpus, spec.equations_per_document)),
-        "sft": write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train, spec.sign_slips, random.Random(spec.seed + 3))),
+        "sft": write_jsonl(out_dir, "sft_train.jsonl", sft_rows(train)),
         "rl_train": write_parquet(out_dir, "rl_train.parquet", rl_rows(train, "train")),
         "preferences": write_jsonl(out_dir, "preferences.jsonl", preference_rows(train, rng)),
         "test": write_parquet(out_dir, "test.parquet", rl_rows(test, "test")),
         "preferences_test": write_jsonl(out_dir, "preferences_test.jsonl",
                                         preference_rows(test, random.Random(spec.seed + 2))),
     }
+    if spec.sign_slips:
+        files["sft_careless"] = write_jsonl(out_dir, "sft_careless.jsonl",
+                                            sft_rows(train, spec.sign_slips, random.Random(spec.seed + 3)))
     return files
 
 
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", default=ArithSpec.ops)
     parser.add_argument("--num-test", type=int, default=ArithSpec.num_test)
     parser.add_argument("--sign-slips", type=float, default=ArithSpec.sign_slips,
-                        help="share of negative SFT answers written without their minus sign")
+                        help="write sft_careless.jsonl too: this share of its negative answers lose their minus sign")
     parser.add_argument("--seed", type=int, default=ArithSpec.seed)
     args = parser.parse_args(argv)
     spec = ArithSpec(max_operand=args.max_operand, ops=args.ops, num_test=args.num_test, sign_slips=args.sign_slips,

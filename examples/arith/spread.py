@@ -1,0 +1,131 @@
+"""The main job at several seeds and thread counts: every stage's held-out accuracy, and RL's gain.
+
+    .venv/bin/python examples/arith/spread.py --seeds 0 1 2 --threads 1 2
+
+A machine's math libraries sum in an order set by its thread count, so the same seeds end training
+apart on different machines; this runs the whole job (examples/arith/pipeline.yaml) under each
+(seed, threads) to see how far apart. Run (S, T) lives in runs/arith-spread/seed<S>-threads<T>:
+its tiny model initialised from seed S, every stage seeded S, the main job's data. T is the torch
+thread count of every training rank: with T=1 pretraining and SFT run on two ranks of one thread
+(the main job's layout on two cores), with T=2 on one rank of two threads (the same batches, reduced
+in another order); the RL rank and its engine take T threads. A finished run is skipped, so the
+command resumes where it stopped; `--report` tables the finished runs alone. The table goes to
+runs/arith-spread/spread.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+EXAMPLE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, EXAMPLE)
+from prepare import prepare  # noqa: E402
+
+from rlsys.models.tiny import TinyModelSpec  # noqa: E402
+
+STAGES = ("pretrain", "sft", "rlvr")
+
+
+def run_config(out: str, data: str, seed: int, threads: int) -> dict:
+    """examples/arith/pipeline.yaml with run (seed, threads)'s model, seeds and layout."""
+    with open(os.path.join(EXAMPLE, "pipeline.yaml")) as f:
+        pipeline = yaml.safe_load(f)
+    layout = {"pretrain": [f"parallel.dp_shard={3 - threads}"], "sft": [f"parallel.dp_shard={3 - threads}"],
+              "rlvr": [f"ray.cpus_per_worker={threads}"], "eval": []}
+    for spec in pipeline["stages"]:
+        config = spec["config"]
+        spec["overrides"] = [
+            *([f"seed={seed}"] if spec["stage"] != "eval" else []),
+            *layout[spec["stage"]],
+            *_data_overrides(config, data),
+        ]
+    pipeline["output_dir"] = out
+    pipeline["stages"][0]["overrides"].append(f"model.path={out}/tiny-init")
+    return pipeline
+
+
+def _data_overrides(config: str, data: str) -> list[str]:
+    """The stage's data files and test split, read from `data` in place of runs/arith/data."""
+    with open(config) as f:
+        stage = yaml.safe_load(f)
+    moved = []
+    for key in ("data.train_files", "eval.files"):
+        section, name = key.split(".")
+        files = (stage.get(section) or {}).get(name)
+        if files:
+            moved.append(f"{key}=[{','.join(os.path.join(data, os.path.basename(p)) for p in files)}]")
+    return moved
+
+
+def run(out: str, data: str, seed: int, threads: int) -> None:
+    """Run (seed, threads) of the whole job, unless it finished."""
+    if finished(out) is not None:
+        return
+    prepare(out, TinyModelSpec(seed=seed), data_dir=data)
+    config = os.path.join(out, "pipeline.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump(run_config(out, data, seed, threads), f, sort_keys=False)
+    subprocess.run([sys.executable, "-m", "rlsys.run", "pipeline", "--config", config], check=True)
+
+
+def finished(out: str) -> dict | None:
+    """The pipeline summary of a finished run, else None."""
+    summary = os.path.join(out, "summary.json")
+    if not os.path.isfile(summary):
+        return None
+    with open(summary) as f:
+        return json.load(f)
+
+
+def row(seed: int, threads: int, summary: dict) -> dict:
+    stages = {s["name"]: s for s in summary["stages"]}
+    rl = stages["rlvr"]
+    return {"seed": seed, "threads": threads,
+            **{name: stages[name]["accuracy_after"] for name in STAGES},
+            "gain": rl["accuracy_after"] - rl["accuracy_before"],
+            **{f"{name}_s": stages[name]["time_s"] for name in STAGES},
+            "total_s": sum(stage["time_s"] for stage in stages.values())}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| seed | threads | pretrain | sft | rlvr | RL's gain | pretrain s | sft s | rlvr s | stages s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {r['threads']} | {r['pretrain']:.1%} | {r['sft']:.1%} | {r['rlvr']:.1%} | "
+                     f"{r['gain'] * 100:+.1f} pt | {r['pretrain_s']:.0f} | {r['sft_s']:.0f} | {r['rlvr_s']:.0f} | "
+                     f"{r['total_s']:.0f} |")
+    spans = [f"{key}: {min(r[key] for r in rows):.1%} to {max(r[key] for r in rows):.1%}" for key in ("sft", "rlvr")]
+    gains = [r["gain"] * 100 for r in rows]
+    return "\n".join([*lines, "", f"Ranges over {len(rows)} runs: {'; '.join(spans)}; "
+                      f"RL's gain {min(gains):+.1f} to {max(gains):+.1f} pt."])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    parser.add_argument("--out", default="runs/arith-spread")
+    parser.add_argument("--report", action="store_true", help="table the finished runs only, running none")
+    args = parser.parse_args()
+    data = os.path.join(args.out, "data")
+    grid = [(seed, threads, os.path.join(args.out, f"seed{seed}-threads{threads}"))
+            for seed in args.seeds for threads in args.threads]
+    for seed, threads, out in grid if not args.report else ():
+        run(out, data, seed, threads)
+    rows = [row(seed, threads, summary) for seed, threads, out in grid if (summary := finished(out)) is not None]
+    if not rows:
+        sys.exit(f"no finished run under {args.out}")
+    text = table(rows)
+    with open(os.path.join(args.out, "spread.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

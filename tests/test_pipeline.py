@@ -160,8 +160,8 @@ def test_pipeline_refuses_a_finished_stage_with_a_changed_config(pipeline_file, 
 @pytest.mark.quick
 def test_a_stage_finished_before_a_config_key_was_added_stays_finished(pipeline_file):
     """A finished stage's recorded config is read by today's schema: keys added since (here a reward
-    term's model settings and algorithm.distill) take their defaults and change nothing; a value
-    that differs still does."""
+    term's model settings and algorithm.distill) take their defaults and change nothing, nor does
+    where its metrics went (`tracking`); a value that differs still does."""
     from rlsys.stages.run_dir import prepare_run_dir, write_summary
 
     pipeline = build_config(PipelineConfig, yaml.safe_load(open(pipeline_file)))
@@ -174,6 +174,7 @@ def test_a_stage_finished_before_a_config_key_was_added_stays_finished(pipeline_
     for key in ("model", "judge", "normalize", "serving"):
         del recorded["reward"]["terms"][0][key]
     del recorded["algorithm"]["distill"]
+    recorded["tracking"].update(wandb_mode="offline", backends=["console"])
     yaml.safe_dump(recorded, open(path, "w"))
     assert finished_summary(2, spec, job) == {"stage": "rlvr"}
 

@@ -187,7 +187,8 @@ def straight_rl(ray_cluster, tiny_model_dir, arith_files, tmp_path_factory):
     """4 uninterrupted steps, checkpointing at steps 2 and 4, with KL in the loss and in the reward."""
     out = str(tmp_path_factory.mktemp("rl_straight") / "run")
     raw = rl_raw(tiny_model_dir, arith_files, out)
-    raw["tracking"]["backends"] = ["jsonl", "wandb", "tensorboard", "mlflow", "ray"]
+    raw["tracking"].update(backends=["jsonl", "wandb", "tensorboard", "mlflow", "ray"], tags=["grpo", "tiny"],
+                           group="tests", wandb_mode="offline")
     # the KL penalty in the reward too, with an adaptive coefficient (driver state a resume restores)
     raw["algorithm"].update(use_kl_in_reward=True, kl_ctrl={"type": "adaptive", "kl_coef": 0.05, "horizon": 32})
     cfg = build_config(RLJobConfig, raw)
@@ -222,14 +223,14 @@ def test_rlvr_logs_every_phase_and_exports(straight_rl):
     assert summary["val_accuracy_before"] == rows[0]["val/accuracy"]
 
 
-def wandb_history(path: str) -> list[set[str]]:
-    """The metric names of each history record in an offline .wandb file (LevelDB log format:
-    32 KiB blocks of records with a 7-byte header; wandb has no Python reader any more)."""
+def wandb_records(path: str) -> list:
+    """The records of an offline .wandb file (LevelDB log format: 32 KiB blocks of records with a
+    7-byte header; wandb has no Python reader any more)."""
     from wandb.proto import wandb_internal_pb2
 
     data = open(path, "rb").read()
     assert data[:4] == b":W&B"
-    pos, pending, history = 7, b"", []
+    pos, pending, records = 7, b"", []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:
             pos += 32768 - pos % 32768
@@ -238,15 +239,20 @@ def wandb_history(path: str) -> list[set[str]]:
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last piece of one
-            record = wandb_internal_pb2.Record.FromString(pending)
-            if record.WhichOneof("record_type") == "history":
-                history.append({item.key or "/".join(item.nested_key) for item in record.history.item})
+            records.append(wandb_internal_pb2.Record.FromString(pending))
             pending = b""
-    return history
+    return records
+
+
+def wandb_history(records: list) -> list[set[str]]:
+    """The metric names of each history record."""
+    return [{item.key or "/".join(item.nested_key) for item in record.history.item}
+            for record in records if record.WhichOneof("record_type") == "history"]
 
 
 def test_trackers_get_the_same_metric_names(straight_rl):
-    """wandb (offline), tensorboard and mlflow hold exactly the metric names of metrics.jsonl."""
+    """wandb (offline), tensorboard and mlflow hold exactly the metric names of metrics.jsonl; the
+    wandb run has the tags, group and resolved config the job set."""
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -254,8 +260,13 @@ def test_trackers_get_the_same_metric_names(straight_rl):
     expected = {name for row in metrics(cfg.output_dir).values() for name, value in row.items()
                 if name != "step" and value is not None}
     [wandb_file] = glob.glob(os.path.join(cfg.output_dir, "wandb", "offline-run-*", "run-*.wandb"))
-    history = wandb_history(wandb_file)
+    records = wandb_records(wandb_file)
+    history = wandb_history(records)
     assert len(history) == cfg.train.steps + 1
+    [run] = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+    assert list(run.tags) == ["grpo", "tiny"] and run.run_group == "tests"
+    settings = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert settings["algorithm"]["value"]["kl_ctrl"]["horizon"] == 32
     assert set().union(*history) - {"_step", "_runtime", "_timestamp"} == expected
     events = EventAccumulator(os.path.join(cfg.output_dir, "tensorboard")).Reload()
     assert set(events.Tags()["scalars"]) == expected
@@ -264,6 +275,26 @@ def test_trackers_get_the_same_metric_names(straight_rl):
     client = MlflowClient(f"sqlite:///{os.path.abspath(cfg.output_dir)}/mlflow.db")
     assert set(client.get_run(run_id).data.metrics) == expected
     assert len(client.get_metric_history(run_id, "reward/mean")) == cfg.train.steps
+
+
+@pytest.mark.quick
+def test_wandb_goes_online_only_with_an_api_key_unless_told(tmp_path):
+    """tracking.wandb_mode auto: WANDB_MODE when set; else online with WANDB_API_KEY or `wandb login`'s
+    netrc entry for the wandb host (WANDB_BASE_URL's), offline without."""
+    from rlsys.tracking.tracker import wandb_mode
+
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
+    netrc_file.chmod(0o600)
+    home = {"HOME": str(tmp_path / "nobody")}
+    assert wandb_mode("auto", home) == "offline"
+    assert wandb_mode("auto", home | {"WANDB_API_KEY": "0123"}) == "online"
+    assert wandb_mode("auto", home | {"NETRC": str(netrc_file)}) == "online"
+    assert wandb_mode("auto", home | {"NETRC": str(netrc_file), "WANDB_BASE_URL": "https://wandb.example.com"}) == \
+        "offline"
+    assert wandb_mode("auto", home | {"WANDB_API_KEY": "0123", "WANDB_MODE": "disabled"}) == "disabled"
+    assert wandb_mode("offline", home | {"WANDB_API_KEY": "0123"}) == "offline"
+    assert wandb_mode("online", home) == "online"
 
 
 def test_rlvr_writes_a_report(straight_rl):

@@ -112,7 +112,14 @@ class TrackingConfig:
     """wandb project / mlflow experiment name."""
     run_name: str = ""
     """Run name for wandb/tensorboard (default: the output directory's name)."""
-    wandb_mode: Literal["offline", "online"] = "offline"
-    """wandb mode; offline runs can be synced later with `wandb sync`."""
+    wandb_mode: Literal["auto", "offline", "online"] = "auto"
+    """auto: WANDB_MODE when set, else online when wandb has an API key (WANDB_API_KEY, or `wandb login`'s
+    entry in ~/.netrc) and offline without one; offline runs can be synced later with `wandb sync`."""
+    entity: str = ""
+    """wandb entity (team or user) the run goes to (default: the API key's own)."""
+    tags: list[str] = Field(default_factory=list)
+    """wandb tags of the run."""
+    group: str = ""
+    """wandb group the run belongs to (e.g. the runs of one sweep or one pipeline)."""
     mlflow_uri: str = ""
     """mlflow tracking URI (default: a local SQLite store, output_dir/mlflow.db)."""

@@ -2,7 +2,7 @@
 
 Every stage's config is loaded and validated before the first one starts. A
 stage whose summary.json exists is finished: a re-run skips it (provided its
-recorded config still matches) and an interrupted stage resumes from its own
+recorded config still matches, `tracking` aside) and an interrupted stage resumes from its own
 checkpoints. The end prints a table of each stage's accuracy before and after
 and its time, and writes it with a report page to the pipeline's output_dir.
 """
@@ -142,7 +142,7 @@ def finished_summary(index: int, spec: PipelineStage, job) -> dict | None:
     with open(os.path.join(job.output_dir, CONFIG_FILE)) as f:
         recorded = _in_current_schema(type(job), yaml.safe_load(f))
     resolve_models(job)  # the stage recorded its models' snapshots, not the Hub ids
-    difference = _first_difference(recorded, _plain(job))
+    difference = _first_difference(_what_it_computes(recorded), _what_it_computes(_plain(job)))
     if difference:
         raise ConfigError(f"stages[{index}] ({spec.name}): finished in {job.output_dir} with a different config "
                           f"({difference}); delete that directory to run the stage again")
@@ -158,6 +158,11 @@ def _in_current_schema(job_type: type, recorded: dict) -> dict:
         return _plain(build_config(job_type, recorded))
     except ConfigError:
         return recorded
+
+
+def _what_it_computes(config: dict) -> dict:
+    """A stage's config less `tracking`: where its metrics went changes none of its results."""
+    return {key: value for key, value in config.items() if key != "tracking"}
 
 
 def _plain(job) -> dict:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import netrc
 import os
 import re
 import sys
 import time
+import urllib.parse
+from collections.abc import Mapping
 from typing import Any
 
 from tqdm import tqdm
@@ -99,10 +102,13 @@ def _bar_width() -> dict:
 
 
 class WandbBackend:
+    """A wandb run holding the resolved config, named, tagged and grouped as `tracking` says."""
+
     def __init__(self, cfg: TrackingConfig, run_name: str, output_dir: str, config: dict):
         import wandb
 
-        self._run = wandb.init(project=cfg.project, name=run_name, dir=output_dir, mode=cfg.wandb_mode,
+        self._run = wandb.init(project=cfg.project, entity=cfg.entity or None, name=run_name, group=cfg.group or None,
+                               tags=cfg.tags or None, dir=output_dir, mode=wandb_mode(cfg.wandb_mode),
                                config=config, resume="allow", id=_stable_id(output_dir))
 
     def log(self, step: int, metrics: Metrics) -> None:
@@ -110,6 +116,26 @@ class WandbBackend:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def wandb_mode(mode: str, environ: Mapping[str, str] = os.environ) -> str:
+    """`tracking.wandb_mode` resolved: auto is WANDB_MODE when set, else online when wandb has an API key
+    (WANDB_API_KEY, or the entry `wandb login` wrote to the netrc file for WANDB_BASE_URL's host)."""
+    if mode != "auto":
+        return mode
+    if environ.get("WANDB_MODE"):
+        return environ["WANDB_MODE"]
+    return "online" if environ.get("WANDB_API_KEY") or _netrc_has_key(environ) else "offline"
+
+
+def _netrc_has_key(environ: Mapping[str, str]) -> bool:
+    host = urllib.parse.urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = environ.get("NETRC") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 class TensorboardBackend:

@@ -8,7 +8,9 @@ apart on different machines; this runs the whole job (examples/arith/pipeline.ya
 its tiny model initialised from seed S, every stage seeded S, the main job's data. T is the torch
 thread count of every training rank: with T=1 pretraining and SFT run on two ranks of one thread
 (the main job's layout on two cores), with T=2 on one rank of two threads (the same batches, reduced
-in another order); the RL rank and its engine take T threads. A finished run is skipped, so the
+in another order); the RL rank and its engine take T threads. Pretraining's own eval asks in the
+chat format it has not learned yet, so the table gives the pretrained model's accuracy on the test
+problems as raw text (`12+7=`) instead. A finished run is skipped, so the
 command resumes where it stopped; `--report` tables the finished runs alone. The table goes to
 runs/arith-spread/spread.md.
 """
@@ -83,10 +85,30 @@ def finished(out: str) -> dict | None:
         return json.load(f)
 
 
-def row(seed: int, threads: int, summary: dict) -> dict:
+def raw_text_accuracy(model_dir: str, test_file: str) -> float:
+    """Held-out accuracy of a pretrained model on the problems as pretraining wrote them (`12+7=`, no chat
+    turn: what the stage's own chat-format eval cannot see), greedy, up to the end of the line."""
+    import pandas as pd
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = pd.read_parquet(test_file)
+    right = 0
+    for prompt, reward_model in zip(rows["prompt"], rows["reward_model"]):
+        ids = tokenizer("\n" + prompt[0]["content"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        right += tokenizer.decode(out[0, ids.shape[1]:]).split("\n")[0].strip() == reward_model["ground_truth"]
+    return right / len(rows)
+
+
+def row(seed: int, threads: int, out: str, data: str, summary: dict) -> dict:
     stages = {s["name"]: s for s in summary["stages"]}
     rl = stages["rlvr"]
     return {"seed": seed, "threads": threads,
+            "raw": raw_text_accuracy(os.path.join(out, "pretrain", "hf_model"), os.path.join(data, "test.parquet")),
             **{name: stages[name]["accuracy_after"] for name in STAGES},
             "gain": rl["accuracy_after"] - rl["accuracy_before"],
             **{f"{name}_s": stages[name]["time_s"] for name in STAGES},
@@ -94,13 +116,14 @@ def row(seed: int, threads: int, summary: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| seed | threads | pretrain | sft | rlvr | RL's gain | pretrain s | sft s | rlvr s | stages s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| seed | threads | pretrain (raw text) | sft | rlvr | RL's gain | pretrain s | sft s | rlvr s "
+             "| stages s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['threads']} | {r['pretrain']:.1%} | {r['sft']:.1%} | {r['rlvr']:.1%} | "
+        lines.append(f"| {r['seed']} | {r['threads']} | {r['raw']:.1%} | {r['sft']:.1%} | {r['rlvr']:.1%} | "
                      f"{r['gain'] * 100:+.1f} pt | {r['pretrain_s']:.0f} | {r['sft_s']:.0f} | {r['rlvr_s']:.0f} | "
                      f"{r['total_s']:.0f} |")
-    spans = [f"{key}: {min(r[key] for r in rows):.1%} to {max(r[key] for r in rows):.1%}" for key in ("sft", "rlvr")]
+    spans = [f"{label}: {min(r[key] for r in rows):.1%} to {max(r[key] for r in rows):.1%}"
+             for key, label in (("raw", "pretrain (raw text)"), ("sft", "sft"), ("rlvr", "rlvr"))]
     gains = [r["gain"] * 100 for r in rows]
     return "\n".join([*lines, "", f"Ranges over {len(rows)} runs: {'; '.join(spans)}; "
                       f"RL's gain {min(gains):+.1f} to {max(gains):+.1f} pt."])
@@ -118,7 +141,8 @@ def main() -> None:
             for seed in args.seeds for threads in args.threads]
     for seed, threads, out in grid if not args.report else ():
         run(out, data, seed, threads)
-    rows = [row(seed, threads, summary) for seed, threads, out in grid if (summary := finished(out)) is not None]
+    rows = [row(seed, threads, out, data, summary) for seed, threads, out in grid
+            if (summary := finished(out)) is not None]
     if not rows:
         sys.exit(f"no finished run under {args.out}")
     text = table(rows)

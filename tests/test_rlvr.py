@@ -266,7 +266,7 @@ def test_trackers_get_the_same_metric_names(straight_rl):
     [run] = [record.run for record in records if record.WhichOneof("record_type") == "run"]
     assert list(run.tags) == ["grpo", "tiny"] and run.run_group == "tests"
     settings = {item.key: json.loads(item.value_json) for item in run.config.update}
-    assert settings["algorithm"]["value"]["kl_ctrl"]["horizon"] == 32
+    assert settings["algorithm"]["kl_ctrl"]["horizon"] == 32
     assert set().union(*history) - {"_step", "_runtime", "_timestamp"} == expected
     events = EventAccumulator(os.path.join(cfg.output_dir, "tensorboard")).Reload()
     assert set(events.Tags()["scalars"]) == expected

@@ -70,8 +70,7 @@ def keep_actors(enabled: bool) -> None:
 
 def take(role: str, key: tuple) -> tuple[Any, list] | None:
     """The kept `role` set's placement and actors (index order) when it was kept under `key` on this
-    Ray job; else None, having retired every kept set if this role's did not match (a group that then
-    places itself retires the others first: their bundles hold what it needs)."""
+    Ray job; else None, having retired every kept set if this role's did not match."""
     kept = _kept.pop(role, None)
     if kept is not None and kept.key == key and kept.job == _job():
         return kept.placement, kept.actors
@@ -98,6 +97,14 @@ def hand_back(role: str, key: tuple, placement: Any, free: Callable[[], None], a
         _kill(_kept.pop(role))
     _kept[role] = _Kept(key, _job(), placement, free, actors, names)
     return True
+
+
+def make_room(resources: dict[str, float]) -> None:
+    """Retire every kept set unless the cluster has `resources` free beside them (a group about to place
+    itself: an eval's kept engine may hold the CPUs its ranks need)."""
+    free = ray.available_resources() if ray.is_initialized() else {}
+    if _kept and any(free.get(name, 0.0) < amount for name, amount in resources.items()):
+        retire()
 
 
 def retire() -> None:

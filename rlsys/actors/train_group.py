@@ -43,7 +43,7 @@ class TrainGroup(ActorGroup):
                 self.wait([actor.reuse.remote(rank, spec, log_file_of(name))
                            for rank, (actor, name) in enumerate(zip(self.actors, self.names))])
             else:
-                kept_actors.retire()  # actors kept idle for another group (an eval's engine) hold CPUs these need
+                kept_actors.make_room({name: amount * world_size for name, amount in bundle.items()})
                 self.placement = place_ranks(world_size, bundle)
                 actor_cls = ray.remote(TrainWorker)
                 self.actors = [

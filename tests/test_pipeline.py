@@ -220,18 +220,13 @@ def test_bad_pipeline_configs_name_the_key(change, message, tmp_path):
     assert message in str(err.value)
 
 
-def _arith_example(module: str):
-    spec = importlib.util.spec_from_file_location(module, os.path.join(EXAMPLES, "arith", f"{module}.py"))
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
-
-
 @pytest.mark.quick
 def test_the_main_job_reads_what_its_prepare_writes_and_the_spread_reruns_it_per_seed_and_layout(tmp_path):
     """Every file the main job's stages read is one examples/arith/prepare.py writes (SFT's the careless
     teacher's); examples/arith/spread.py runs the same stages with its seed, layout and data."""
-    spread = _arith_example("spread")
+    loader = importlib.util.spec_from_file_location("spread", os.path.join(EXAMPLES, "arith", "spread.py"))
+    spread = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(spread)
     out, data = str(tmp_path / "runs" / "arith"), str(tmp_path / "data")
     spread.prepare(out, data_dir=data)
     jobs = plan_jobs(build_config(PipelineConfig, spread.run_config(out, data, seed=2, threads=2)))
@@ -246,5 +241,6 @@ def test_the_main_job_reads_what_its_prepare_writes_and_the_spread_reruns_it_per
     one_thread = plan_jobs(build_config(PipelineConfig, spread.run_config(out, data, seed=0, threads=1)))
     assert [one_thread[0].parallel.dp_shard, one_thread[1].parallel.dp_shard, one_thread[2].ray.cpus_per_worker] == \
         [2, 2, 1]
-    main_job = plan_jobs(build_config(PipelineConfig, yaml.safe_load(open(os.path.join(EXAMPLES, "arith", "pipeline.yaml")))))
+    with open(os.path.join(EXAMPLES, "arith", "pipeline.yaml")) as f:
+        main_job = plan_jobs(build_config(PipelineConfig, yaml.safe_load(f)))
     assert [os.path.basename(path) for path in main_job[1].data.train_files] == ["sft_careless.jsonl"]

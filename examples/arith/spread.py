@@ -32,14 +32,16 @@ from prepare import prepare  # noqa: E402
 from rlsys.models.tiny import TinyModelSpec  # noqa: E402
 
 STAGES = ("pretrain", "sft", "rlvr")
+CORES = 2
+"""The main job's machine: pretraining and SFT take T-thread ranks, as many as fill it."""
 
 
 def run_config(out: str, data: str, seed: int, threads: int) -> dict:
     """examples/arith/pipeline.yaml with run (seed, threads)'s model, seeds and layout."""
     with open(os.path.join(EXAMPLE, "pipeline.yaml")) as f:
         pipeline = yaml.safe_load(f)
-    layout = {"pretrain": [f"parallel.dp_shard={3 - threads}"], "sft": [f"parallel.dp_shard={3 - threads}"],
-              "rlvr": [f"ray.cpus_per_worker={threads}"], "eval": []}
+    ranks = f"parallel.dp_shard={CORES // threads}"
+    layout = {"pretrain": [ranks], "sft": [ranks], "rlvr": [f"ray.cpus_per_worker={threads}"], "eval": []}
     for spec in pipeline["stages"]:
         config = spec["config"]
         spec["overrides"] = [

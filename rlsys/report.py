@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from rlsys.tracking.tracker import flatten
+from rlsys.tracking.tracker import SAMPLES_FILE, flatten, sample_table
 
 REPORT_PNG = "report.png"
 REPORT_HTML = "report.html"
@@ -57,6 +57,9 @@ def write_report(run_dir: str) -> str:
         body.append(_image(png))
     if rows:
         body += ["<h2>last values</h2>", _table({k: v for k, v in rows[-1].items()})]
+    if samples := last_samples(run_dir):
+        columns, data = sample_table(samples)
+        body += [f"<h2>samples at step {samples[0]['step']}</h2>", _grid(columns, data)]
     return _write_html(os.path.join(run_dir, REPORT_HTML), "rlsys run report", body)
 
 
@@ -127,6 +130,23 @@ def _last_per_step(rows: list[dict]) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def last_samples(run_dir: str) -> list[dict]:
+    """The responses samples.jsonl holds for the last step it logged (none without the file)."""
+    path = os.path.join(run_dir, SAMPLES_FILE)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r["step"] == records[-1]["step"]] if records else []
+
+
+def _grid(columns: list[str], data: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(_format(cell))}</td>" for cell in row) + "</tr>"
+                   for row in data)
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
 def _format(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -152,7 +172,7 @@ def _image(png: str) -> str:
 
 def _write_html(path: str, title: str, body: list[str]) -> str:
     style = ("body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:1em 0}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}img{max-width:100%}")
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;white-space:pre-wrap}img{max-width:100%}")
     with open(path, "w") as f:
         f.write(f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
                 f"</head><body>{''.join(body)}</body></html>\n")

@@ -30,6 +30,7 @@ from rlsys.sync.weight_sync import WeightSync, _gpus_unseen, _Host, plan_buckets
 pytestmark = pytest.mark.xdist_group("rlvr")
 
 FLAKY = os.path.join(os.path.dirname(__file__), "assets", "flaky_reward.py")
+MARKER = os.path.join(os.path.dirname(__file__), "assets", "marker_reward.py")
 COIN = os.path.join(os.path.dirname(__file__), "assets", "coin_reward.py")
 
 
@@ -267,7 +268,8 @@ def test_trackers_get_the_same_metric_names(straight_rl):
     assert list(run.tags) == ["grpo", "tiny"] and run.run_group == "tests"
     settings = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert settings["algorithm"]["kl_ctrl"]["horizon"] == 32
-    assert set().union(*history) - {"_step", "_runtime", "_timestamp"} == expected
+    names = {name for name in set().union(*history) if not name.startswith("samples/")}  # the Table's fields
+    assert names - {"_step", "_runtime", "_timestamp"} == expected
     events = EventAccumulator(os.path.join(cfg.output_dir, "tensorboard")).Reload()
     assert set(events.Tags()["scalars"]) == expected
     with open(os.path.join(cfg.output_dir, "mlflow_run_id")) as f:
@@ -275,6 +277,65 @@ def test_trackers_get_the_same_metric_names(straight_rl):
     client = MlflowClient(f"sqlite:///{os.path.abspath(cfg.output_dir)}/mlflow.db")
     assert set(client.get_run(run_id).data.metrics) == expected
     assert len(client.get_metric_history(run_id, "reward/mean")) == cfg.train.steps
+
+
+def test_what_the_model_said_reaches_every_tracker_with_its_terms(straight_rl):
+    """At each validation step (2 and 4) the step's first 8 responses, each with its prompt, its reward as
+    the sum of its weighted terms and its group's advantage, go to samples.jsonl, a wandb Table,
+    TensorBoard's text, an mlflow table and the report."""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _ = straight_rl
+    with open(os.path.join(cfg.output_dir, "samples.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [2] * 8 + [4] * 8
+    for r in records:
+        assert r["prompt"].startswith("<|user|>") and 1 <= r["length"] <= cfg.rollout.max_new_tokens
+        assert r["reward"] == pytest.approx(r["terms"]["arith"] + 0.5 * r["terms"]["flaky_reward.compute_score"])
+    for start in range(0, len(records), cfg.rollout.n):  # the first two groups of each step, whole
+        group = records[start:start + cfg.rollout.n]
+        assert len({r["group"] for r in group}) == 1
+        best, worst = max(group, key=lambda r: r["reward"]), min(group, key=lambda r: r["reward"])
+        if best["reward"] > worst["reward"]:
+            assert best["advantage"] > 0 > worst["advantage"]
+    [table_dir] = glob.glob(os.path.join(cfg.output_dir, "wandb", "offline-run-*", "files", "media", "table"))
+    tables = [json.load(open(os.path.join(table_dir, name))) for name in sorted(os.listdir(table_dir))]
+    assert [len(t["data"]) for t in tables] == [8, 8] and {"prompt", "response", "reward/arith"} <= set(
+        tables[0]["columns"])
+    events = EventAccumulator(os.path.join(cfg.output_dir, "tensorboard")).Reload()
+    assert [event.step for event in events.Tensors("samples/text_summary")] == [2, 4]
+    with open(os.path.join(cfg.output_dir, "mlflow_run_id")) as f:
+        run_id = f.read()
+    client = MlflowClient(f"sqlite:///{os.path.abspath(cfg.output_dir)}/mlflow.db")
+    assert [a.path for a in client.list_artifacts(run_id, "samples")] == ["samples/step_000002.json",
+                                                                          "samples/step_000004.json"]
+    with open(os.path.join(cfg.output_dir, "report.html")) as f:
+        assert "samples at step 4" in f.read()
+
+
+def test_a_reward_hack_shows_in_the_samples(ray_cluster, tiny_model_dir, arith_files, tmp_path):
+    """A reward term that pays for a marker (a digit anywhere in the response) beside the verifier: GRPO
+    learns to write digits, and samples.jsonl shows the hack: the marker term paying on exactly the
+    responses that hold a digit, and more responses it pays while the verifier pays nothing at the last
+    step than at the first."""
+    raw = rl_raw(tiny_model_dir, arith_files, str(tmp_path / "run"))
+    raw["reward"]["terms"] = [{"name": "arith"}, {"path": MARKER}]
+    raw["algorithm"] = {"kl_coef": 0.0}
+    raw["optim"]["lr"] = 1e-2
+    raw["train"].update(steps=4, save_every=0, val_every=0)
+    raw["tracking"].update(log_samples_every=1, samples_per_log=32)
+    raw.pop("eval")
+    run_rlvr(build_config(RLJobConfig, raw))
+    with open(os.path.join(raw["output_dir"], "samples.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 4 * 32
+    marker = "marker_reward.compute_score"
+    for r in records:
+        assert r["terms"][marker] == any(c.isdigit() for c in r["scored_text"])
+    hacks = [sum(r["terms"][marker] == 1 and r["terms"]["arith"] == 0 for r in records if r["step"] == step)
+             for step in range(1, 5)]
+    assert hacks[-1] > hacks[0], hacks
 
 
 @pytest.mark.quick

@@ -123,3 +123,9 @@ class TrackingConfig:
     """wandb group the run belongs to (e.g. the runs of one sweep or one pipeline)."""
     mlflow_uri: str = ""
     """mlflow tracking URI (default: a local SQLite store, output_dir/mlflow.db)."""
+    log_samples_every: int = Field(default=-1, ge=-1)
+    """RL: write what the model said (prompt, response, reward and each term, advantage, length, turns) every
+    N steps to samples.jsonl, a wandb Table, TensorBoard text and an mlflow table; -1: at each validation step
+    (`train.val_every` and the last step), 0: never. TRL's `log_completions`, VeRL's `rollout_data_dir`."""
+    samples_per_log: int = Field(default=8, gt=0)
+    """RL: how many of the step's responses are written, its first prompts' groups in order."""

@@ -143,6 +143,9 @@ class LMSession:
         set_phase(f"{self.stage} step {step}: validate")
         return score_pairs(self.group, self.held_out, self.cfg.train.global_batch_size, self.pad_id)
 
+    def samples(self) -> list[dict]:
+        return []
+
     def save(self, step: int) -> None:
         save_training_state(self.checkpoints, step, self.group, self.sampler)
 

@@ -59,6 +59,7 @@ from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save
 from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_logprobs import SUM_PI_SQUARED, LogprobPasses, is_weights
 from rlsys.stages.rl_metrics import agent_metrics, async_metrics, dropped_metrics, mismatch, sample_metrics
+from rlsys.stages.rl_samples import sample_records, samples_due
 from rlsys.stages.rl_setup import (
     RLData,
     colocated_engines,
@@ -105,6 +106,8 @@ class RLVRTrainer:
         """Dead rollout engines, reward workers and served-model engines replaced so far, and the bound."""
         self.policy_version = 0
         """The step whose update the training group's weights hold (what a replaced engine is given)."""
+        self.samples: list[dict] = []
+        """The last step's responses as rows for the trackers, when it was due to write them."""
         self.reward_pool = RewardPool(cfg.reward, replacements=self.replacements)
         try:
             self.tools = self.agents.start_tools()
@@ -205,6 +208,9 @@ class RLVRTrainer:
             batch["advantages"] = batch["advantages"] - distill.coef * distill_kl
         if self.with_critic:
             _, batch["returns"] = gae_advantages_and_returns(inputs, cfg.algorithm.gamma, cfg.algorithm.lam)
+        self.samples = sample_records(episodes, groups, scored, rewards, batch["advantages"], batch["loss_mask"],
+                                      episode_of, self.tokenizer, cfg.tracking.samples_per_log) \
+            if samples_due(cfg, step) else []
         with timer("update"):
             update_metrics, sampler_logprobs = self._update(batch, train_actor=step > cfg.critic.warmup_steps)
         update_metrics.update(self.train_group.gpu_memory_peaks())  # the log-prob passes' and the update's
@@ -475,6 +481,9 @@ class RLSession:
             metrics.update(self.trainer.validate(step))
         self.trainer.end_step(step)
         return metrics
+
+    def samples(self) -> list[dict]:
+        return self.trainer.samples
 
     def save(self, step: int) -> None:
         self.trainer.save(step)

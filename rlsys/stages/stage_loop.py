@@ -31,6 +31,9 @@ class StageSession(Protocol):
     def step(self, step: int) -> dict[str, float]:
         """Run one step; its metrics."""
 
+    def samples(self) -> list[dict]:
+        """What the model said at the last step, as rows for the trackers (`tracking.log_samples_every`)."""
+
     def save(self, step: int) -> None:
         """Write a checkpoint of this step."""
 
@@ -95,6 +98,8 @@ def _steps(cfg: TrainJobConfig | RLJobConfig, stage: str, session: StageSession,
         for step in range(run.start_step + 1, train.steps + 1):
             run.last = {**session.step(step), "restarts": run.restarts}
             tracker.log(step, run.last)
+            if records := session.samples():
+                tracker.log_samples(step, records)
             if save_due(step, train.steps, train.save_every):
                 set_phase(f"{stage} step {step}: checkpoint")
                 session.save(step)

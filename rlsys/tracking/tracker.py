@@ -1,8 +1,11 @@
-"""Per-step metrics to every configured backend under the same names.
+"""Per-step metrics to every configured backend under the same names, and what the model said.
 
 metrics.jsonl always gets one JSON object per step, with `step`; console,
 wandb, tensorboard, mlflow and Ray's metrics (for the dashboard and
-Prometheus) are chosen in `tracking.backends`.
+Prometheus) are chosen in `tracking.backends`. A step's samples (RL's
+responses, `tracking.log_samples_every`) go to samples.jsonl, one object a
+response, and to each backend with tables: a wandb Table, TensorBoard text,
+an mlflow table artifact.
 """
 
 from __future__ import annotations
@@ -48,31 +51,70 @@ class Tracker:
         for backend in self.backends:
             backend.log(step, finite)
 
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """`records` (`rlsys.stages.rl_samples`) to every backend that keeps text; after the step's `log`."""
+        for backend in self.backends:
+            if hasattr(backend, "log_samples"):
+                backend.log_samples(step, records)
+
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
 
 
 class JsonlBackend:
-    """metrics.jsonl; a resumed run first drops the rows past the step it resumes from, so
-    the file holds one row per step of the run as it went on (a restart's redone steps once)."""
+    """metrics.jsonl, one row a step, and samples.jsonl, one row a logged response (opened at the first)."""
 
     def __init__(self, output_dir: str, start_step: int):
-        path = os.path.join(output_dir, "metrics.jsonl")
-        kept = []
-        if start_step and os.path.isfile(path):
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        with open(path, "w") as f:
-            f.writelines(kept)
-        self._file = open(path, "a")
+        self._output_dir, self._start_step = output_dir, start_step
+        self._metrics = _open_rows(os.path.join(output_dir, "metrics.jsonl"), start_step)
+        self._samples = None
 
     def log(self, step: int, metrics: Metrics) -> None:
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._file.flush()
+        _write_row(self._metrics, {"step": step, **metrics})
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        if self._samples is None:
+            self._samples = _open_rows(os.path.join(self._output_dir, SAMPLES_FILE), self._start_step)
+        for record in records:
+            _write_row(self._samples, {"step": step, **record})
 
     def close(self) -> None:
-        self._file.close()
+        for file in (self._metrics, self._samples):
+            if file is not None:
+                file.close()
+
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def _open_rows(path: str, start_step: int):
+    """A JSON-lines file to append to; a resumed run first drops the rows past the step it resumes from,
+    so the file holds the run as it went on (a restart's redone steps once)."""
+    kept = []
+    if start_step and os.path.isfile(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return open(path, "a")
+
+
+def _write_row(file, row: dict) -> None:
+    file.write(json.dumps(row) + "\n")
+    file.flush()
+
+
+def sample_table(records: list[dict]) -> tuple[list[str], list[list]]:
+    """Records as one table, its columns the records' fields with each reward term `reward/<term>`."""
+    rows = [{**{k: v for k, v in r.items() if k != "terms"}, **{f"reward/{t}": v for t, v in r["terms"].items()}}
+            for r in records]
+    columns = list(dict.fromkeys(name for row in rows for name in row))
+    return columns, [[_cell(row.get(name)) for name in columns] for row in rows]
+
+
+def _cell(value: Any) -> Any:
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
 
 
 class ConsoleBackend:
@@ -114,6 +156,13 @@ class WandbBackend:
     def log(self, step: int, metrics: Metrics) -> None:
         self._run.log(_without_none(metrics), step=step)
 
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        import wandb
+
+        columns, data = sample_table(records)
+        self._run.log({"samples": wandb.Table(columns=["step", *columns], data=[[step, *row] for row in data])},
+                      step=step)
+
     def close(self) -> None:
         self._run.finish()
 
@@ -148,13 +197,20 @@ class TensorboardBackend:
         for name, value in _without_none(metrics).items():
             self._writer.add_scalar(name, value, step)
 
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """A markdown table, which TensorBoard's text tab renders."""
+        columns, data = sample_table(records)
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(_markdown_cell(cell) for cell in row) + " |" for row in data]
+        self._writer.add_text("samples", "\n".join(lines), step)
+
     def close(self) -> None:
         self._writer.close()
 
 
 class MlflowBackend:
-    """A run in `tracking.mlflow_uri` (default: a SQLite store at output_dir/mlflow.db);
-    a resumed run continues the same mlflow run."""
+    """A run in `tracking.mlflow_uri` (default: a SQLite store at output_dir/mlflow.db, artifacts in
+    output_dir/mlartifacts); a resumed run continues the same mlflow run."""
 
     def __init__(self, cfg: TrackingConfig, run_name: str, output_dir: str, config: dict):
         from mlflow import MlflowClient
@@ -167,7 +223,9 @@ class MlflowBackend:
             self._run_id = open(id_file).read().strip()
             return
         experiment = self._client.get_experiment_by_name(cfg.project)
-        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(cfg.project)
+        artifacts = None if cfg.mlflow_uri else f"file://{os.path.abspath(output_dir)}/mlartifacts"
+        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(
+            cfg.project, artifact_location=artifacts)
         self._run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
         params = [Param(key, str(value)[:6000]) for key, value in flatten(config).items()]
         self._client.log_batch(self._run_id, params=params)
@@ -180,6 +238,11 @@ class MlflowBackend:
         stamp = _now_ms()
         self._client.log_batch(self._run_id, metrics=[Metric(name, value, stamp, step)
                                                       for name, value in _without_none(metrics).items()])
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        columns, data = sample_table(records)
+        self._client.log_table(self._run_id, {name: [row[i] for row in data] for i, name in enumerate(columns)},
+                               artifact_file=f"samples/step_{step:06d}.json")
 
     def close(self) -> None:
         self._client.set_terminated(self._run_id)
@@ -210,6 +273,11 @@ class RayMetricsBackend:
 
 def ray_metric_name(name: str) -> str:
     return "rlsys_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def _markdown_cell(cell: Any) -> str:
+    text = f"{cell:.4g}" if isinstance(cell, float) else str(cell)
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "\\n")
 
 
 def _plain(value: Any) -> float | None:

@@ -40,7 +40,7 @@ def setup_console(show_everything: bool) -> None:
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, "rlsys_console", False)]:
         root.removeHandler(handler)
-    console = logging.StreamHandler(sys.stderr)
+    console = _ConsoleHandler(sys.stderr)
     console.setFormatter(logging.Formatter("[rlsys] %(message)s"))
     console.rlsys_console = True
     root.addHandler(console)
@@ -55,6 +55,18 @@ def setup_console(show_everything: bool) -> None:
     for name in ("datasets", "transformers"):  # their records go to the root logger, hence driver.log
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Lines above the progress bar, which tqdm then draws again below them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
 
 
 def attach_run_log(output_dir: str) -> str:

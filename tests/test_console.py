@@ -59,3 +59,19 @@ def test_a_start_up_is_recorded_with_its_cost(tmp_path, monkeypatch):
     assert first["kind"] == "train" and second["kind"] == "rollout" and first["pid"] == os.getpid()
     assert 0.2 <= first["init_cpu_s"] <= first["process_cpu_s"] and first["init_s"] >= 0.2
     assert first["process_s"] >= first["init_s"] and second["init_cpu_s"] < first["init_cpu_s"]
+
+
+def test_a_long_phase_is_heard_from_until_the_next_begins(caplog):
+    """The heartbeat says that a phase goes on, once each period it lasts, and stops with the phase."""
+    import logging
+    import time
+
+    from rlsys.actors.phases import Heartbeat, set_phase
+
+    with caplog.at_level(logging.INFO, logger="rlsys"), Heartbeat(every_s=0.4):
+        set_phase("rlvr step 7: generate")
+        time.sleep(1.0)
+        set_phase("rlvr step 7: reward")
+        time.sleep(0.2)
+    beats = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert [b.split(": still")[0] for b in beats] == ["rlvr step 7: generate"] * 2, beats

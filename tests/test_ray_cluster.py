@@ -173,6 +173,10 @@ def test_job_submit_runs_rlvr_on_the_cluster(submitted, head, hub):
     assert job["status"] == "SUCCEEDED", job
     logs = get(f"{head['dashboard']}/api/jobs/{JOB}/logs", head["token"])["logs"]
     assert "[rlsys] connected to the Ray cluster at" in logs and "started a local Ray" not in logs
+    for line in ("model.path: downloading test-org/tiny from", "model.path: test-org/tiny is",
+                 "training group: starting 2 ranks, each loading its shard of", "training group: 2 ranks ready in",
+                 "rollout: starting 1 vLLM engine of", "rlsys/rollout/0 ready in"):  # no silent minutes
+        assert f"[rlsys] {line}" in logs, line
     rows = [json.loads(line) for line in open(os.path.join(raw["output_dir"], "metrics.jsonl"))]
     assert rows[-1]["step"] == 6
     assert hub[0].downloads[("test-org/tiny", "model.safetensors")] == 1

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -81,13 +82,13 @@ class CallLimit:
 
 
 def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: float | None = None,
-             limit: CallLimit | None = None) -> list:
+             limit: CallLimit | None = None, on_result: Callable[[int], None] | None = None) -> list:
     """`ray.get(refs)`, but a failed call ends the wait early, as a WorkerFailure when a
     worker died or lost its peers. With `straggler_timeout_s`, a call still running that
     long after another call of the same group returned is a hang (a rank stopped after
     its last collective leaves no peer waiting to time out); with `limit`, so is a call still
     running that long after the wait began. `names` (the actor of each call) lets the report
-    name the worker."""
+    name the worker; `on_result` is told the index of each call that returns, as it does."""
     results: dict[int, object] = {}
     errors: list[Exception] = []
     index = {ref: i for i, ref in enumerate(refs)}
@@ -105,6 +106,8 @@ def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: fl
                                     current_phase(), replaceable=True)
             raise WorkerFailure(worker, f"did not answer within {timeout:g} s of its peers", current_phase())
         _collect(done, index, results, errors)
+        if on_result is not None and not errors:
+            on_result(index[done[0]])
     if errors:
         late, _ = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
         _collect(late, index, results, errors)

@@ -10,6 +10,8 @@ the group's `call_limit` is hung, and replaced the same way."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,9 @@ from typing import Any
 from rlsys.actors.cluster import kill_named, shut_down
 from rlsys.actors.failures import CallLimit, WorkerFailure, WorkerReplacements, wait_all
 from rlsys.actors.phases import call
+from rlsys.models.hub import size_text, weights_bytes
+
+log = logging.getLogger(__name__)
 
 
 def contiguous_shares(items: list, parts: int) -> list[list]:
@@ -61,6 +66,17 @@ class ActorGroup:
         self.failed = False
         """A wait of this group has failed (a dead, hung or erring actor)."""
 
+    def start_engines(self, model_path: str) -> None:
+        """Spawn one engine per name (`_spawn`) and wait until each has loaded `model_path`, saying on the
+        console when they start and as each is ready."""
+        count = len(self.names)
+        log.info("%s: starting %d vLLM engine%s of %s (%s)", self.names[0].split("/")[1], count,
+                 "s" if count > 1 else "", model_path, size_text(weights_bytes(model_path)))
+        started = time.perf_counter()
+        self.actors = [self._spawn(i) for i in range(count)]
+        self.wait([actor.__ray_ready__.remote() for actor in self.actors],
+                  on_result=lambda i: log.info("%s ready in %.1f s", self.names[i], time.perf_counter() - started))
+
     def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
         """Start `method` on actor `index`; returns its object ref."""
         return call(getattr(self.actors[index], method), *args, **kwargs)
@@ -73,12 +89,14 @@ class ActorGroup:
         """Start `method` with the same arguments on every actor; returns their object refs."""
         return [self.submit(index, method, *args, **kwargs) for index in range(len(self.actors))]
 
-    def wait(self, refs: list, indices: list[int] | None = None, straggler_timeout_s: float | None = None) -> list:
+    def wait(self, refs: list, indices: list[int] | None = None, straggler_timeout_s: float | None = None,
+             on_result: Callable[[int], None] | None = None) -> list:
         """The results of calls on the actors at `indices` (default: one call per actor, in order);
-        `straggler_timeout_s` replaces the group's for this wait."""
+        `straggler_timeout_s` replaces the group's for this wait; `on_result`: told each call's index
+        as it returns."""
         names = self.names if indices is None else [self.names[i] for i in indices]
         try:
-            return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s, self.call_limit)
+            return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s, self.call_limit, on_result)
         except BaseException:
             self.failed = True
             raise

@@ -56,8 +56,7 @@ class RolloutGroup(ActorGroup):
                 self.wait([engine.reuse.remote(log_file_of(self.names[i]), model_path, cfg, seed + i, *self._args)
                            for i, engine in enumerate(self.actors)])
             else:
-                self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
-                self.wait([engine.__ray_ready__.remote() for engine in self.actors])
+                self.start_engines(model_path)
             self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")  # for calls, not for starting
         except BaseException:
             self.shutdown()

@@ -126,8 +126,7 @@ class ServedModelGroup(ActorGroup):
                 self.wait([actor.reuse.remote(log_file_of(self.names[i]), model_path, cfg, seed + i,
                                               self.placement.threads, pooling) for i, actor in enumerate(self.actors)])
             else:
-                self.actors = [self._spawn(i) for i in range(cfg.num_engines)]
-                self.wait([actor.__ray_ready__.remote() for actor in self.actors])
+                self.start_engines(model_path)
             self.call_limit = CallLimit(cfg.timeout_s, f"{key}.timeout_s")  # for calls, not for starting
         except BaseException:
             self.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 import ray
@@ -17,6 +18,7 @@ from rlsys.actors.group import ActorGroup
 from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
 from rlsys.data.batching import Batch, split_rows
+from rlsys.models.hub import size_text, weights_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class TrainGroup(ActorGroup):
         self.dims = spec.dims
         self.on_gpu = spec.use_gpu
         self.placement = None
+        started = time.perf_counter()
         try:
             kept = kept_actors.take("train", self.shape)
             if kept is not None:
@@ -43,6 +46,8 @@ class TrainGroup(ActorGroup):
                 self.wait([actor.reuse.remote(rank, spec, log_file_of(name))
                            for rank, (actor, name) in enumerate(zip(self.actors, self.names))])
             else:
+                log.info("training group: starting %d ranks, each loading its shard of %s (%s)", world_size,
+                         spec.model.path, size_text(weights_bytes(spec.model.path)))
                 kept_actors.make_room({name: amount * world_size for name, amount in bundle.items()})
                 self.placement = place_ranks(world_size, bundle)
                 actor_cls = ray.remote(TrainWorker)
@@ -57,6 +62,7 @@ class TrainGroup(ActorGroup):
             # seconds before another on a busy machine, so its wait has the rendezvous's limit.
             placement = self.wait(self.submit_all("setup", master_addr, master_port),
                                   straggler_timeout_s=max(spec.collective_timeout_s, RENDEZVOUS_TIMEOUT_S))
+            log.info("training group: %d ranks ready in %.1f s", world_size, time.perf_counter() - started)
             self.dp_ranks = [dp_rank for dp_rank, _ in placement]
             self.collected = sorted((dp_rank, rank) for rank, (dp_rank, collected) in enumerate(placement)
                                     if collected)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 
 from rlsys.config.loader import ConfigError, first_line
 
@@ -48,6 +49,7 @@ def resolve(name: str, key: str) -> str:
 
     repo_id, _, revision = name.partition("@")
     offline = _user_offline()
+    started = time.perf_counter()
     try:
         with _hub_offline(offline):
             reachable = not offline and _announce(repo_id, revision, name, key)
@@ -66,9 +68,25 @@ def resolve(name: str, key: str) -> str:
         raise ConfigError(f"{key}: {name} is not in the Hub cache ({constants.HF_HUB_CACHE}) and {why}") from None
     except (HfHubHTTPError, OSError) as err:
         raise ConfigError(f"{key}: {name}: {first_line(err)}") from None
-    log.info("%s: %s is %s", key, name, path)
+    log.info("%s: %s is %s (%s, %.1f s)", key, name, path, size_text(weights_bytes(path)),
+             time.perf_counter() - started)
     RESOLVED[path] = name
     return path
+
+
+def weights_bytes(path: str) -> int:
+    """The bytes of a model directory's weight files (safetensors, .bin, .pt), what loading it reads."""
+    if not os.path.isdir(path):
+        return 0
+    return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path)
+               if name.endswith((".safetensors", ".bin", ".pt", ".gguf")))
+
+
+def size_text(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
 
 
 def fetch_env() -> dict[str, str]:

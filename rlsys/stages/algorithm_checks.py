@@ -13,6 +13,7 @@ from rlsys.config.loader import ConfigError
 from rlsys.config.rl import AlgorithmConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.models.moe import num_experts
+from rlsys.stages.limits import R3_ON_CPU, not_built
 from rlsys.stages.rl_update import needs_sum_pi_squared
 from rlsys.stages.run_schedule import SCHEDULE_FILE, read_schedule
 
@@ -81,8 +82,8 @@ def check_router_replay(cfg: RLJobConfig, model_config: PretrainedConfig) -> Non
         raise ConfigError("algorithm.router_replay: r2 records the routing in the trainer's old-log-prob pass; "
                           "not with old_logprobs: rollout")
     if algo.router_replay == "r3" and not (cfg.ray.gpus_per_worker or cfg.rollout.gpus_per_engine):
-        raise ConfigError("algorithm.router_replay: r3 needs the rollout engines' routing, which vLLM returns only "
-                          "on a GPU (its CPU model runner does not record it); on CPU use r2")
+        raise not_built(R3_ON_CPU, "algorithm.router_replay: r3 needs the rollout engines' routing, which vLLM "
+                        "returns only on a GPU (its CPU model runner does not record it); on CPU use r2")
     if algo.router_replay == "r3" and cfg.rollout.agent_loop == "openai":
         raise ConfigError("algorithm.router_replay: r3 not with rollout.agent_loop: openai (a harness's calls "
                           "need not continue one sequence, so no engine call routes a whole trajectory); use r2")

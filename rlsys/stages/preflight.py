@@ -28,6 +28,16 @@ from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
 from rlsys.stages.algorithm_checks import check_algorithm, check_algorithm_against_job, check_router_replay
 from rlsys.stages.cluster_defaults import fill_cluster_defaults
+from rlsys.stages.limits import (
+    LORA_ADAPTER_SYNC_ASYNC,
+    LORA_LAYOUTS,
+    LORA_MOE,
+    MODEL_FAMILIES,
+    REWARD_MODEL_LAYOUTS,
+    REWARD_MODEL_LORA,
+    VISION_LANGUAGE,
+    not_built,
+)
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -56,12 +66,16 @@ def check_train_job(cfg: TrainJobConfig, stage: str = "sft") -> None:
 
 def _check_reward_model_job(cfg: TrainJobConfig) -> None:
     """The rm stage: whole preference pairs in every micro-batch, every weight trained, nothing generated."""
+    if cfg.model.lora.rank:
+        raise not_built(REWARD_MODEL_LORA, "model.lora.rank: the rm stage trains every weight of the reward model; "
+                        "no LoRA")
+    if cfg.parallel.pp > 1:
+        raise not_built(REWARD_MODEL_LAYOUTS, "parallel.pp: the rm stage keeps each pair in one micro-batch; not with "
+                        "pipeline parallel yet")
+    if cfg.parallel.cp > 1:
+        raise not_built(REWARD_MODEL_LAYOUTS, "parallel.cp: a sequence's score is its last token's value, on one "
+                        "rank; not with context parallel")
     refusals = {
-        "model.lora.rank": (cfg.model.lora.rank, "the rm stage trains every weight of the reward model; no LoRA"),
-        "parallel.pp": (cfg.parallel.pp > 1, "the rm stage keeps each pair in one micro-batch; not with pipeline "
-                                             "parallel yet"),
-        "parallel.cp": (cfg.parallel.cp > 1, "a sequence's score is its last token's value, on one rank; not with "
-                                             "context parallel"),
         "train.micro_batch_tokens": (cfg.train.micro_batch_tokens, "the rm stage's micro-batches are "
                                                                    "train.micro_batch_size pairs"),
         "eval": (cfg.eval, "the rm stage generates nothing to evaluate; give held-out pairs as data.val_files"),
@@ -87,8 +101,8 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     dims = check_layout(cfg.parallel, model_config)
     check_lora(cfg.model, cfg.parallel, model_config)
     if cfg.model.lora.syncs_adapters and cfg.train.async_mode != "off":
-        raise ConfigError("train.async_mode: the adapter sync runs with async_mode: off; for asynchronous RL "
-                          "with LoRA set model.lora.sync: merged")
+        raise not_built(LORA_ADAPTER_SYNC_ASYNC, "train.async_mode: the adapter sync runs with async_mode: off; "
+                        "for asynchronous RL with LoRA set model.lora.sync: merged")
     _check_files(cfg.data.train_files, "data.train_files")
     if cfg.data.val_files:  # the rm stage's held-out pairs; VeRL's validation split is eval.files here
         raise ConfigError("data.val_files: the rm stage's held-out pairs; an RL run validates on eval.files "
@@ -235,8 +249,8 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
             raise ConfigError(f"model.freeze_vision: {model.path} has no vision tower")
         return
     if config.model_type not in VL_FAMILIES:
-        raise ConfigError(f"model.path: {model.path} is a vision-language model of type {config.model_type!r}; "
-                          f"training is built for {', '.join(VL_FAMILIES)} (docs/vision.md)")
+        raise not_built(MODEL_FAMILIES, f"model.path: {model.path} is a vision-language model of type "
+                        f"{config.model_type!r}; training is built for {', '.join(VL_FAMILIES)} (docs/vision.md)")
     refusals = {
         "stage": stage not in ("sft", "rlvr"), "parallel.pp": parallel.pp > 1, "parallel.cp": parallel.cp > 1,
         "parallel.sequence_parallel": parallel.sequence_parallel,
@@ -249,9 +263,9 @@ def _check_vision_language(config, model: ModelConfig, parallel: ParallelConfig,
         })
     for key, refused in refusals.items():
         if refused:
-            raise ConfigError(f"{key}: not built yet for a vision-language model ({type(config).__name__}): it "
-                              "trains with the sft and rlvr stages on data- and tensor-parallel layouts, in RL "
-                              "with the single_turn or tool loop (docs/vision.md)")
+            raise not_built(VISION_LANGUAGE, f"{key}: not built yet for a vision-language model "
+                            f"({type(config).__name__}): it trains with the sft and rlvr stages on data- and "
+                            "tensor-parallel layouts, in RL with the single_turn or tool loop (docs/vision.md)")
 
 
 def _refuse_random_init(model: ModelConfig) -> None:
@@ -273,8 +287,8 @@ def read_model_config(path: str, key: str):
         raise ConfigError(f"{key}: {path}/config.json cannot be read by transformers: {first_line(err)}") from None
     try:
         moe_family(config)
-    except ValueError as err:
-        raise ConfigError(f"{key}: {err}") from None
+    except ValueError as err:  # an MoE model of another family
+        raise not_built(MODEL_FAMILIES, f"{key}: {err}") from None
     return config
 
 
@@ -302,10 +316,10 @@ def check_lora(model: ModelConfig, parallel: ParallelConfig, model_config: Pretr
         return
     for degree in ("tp", "pp", "ep"):
         if getattr(parallel, degree) > 1:
-            raise ConfigError(f"parallel.{degree}: LoRA adapters (model.lora.rank) train on dp_shard, dp_replicate "
-                              f"and cp layouts; not with parallel.{degree} > 1 yet")
+            raise not_built(LORA_LAYOUTS, f"parallel.{degree}: LoRA adapters (model.lora.rank) train on dp_shard, "
+                            f"dp_replicate and cp layouts; not with parallel.{degree} > 1 yet")
     if moe_family(model_config):
-        raise ConfigError(f"model.lora.rank: LoRA on MoE models ({model_config.model_type}) is not built yet")
+        raise not_built(LORA_MOE, f"model.lora.rank: LoRA on MoE models ({model_config.model_type}) is not built yet")
     import torch
 
     from rlsys.models.lora import inject

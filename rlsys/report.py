@@ -14,12 +14,15 @@ import base64
 import html
 import json
 import os
+import re
 import sys
 
+from rlsys.tracking.trace import TRACE_FILE
 from rlsys.tracking.tracker import SAMPLES_FILE, flatten, sample_table
 
 REPORT_PNG = "report.png"
 REPORT_HTML = "report.html"
+TIMELINE_PNG = "timeline.png"
 
 # (panel title, metric names plotted in it); panels without data are left out.
 PANELS: list[tuple[str, list[str]]] = [
@@ -57,6 +60,9 @@ def write_report(run_dir: str) -> str:
         body.append(_image(png))
     if rows:
         body += ["<h2>last values</h2>", _table({k: v for k, v in rows[-1].items()})]
+    timeline = os.path.join(run_dir, TIMELINE_PNG)
+    if (step := plot_step_timeline(os.path.join(run_dir, TRACE_FILE), timeline)) is not None:
+        body += [f"<h2>timeline of {html.escape(step)} (trace.json: open in ui.perfetto.dev)</h2>", _image(timeline)]
     if samples := last_samples(run_dir):
         columns, data = sample_table(samples)
         body += [f"<h2>samples at step {samples[0]['step']}</h2>", _grid(columns, data)]
@@ -108,6 +114,50 @@ def plot_curves(rows: list[dict], path: str, title: str) -> bool:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+def plot_step_timeline(trace_file: str, path: str) -> str | None:
+    """The last step of the run's timeline (trace.json) as a picture, a lane a process: what each one
+    did while the driver ran the step. Returns the step's name, or None without a timeline."""
+    if not os.path.isfile(trace_file):
+        return None
+    with open(trace_file) as f:
+        events = json.load(f)["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    steps = [e for e in events if e["ph"] == "X" and processes.get(e["pid"]) == "driver"
+             and re.fullmatch(r"\S+ step \d+", e["name"])]
+    if not steps:
+        return None
+    step = max(steps, key=lambda e: e["ts"])
+    start, end = step["ts"], step["ts"] + step["dur"]
+    lanes = sorted({e["pid"] for e in events if e["ph"] == "X" and e["ts"] < end and e["ts"] + e["dur"] > start})
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 0.5 * len(lanes) + 1.2))
+    colors: dict[str, str] = {}
+    palette = plt.get_cmap("tab20").colors
+    shown = [e for e in events if e["ph"] == "X" and e is not step and e["ts"] < end and e["ts"] + e["dur"] > start]
+    shown.sort(key=lambda e: e.get("args", {}).get("source") != "ray")  # a call's own spans drawn over it
+    for e in shown:
+        lane, inside = lanes.index(e["pid"]), e.get("args", {}).get("source") != "ray"
+        kind = e["name"].rsplit(": ", 1)[-1]
+        color = colors.setdefault(kind, palette[len(colors) % len(palette)])
+        x = (max(e["ts"], start) - start) / 1e6
+        height = 0.4 if inside and processes.get(e["pid"]) != "driver" else 0.8
+        ax.broken_barh([(x, (min(e["ts"] + e["dur"], end) - start) / 1e6 - x)], (lane - height / 2, height),
+                       color=color, label=kind if kind not in ax.get_legend_handles_labels()[1] else None)
+    ax.set_yticks(range(len(lanes)), [processes.get(pid, str(pid)) for pid in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds into the step")
+    ax.set_title(step["name"])
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return step["name"]
 
 
 def _stack_phases(ax, rows: list[dict], names: list[str]) -> None:

@@ -42,7 +42,7 @@ def signal_after_steps(monkeypatch, output_dir: str, faults: dict[int, list[tupl
 
     def log_then_signal(backend: JsonlBackend, step: int, metrics: dict) -> None:
         log(backend, step, metrics)
-        if backend._file.name != metrics_file:
+        if backend._metrics.name != metrics_file:
             return
         for worker, sent in pending.pop(step, []):
             process = worker_process(os.path.join(output_dir, "logs"), worker)

@@ -314,6 +314,37 @@ def test_what_the_model_said_reaches_every_tracker_with_its_terms(straight_rl):
         assert "samples at step 4" in f.read()
 
 
+def test_the_timeline_holds_every_actor_on_the_drivers_clock(straight_rl):
+    """trace.json holds the driver's steps and phases, each rank's forward, backward and optimizer steps
+    and its calls, each engine's and reward worker's calls; each rank's update calls of step 3 lie within
+    the driver's update phase of step 3, and its own forward spans within those calls (to 10 ms)."""
+    cfg, _ = straight_rl
+    with open(os.path.join(cfg.output_dir, "trace.json")) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans: dict[str, list[dict]] = {}
+    for event in events:
+        if event["ph"] == "X":
+            spans.setdefault(names[event["pid"]], []).append(event)
+    ranks = ["rlsys/train/0", "rlsys/train/1"]
+    assert {"driver", *ranks, "rlsys/rollout/0"} <= set(spans) and any(n.startswith("rlsys/reward/") for n in spans)
+    driver = spans["driver"]
+    assert [e["name"] for e in driver if e["name"].startswith("rlvr step")] == [f"rlvr step {s}" for s in range(1, 5)]
+    assert "rlvr step 3: generate: rollout" in {e["name"] for e in spans["rlsys/rollout/0"]}
+
+    def within(inner: dict, outer: dict) -> bool:
+        return outer["ts"] - 10_000 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 10_000
+
+    [step] = [e for e in driver if e["name"] == "rlvr step 3"]
+    [update] = [e for e in driver if e["name"] == "update" and within(e, step)]
+    for rank in ranks:
+        assert {"forward", "backward", "optimizer_step"} <= {e["name"] for e in spans[rank]}
+        calls = [e for e in spans[rank] if e["name"] == "rlvr step 3: update: train_step"]
+        assert len(calls) == 4 and all(within(call, update) for call in calls)  # 2 mini-batches x 2 epochs
+        forwards = [e for e in spans[rank] if e["name"] == "forward" and within(e, update)]
+        assert forwards and all(any(within(f, call) for call in calls) for f in forwards)
+
+
 def test_a_reward_hack_shows_in_the_samples(ray_cluster, tiny_model_dir, arith_files, tmp_path):
     """A reward term that pays for a marker (a digit anywhere in the response) beside the verifier: GRPO
     learns to write digits, and samples.jsonl shows the hack: the marker term paying on exactly the
@@ -363,7 +394,7 @@ def test_rlvr_writes_a_report(straight_rl):
     assert os.path.getsize(os.path.join(cfg.output_dir, "report.png")) > 10_000
     with open(os.path.join(cfg.output_dir, "report.html")) as f:
         page = f.read()
-    assert "data:image/png;base64," in page and "val_accuracy_after" in page
+    assert "data:image/png;base64," in page and "val_accuracy_after" in page and "timeline of rlvr step 4" in page
 
 
 def sampled_batch(trainer: RLVRTrainer) -> dict[str, torch.Tensor]:

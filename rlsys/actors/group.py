@@ -20,6 +20,7 @@ from rlsys.actors.cluster import kill_named, shut_down
 from rlsys.actors.failures import CallLimit, WorkerFailure, WorkerReplacements, wait_all
 from rlsys.actors.phases import call
 from rlsys.models.hub import size_text, weights_bytes
+from rlsys.tracking.trace import span
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ class ActorGroup:
             return index
         if self.replacements is None or not self.replacements.allow(failure):
             raise failure
-        self.replace(index)
+        with span(f"replace {failure.worker}"):
+            self.replace(index)
         return index
 
     def replace(self, index: int) -> None:

@@ -13,6 +13,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from rlsys.tracking.trace import span
+
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0
@@ -49,7 +51,8 @@ class PhaseTimer:
     def __call__(self, phase: str):
         set_phase(f"{self.prefix}: {phase}")
         started = time.perf_counter()
-        yield
+        with span(phase):
+            yield
         key = f"time/{phase}_s"  # a phase run several times in a step adds up
         self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - started
 

@@ -61,6 +61,7 @@ from rlsys.parallel.router_replay import (
     whole_model_routing,
 )
 from rlsys.parallel.span_attention import SharedPrefixSpans, uses_span_attention
+from rlsys.tracking.trace import span
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,11 @@ class ModelEngine:
                     self.router.start(passes)
                 if record_routing:
                     start_recording(self.moe_blocks)
-                out = self._loss(loss_fn, seq, micro if reads_rows else None, packing, filler)
+                with span("forward"):
+                    out = self._loss(loss_fn, seq, micro if reads_rows else None, packing, filler)
                 if not forward_only:
-                    (out.loss * 0 if filler else out.loss).backward()
+                    with span("backward"):
+                        (out.loss * 0 if filler else out.loss).backward()
                 if filler:
                     continue
                 if record_routing:
@@ -309,7 +312,7 @@ class ModelEngine:
         fields = {name: value for name, value in seq.fields.items() if name != ROUTING_FIELD}
         if record_routing:
             start_recording(self.moe_blocks)
-        with self._loss_context():
+        with self._loss_context(), span("pipeline_schedule", forward_only=forward_only):
             sums, rows = run_schedule(
                 self.parts, self.pp_group, seq.input_ids, fields,
                 lambda logits, micro: loss_fn(loss_logits(logits, seq), micro),
@@ -431,6 +434,7 @@ class ModelEngine:
         dist.all_reduce(stacked, group=self.metric_group)  # context-parallel ranks hold parts of each sum
         return dict(zip(sums, stacked.tolist()))
 
+    @span("optimizer_step")
     def optimizer_step(self) -> dict[str, float]:
         params = [p for _, p in self.named_parameters() if p.requires_grad]
         grad_norm = clip_grad_norm(params, self.spec.optim.max_grad_norm, self.pp_group)

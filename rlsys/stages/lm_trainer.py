@@ -32,6 +32,7 @@ from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save
 from rlsys.stages.preflight import check_train_job
 from rlsys.stages.run_dir import finish_run
 from rlsys.stages.stage_loop import run_stage
+from rlsys.tracking.trace import span
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class LMSession:
         if not self.held_out:
             return {}
         set_phase(f"{self.stage} step {step}: validate")
-        return score_pairs(self.group, self.held_out, self.cfg.train.global_batch_size, self.pad_id)
+        with span("validate"):
+            return score_pairs(self.group, self.held_out, self.cfg.train.global_batch_size, self.pad_id)
 
     def samples(self) -> list[dict]:
         return []

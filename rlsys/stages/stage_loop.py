@@ -5,18 +5,24 @@ for one attempt and what one of its steps does."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from rlsys.actors.cluster import check_nodes_share, ensure_ray
 from rlsys.actors.phases import set_phase
+from rlsys.config.loader import first_line
 from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.stages.checkpoints import CheckpointDir, save_due
 from rlsys.stages.restarts import run_with_restarts
 from rlsys.stages.run_dir import HF_MODEL_DIR, prepare_run_dir
+from rlsys.tracking.trace import TRACE_FILE, ProcessSpans, gather_spans, span, take_spans, write_trace
 from rlsys.tracking.tracker import Tracker
+
+log = logging.getLogger(__name__)
 
 
 class StageSession(Protocol):
@@ -54,6 +60,8 @@ class StageRun:
     last: dict[str, float] = field(default_factory=dict)
     restarts: int = 0
     hf_dir: str = ""
+    started_us: float = field(default_factory=lambda: time.time() * 1e6)
+    """When the stage began, on the driver's clock: the timeline's start (`write_run_trace`)."""
 
 
 def run_stage(cfg: TrainJobConfig | RLJobConfig, stage: str,
@@ -68,9 +76,11 @@ def run_stage(cfg: TrainJobConfig | RLJobConfig, stage: str,
 
     def attempt(restarts: int) -> StageRun:
         set_phase(f"{stage}: setup")
-        session = open_session(checkpoints)
+        with span(f"{stage} restart {restarts}: setup" if restarts else f"{stage} setup"):
+            session = open_session(checkpoints)
         try:
-            run.start_step, run.restarts = session.resume(force=restarts > 0), restarts
+            with span("resume"):
+                run.start_step, run.restarts = session.resume(force=restarts > 0), restarts
             _steps(cfg, stage, session, checkpoints, config_dict, run)
             set_phase(f"{stage}: export")
             session.export(run.hf_dir)
@@ -96,12 +106,36 @@ def _steps(cfg: TrainJobConfig | RLJobConfig, stage: str, session: StageSession,
             run.initial = initial
             tracker.log(0, initial)
         for step in range(run.start_step + 1, train.steps + 1):
-            run.last = {**session.step(step), "restarts": run.restarts}
+            with span(f"{stage} step {step}", step=step):
+                run.last = {**session.step(step), "restarts": run.restarts}
             tracker.log(step, run.last)
             if records := session.samples():
                 tracker.log_samples(step, records)
             if save_due(step, train.steps, train.save_every):
                 set_phase(f"{stage} step {step}: checkpoint")
-                session.save(step)
+                with span("checkpoint"):
+                    session.save(step)
     finally:
         tracker.close()
+    if cfg.tracking.trace:  # a finished attempt's: a failed one's ranks may not answer
+        write_run_trace(cfg.output_dir, run.started_us)
+
+
+def write_run_trace(output_dir: str, since_us: float) -> None:
+    """output_dir/trace.json: the driver's spans, the training ranks' (asked now, which also gives each
+    node's clock offset) and Ray's record of every rlsys actor's calls since `since_us`. A timeline that
+    cannot be gathered is said in one line; the run goes on."""
+    import ray
+
+    started = time.perf_counter()
+    try:
+        ranks = {name: ray.get_actor(name) for name in sorted(ray.util.list_named_actors())
+                 if name.startswith("rlsys/train/")}
+        processes, offsets = gather_spans(ranks)
+        driver = ProcessSpans("driver", "", take_spans())
+        count = write_trace(os.path.join(output_dir, TRACE_FILE), [driver, *processes], ray.timeline(), offsets,
+                            since_us)
+        log.info("timeline: %s (%d events, gathered in %.1f s; open in ui.perfetto.dev)",
+                 os.path.join(output_dir, TRACE_FILE), count, time.perf_counter() - started)
+    except Exception as err:  # a dead rank, a cluster that is gone: the timeline is not worth the run
+        log.warning("timeline: not written (%s)", first_line(err))

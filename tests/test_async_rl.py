@@ -6,6 +6,7 @@ syncs by itself; full mode with a tool loop by following the uninterrupted run's
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -168,9 +169,11 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
     step of the second run logs what the first logged, and its schedule, written again after the
     restart, holds the first's takes and engine events.
     Weights go bucket by bucket, a call each: no engine step may run between the first and the last."""
-    from conftest import EXPRESSION, QUESTION
+    from conftest import CALL, EXPRESSION, QUESTION
     from datasets import Dataset
     from faults import signal_after_steps
+
+    from rlsys.tools.builtin import calculator
 
     prompts = str(tmp_path / "calls.parquet")  # the question the model learned to call the calculator for
     Dataset.from_list([{"data_source": "calc", "prompt": [{"role": "user", "content": QUESTION}],
@@ -179,7 +182,8 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
                  "reward.terms=[{name: calc}]", "optim.lr=1e-4", "rollout.agent_loop=tool", "rollout.max_new_tokens=96",
                  "rollout.max_response_tokens=160",
                  "tools.names=[calculator]", "tools.max_turns=2", "tools.num_workers=1",
-                 "rollout.sync_mode=object_store", "rollout.sync_bucket_mb=0.05")  # syncs of several calls
+                 "rollout.sync_mode=object_store", "rollout.sync_bucket_mb=0.05",  # syncs of several calls
+                 "tracking.log_samples_every=1")
     recorded = async_config(*overrides, f"output_dir={tmp_path / 'recorded'}")
     run_rlvr(recorded)
     cfg = async_config(*overrides, "train.max_restarts=1", f"train.replay={recorded.output_dir}")
@@ -199,6 +203,11 @@ def test_a_tool_loop_run_followed_from_its_schedule_repeats_it_through_a_restart
     assert [(line["step"], line["taken"]) for line in schedules[0]] == \
         [(line["step"], line["taken"]) for line in schedules[1]]
     assert [_engine_events(schedule) for schedule in schedules[1:]] == [_engine_events(schedules[0])]
+    # what the model said: each step's samples once (the restart's redone step replaced), the tool turns in them
+    samples = [json.loads(line) for line in open(os.path.join(cfg.output_dir, "samples.jsonl"))]
+    assert [r["step"] for r in samples] == [step for step in range(1, 5) for _ in range(cfg.tracking.samples_per_log)]
+    assert any(r["turns"] == 2 and r["tool_calls"] == 1 and CALL in r["response"]
+               and calculator(EXPRESSION) in r["response"] for r in samples)
 
 
 def _engine_events(schedule: list[dict]) -> list[list]:
@@ -209,8 +218,6 @@ def _engine_events(schedule: list[dict]) -> list[list]:
 
 def _steps(output_dir: str, figures: tuple[str, ...]) -> dict[int, dict[str, float]]:
     """The figures each step logged last (a resumed run logs its steps again)."""
-    import json
-
     rows = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     return {row["step"]: {name: row[name] for name in figures} for row in rows if "actor/pg_loss" in row}
 
@@ -218,8 +225,6 @@ def _steps(output_dir: str, figures: tuple[str, ...]) -> dict[int, dict[str, flo
 @pytest.mark.quick
 def test_a_checkpoint_holds_a_trajectory_whole():
     """What a checkpoint keeps of a group in flight comes back equal through JSON, an MoE routing too."""
-    import json
-
     import numpy as np
 
     from rlsys.agents.trajectory import Trajectory

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, `arith` and `calc`)
 from rlsys.actors.cluster import interrupt_on_sigterm
 from rlsys.actors.failures import WorkerFailure
-from rlsys.actors.phases import Heartbeat
+from rlsys.actors.phases import Heartbeat, set_phase
 from rlsys.config.loader import ConfigError, load_config
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, RLJobConfig, TrainJobConfig
 from rlsys.console import setup_console
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         elif getattr(args, "dry_run", False):
             _dry_run(args.stage, args.config, args.overrides)
         else:
+            set_phase(f"{args.stage}: checks and data")  # until the stage names its own phases
             with Heartbeat():
                 STAGES[args.stage][1](args.config, args.overrides)
     except (ConfigError, DataError) as err:

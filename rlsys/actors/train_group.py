@@ -46,7 +46,7 @@ class TrainGroup(ActorGroup):
                 self.wait([actor.reuse.remote(rank, spec, log_file_of(name))
                            for rank, (actor, name) in enumerate(zip(self.actors, self.names))])
             else:
-                log.info("training group: starting %d ranks, each loading its shard of %s (%s)", world_size,
+                log.info("training group: starting %s, each loading its shard of %s (%s)", _ranks(world_size),
                          spec.model.path, size_text(weights_bytes(spec.model.path)))
                 kept_actors.make_room({name: amount * world_size for name, amount in bundle.items()})
                 self.placement = place_ranks(world_size, bundle)
@@ -62,7 +62,7 @@ class TrainGroup(ActorGroup):
             # seconds before another on a busy machine, so its wait has the rendezvous's limit.
             placement = self.wait(self.submit_all("setup", master_addr, master_port),
                                   straggler_timeout_s=max(spec.collective_timeout_s, RENDEZVOUS_TIMEOUT_S))
-            log.info("training group: %d ranks ready in %.1f s", world_size, time.perf_counter() - started)
+            log.info("training group: %s ready in %.1f s", _ranks(world_size), time.perf_counter() - started)
             self.dp_ranks = [dp_rank for dp_rank, _ in placement]
             self.collected = sorted((dp_rank, rank) for rank, (dp_rank, collected) in enumerate(placement)
                                     if collected)
@@ -103,3 +103,6 @@ class TrainGroup(ActorGroup):
         super().shutdown()
         free()
 
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'s' if count > 1 else ''}"

@@ -127,9 +127,9 @@ class TrackingConfig:
     """RL: write what the model said (prompt, response, reward and each term, advantage, length, turns) every
     N steps to samples.jsonl, a wandb Table, TensorBoard text and an mlflow table; -1: at each validation step
     (`train.val_every` and the last step), 0: never. TRL's `log_completions`, VeRL's `rollout_data_dir`."""
+    samples_per_log: int = Field(default=8, gt=0)
+    """RL: how many of the step's responses are written, its first prompts' groups in order."""
     trace: bool = True
     """Write the run's timeline to trace.json (Chrome trace events; open in ui.perfetto.dev): each step's
     phases in the driver, every training rank's forward, backward and optimizer step, and every actor's
     calls as Ray recorded them (docs/operations.md)."""
-    samples_per_log: int = Field(default=8, gt=0)
-    """RL: how many of the step's responses are written, its first prompts' groups in order."""

@@ -75,7 +75,7 @@ def resolve(name: str, key: str) -> str:
 
 
 def weights_bytes(path: str) -> int:
-    """The bytes of a model directory's weight files (safetensors, .bin, .pt), what loading it reads."""
+    """The bytes of a model directory's weight files (safetensors, .bin, .pt, .gguf): what loading it reads."""
     if not os.path.isdir(path):
         return 0
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path)

@@ -106,11 +106,21 @@ def raw_text_accuracy(model_dir: str, test_file: str) -> float:
     return right / len(rows)
 
 
+def pretrained_accuracy(out: str, data: str) -> float:
+    """Run `out`'s `raw_text_accuracy`, measured once and kept beside its pretrained model."""
+    kept = os.path.join(out, "pretrain", "raw_text_accuracy.json")
+    if not os.path.isfile(kept):
+        accuracy = raw_text_accuracy(os.path.join(out, "pretrain", "hf_model"), os.path.join(data, "test.parquet"))
+        with open(kept, "w") as f:
+            json.dump({"accuracy": accuracy}, f)
+    with open(kept) as f:
+        return json.load(f)["accuracy"]
+
+
 def row(seed: int, threads: int, out: str, data: str, summary: dict) -> dict:
     stages = {s["name"]: s for s in summary["stages"]}
     rl = stages["rlvr"]
-    return {"seed": seed, "threads": threads,
-            "raw": raw_text_accuracy(os.path.join(out, "pretrain", "hf_model"), os.path.join(data, "test.parquet")),
+    return {"seed": seed, "threads": threads, "raw": pretrained_accuracy(out, data),
             **{name: stages[name]["accuracy_after"] for name in STAGES},
             "gain": rl["accuracy_after"] - rl["accuracy_before"],
             **{f"{name}_s": stages[name]["time_s"] for name in STAGES},

@@ -147,6 +147,17 @@ def keep_actors_between_groups():
     kept_actors.keep_actors(False)
 
 
+@pytest.fixture(autouse=True)
+def no_timeline_in_a_test(monkeypatch):
+    """A stage run inside a test writes no trace.json: `ray.timeline()` reads every call of the session's one
+    Ray job, a second more for each ten thousand. The timeline's own test reads that of a module fixture
+    (`test_rlvr.straight_rl`), set up before this function-scoped patch; runs in subprocesses (the CLI and
+    pipeline tests) are jobs of their own and write theirs."""
+    from rlsys.stages import stage_loop
+
+    monkeypatch.setattr(stage_loop, "write_run_trace", lambda output_dir, since_us: None)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -208,11 +208,8 @@ def _table(values: dict) -> str:
 
 
 def _markdown_table_html(markdown: str) -> str:
-    lines = [line.strip().strip("|").split("|") for line in markdown.strip().splitlines()]
-    header, body = lines[0], lines[2:]
-    head = "".join(f"<th>{html.escape(c.strip())}</th>" for c in header)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c.strip())}</td>" for c in row) + "</tr>" for row in body)
-    return f"<table><tr>{head}</tr>{rows}</table>"
+    lines = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in markdown.strip().splitlines()]
+    return _grid(lines[0], lines[2:])
 
 
 def _image(png: str) -> str:

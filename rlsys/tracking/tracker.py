@@ -68,7 +68,8 @@ class JsonlBackend:
     def __init__(self, output_dir: str, start_step: int):
         self._output_dir, self._start_step = output_dir, start_step
         self._metrics = _open_rows(os.path.join(output_dir, "metrics.jsonl"), start_step)
-        self._samples = None
+        samples = os.path.join(output_dir, SAMPLES_FILE)  # a resumed run's, trimmed now: it may log none again
+        self._samples = _open_rows(samples, start_step) if os.path.isfile(samples) else None
 
     def log(self, step: int, metrics: Metrics) -> None:
         _write_row(self._metrics, {"step": step, **metrics})

@@ -204,6 +204,16 @@ def test_a_pipeline_chains_sft_into_a_reward_model_and_rl(tmp_path, pipeline_fil
         plan_jobs(build_config(PipelineConfig, raw))
 
 
+@pytest.mark.quick
+def test_a_pipeline_seed_reruns_every_stage_at_that_seed(pipeline_file):
+    """`seed=S` on the pipeline's command line sets every stage's seed, a stage's own override
+    included; without it each stage keeps its config's."""
+    raw = yaml.safe_load(open(pipeline_file))
+    raw["stages"][1]["overrides"] = ["seed=7"]
+    assert [job.seed for job in plan_jobs(build_config(PipelineConfig, raw))] == [0, 7, 0]
+    assert [job.seed for job in plan_jobs(build_config(PipelineConfig, {**raw, "seed": 2}))] == [2, 2, 2]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"stages": []}, "stages: give at least one stage"),
     ({"stages": [{"name": "a", "stage": "sft", "config": "x.yaml"}] * 2},

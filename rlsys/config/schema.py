@@ -122,3 +122,6 @@ class PipelineConfig:
     (an `eval` or `rm` stage passes its input model on; an rlvr stage's reward term names an rm stage's
     reward model as `model: stage:<name>`). Finished stages are skipped on a re-run; an interrupted one
     resumes from its last checkpoint."""
+    seed: int | None = None
+    """Every stage's `seed`, in place of the one its config or overrides give (null: each stage's own):
+    one command runs the whole chain again at another seed."""

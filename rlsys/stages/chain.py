@@ -82,7 +82,8 @@ def plan_jobs(cfg: PipelineConfig) -> list:
                 job = _with_stage_reward_models(job, reward_models)
         except ConfigError as err:
             raise ConfigError(f"stages[{index}] ({spec.name}): {err}") from None
-        job = dataclasses.replace(job, output_dir=os.path.join(cfg.output_dir, spec.name))
+        job = dataclasses.replace(job, output_dir=os.path.join(cfg.output_dir, spec.name),
+                                  seed=job.seed if cfg.seed is None else cfg.seed)
         if model is not None:
             job = dataclasses.replace(job, model=dataclasses.replace(job.model, path=model))
         exported = os.path.join(job.output_dir, HF_MODEL_DIR)

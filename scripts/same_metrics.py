@@ -1,0 +1,139 @@
+"""Does a change keep RL's behaviour? Runs 3 steps of the RL configs below on this checkout and on a
+reference commit (a git worktree of it), then compares their metrics.jsonl: every logged number but
+the timings equal to 1e-6 (relative above 1), the steps and keys identical.
+
+    .venv/bin/python scripts/same_metrics.py --ref 048dd53 [--only grpo dapo ...] [--reuse]
+
+Every case is the arithmetic example's GRPO stage (examples/arith/rlvr.yaml, on the tiny model of
+`--model`) with a feature's keys set, or a calculator-task config; `--reuse` keeps finished runs of
+either side (a reference commit's runs only need making once). Prints a table, one line a case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["train.steps=3", "train.prompts_per_step=8", "rollout.n=4", "train.val_every=0", "train.save_every=0",
+         "tracking.backends=[jsonl]", "tracking.trace=false", "tracking.log_samples_every=0"]
+ARITH = "examples/arith/rlvr.yaml"
+CASES: dict[str, tuple[str, list[str]]] = {
+    "grpo": (ARITH, []),
+    "lora": ("examples/arith/rlvr_lora.yaml", []),
+    "dapo": (ARITH, ["algorithm.filter_groups=true", "algorithm.max_sampling_rounds=3",
+                     "reward.overlong_buffer_len=2", "rollout.max_new_tokens=6"]),
+    "remax": (ARITH, ["algorithm.adv_estimator=remax"]),
+    "ppo_gae": (ARITH, ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.ppo_epochs=2",
+                        "algorithm.ppo_mini_batch_size=4"]),
+    "kl": (ARITH, ["algorithm.kl_coef=0.01", "algorithm.use_kl_in_reward=true"]),
+    "otb": (ARITH, ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.rollout_correction.rollout_is=token"]),
+    "rollout_correction": (ARITH, ["algorithm.rollout_correction.rollout_is=sequence",
+                                   "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+                                   "algorithm.rollout_correction.rollout_rs=token"]),
+    "distill_top_k": (ARITH, ["algorithm.distill.teacher={teacher}", "algorithm.distill.top_k=4",
+                              "algorithm.distill.source=trainer"]),
+    "distill_penalty": (ARITH, ["algorithm.distill.teacher={teacher}", "algorithm.distill.mode=penalty",
+                                "algorithm.distill.serving.engine_memory_gib=0.1"]),
+    "async_one_step": (ARITH, ["train.async_mode=one_step"]),
+    "tools": ("examples/calc/rlvr_tools.yaml", []),
+    "openai": ("examples/calc/rlvr_openai.yaml", []),
+    "compact": ("examples/calc/rlvr_compact.yaml", []),
+}
+UNTIMED = ("time/", "memory/", "perf/", "startup/", "throughput/", "rollout/freed_gib")
+"""Keys that measure the machine, not the algorithm."""
+
+
+def run_case(tree: str, out: str, name: str, model: str, teacher: str, calc_model: str) -> str:
+    """Run case `name` in checkout `tree` into `out/name`; returns its metrics.jsonl."""
+    config, keys = CASES[name]
+    run_dir = os.path.join(out, name)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    policy = calc_model if config.startswith("examples/calc") else model
+    overrides = [key.format(teacher=teacher) for key in keys]
+    command = [sys.executable, "-m", "rlsys.run", "rlvr", "--config", config, *SMALL, *overrides,
+               f"model.path={policy}", f"output_dir={run_dir}"]
+    if config.startswith("examples/arith"):
+        command.append(f"data.train_files=[{os.path.join(ROOT, 'runs/arith/data/rl_train.parquet')}]")
+    if not os.path.isdir(policy):
+        raise SystemExit(f"same_metrics: case {name}: no model at {policy} (see --model, --calc-model)")
+    result = subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} in {tree}: exit {result.returncode}: {result.stderr.strip()[-400:]}")
+    return metrics
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def compare(ours: list[dict], theirs: list[dict]) -> tuple[int, float, list[str]]:
+    """(numbers compared, largest difference, what differs)."""
+    differs, largest, compared = [], 0.0, 0
+    if [r.get("step") for r in ours] != [r.get("step") for r in theirs]:
+        return 0, math.inf, ["steps"]
+    for a, b in zip(ours, theirs):
+        keys_a = {k for k in a if not k.startswith(UNTIMED)}
+        keys_b = {k for k in b if not k.startswith(UNTIMED)}
+        differs += [f"step {a['step']}: only one side logs {k}" for k in sorted(keys_a ^ keys_b)]
+        for key in sorted(keys_a & keys_b):
+            x, y = a[key], b[key]
+            if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
+                continue
+            compared += 1
+            if math.isnan(x) and math.isnan(y):
+                continue
+            gap = abs(x - y) / max(1.0, abs(x))
+            largest = max(largest, gap)
+            if gap > 1e-6:
+                differs.append(f"step {a['step']} {key}: {x} vs {y}")
+    return compared, largest, differs
+
+
+def worktree(ref: str, path: str) -> str:
+    if not os.path.isdir(path):
+        subprocess.run(["git", "worktree", "add", "--detach", path, ref], cwd=ROOT, check=True, capture_output=True)
+        os.symlink(os.path.join(ROOT, "runs"), os.path.join(path, "runs"))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ref", required=True, help="the commit to compare with")
+    parser.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--out", default="runs/same-metrics")
+    parser.add_argument("--model", default="runs/arith-spread/seed0-threads1/sft/hf_model")
+    parser.add_argument("--teacher", default="runs/arith-spread/seed0-threads1/rlvr/hf_model")
+    parser.add_argument("--calc-model", default="runs/calc/sft/hf_model")
+    parser.add_argument("--reuse", action="store_true", help="keep the finished runs of either side")
+    args = parser.parse_args()
+    ref = subprocess.run(["git", "rev-parse", "--short", args.ref], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    trees = {"here": ROOT, ref: worktree(ref, os.path.join("/tmp", f"rlsys-ref-{ref}"))}
+    paths = {k: os.path.abspath(getattr(args, k)) for k in ("model", "teacher", "calc_model")}
+    print("| case | numbers compared | largest difference | verdict |\n|---|---|---|---|")
+    failed = False
+    for name in args.only:
+        metrics = {}
+        for side, tree in trees.items():
+            out = os.path.abspath(os.path.join(args.out, side))
+            done = os.path.join(out, name, "summary.json")
+            if not (args.reuse and os.path.isfile(done)):
+                subprocess.run(["rm", "-rf", os.path.join(out, name)], check=True)
+                run_case(tree, out, name, paths["model"], paths["teacher"], paths["calc_model"])
+            metrics[side] = read_rows(os.path.join(out, name, "metrics.jsonl"))
+        compared, largest, differs = compare(metrics["here"], metrics[ref])
+        failed |= bool(differs)
+        verdict = "same" if not differs else "; ".join(differs[:3])
+        print(f"| {name} | {compared} | {largest:.1e} | {verdict} |", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,8 +5,9 @@ the timings equal to 1e-6 (relative above 1), the steps and keys identical.
     .venv/bin/python scripts/same_metrics.py --ref 048dd53 [--only grpo dapo ...] [--reuse]
 
 Every case is the arithmetic example's GRPO stage (examples/arith/rlvr.yaml, on the tiny model of
-`--model`) with a feature's keys set, or a calculator-task config; `--reuse` keeps finished runs of
-either side (a reference commit's runs only need making once). Prints a table, one line a case.
+`--model`) with a feature's keys set, or a calculator-task config; `--reuse` keeps the reference
+commit's finished runs (they only need making once); `--report` compares the runs on disk. Prints a
+table, one line a case.
 """
 
 from __future__ import annotations
@@ -43,18 +44,26 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "tools": ("examples/calc/rlvr_tools.yaml", []),
     "openai": ("examples/calc/rlvr_openai.yaml", []),
     "compact": ("examples/calc/rlvr_compact.yaml", []),
+    "r2_moe": (ARITH, ["algorithm.router_replay=r2", "parallel.dp_shard=2", "parallel.ep=2"]),
 }
-UNTIMED = ("time/", "memory/", "perf/", "startup/", "throughput/", "rollout/freed_gib")
-"""Keys that measure the machine, not the algorithm."""
+MACHINE = ("time/", "memory/", "perf/", "startup/", "throughput/", "rollout/freed_gib")
+"""Keys that measure the machine, not the algorithm: these prefixes, and any seconds (`sync/time_s`)."""
 
 
-def run_case(tree: str, out: str, name: str, model: str, teacher: str, calc_model: str) -> str:
-    """Run case `name` in checkout `tree` into `out/name`; returns its metrics.jsonl."""
+def measures_machine(key: str) -> bool:
+    name = key.rsplit("/", 1)[-1]
+    return key.startswith(MACHINE) or name.endswith("_s") or "_s_" in name
+
+
+def run_case(tree: str, out: str, name: str, models: dict[str, str]) -> str:
+    """Run case `name` in checkout `tree` into `out/name` (`models`: the paths of --model, --teacher,
+    --calc-model, --moe-model); returns its metrics.jsonl."""
     config, keys = CASES[name]
     run_dir = os.path.join(out, name)
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    policy = calc_model if config.startswith("examples/calc") else model
-    overrides = [key.format(teacher=teacher) for key in keys]
+    policy = models["calc_model"] if config.startswith("examples/calc") else \
+        models["moe_model"] if name.endswith("_moe") else models["model"]
+    overrides = [key.format(teacher=models["teacher"]) for key in keys]
     command = [sys.executable, "-m", "rlsys.run", "rlvr", "--config", config, *SMALL, *overrides,
                f"model.path={policy}", f"output_dir={run_dir}"]
     if config.startswith("examples/arith"):
@@ -79,8 +88,8 @@ def compare(ours: list[dict], theirs: list[dict]) -> tuple[int, float, list[str]
     if [r.get("step") for r in ours] != [r.get("step") for r in theirs]:
         return 0, math.inf, ["steps"]
     for a, b in zip(ours, theirs):
-        keys_a = {k for k in a if not k.startswith(UNTIMED)}
-        keys_b = {k for k in b if not k.startswith(UNTIMED)}
+        keys_a = {k for k in a if not measures_machine(k)}
+        keys_b = {k for k in b if not measures_machine(k)}
         differs += [f"step {a['step']}: only one side logs {k}" for k in sorted(keys_a ^ keys_b)]
         for key in sorted(keys_a & keys_b):
             x, y = a[key], b[key]
@@ -111,12 +120,14 @@ def main() -> None:
     parser.add_argument("--model", default="runs/arith-spread/seed0-threads1/sft/hf_model")
     parser.add_argument("--teacher", default="runs/arith-spread/seed0-threads1/rlvr/hf_model")
     parser.add_argument("--calc-model", default="runs/calc/sft/hf_model")
-    parser.add_argument("--reuse", action="store_true", help="keep the finished runs of either side")
+    parser.add_argument("--moe-model", default="runs/moe/tiny-moe-init", help="examples/moe/prepare.py's")
+    parser.add_argument("--reuse", action="store_true", help="keep the reference commit's finished runs")
+    parser.add_argument("--report", action="store_true", help="compare the runs on disk, running none")
     args = parser.parse_args()
     ref = subprocess.run(["git", "rev-parse", "--short", args.ref], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout.strip()
-    trees = {"here": ROOT, ref: worktree(ref, os.path.join("/tmp", f"rlsys-ref-{ref}"))}
-    paths = {k: os.path.abspath(getattr(args, k)) for k in ("model", "teacher", "calc_model")}
+    trees = {"here": ROOT, ref: ROOT if args.report else worktree(ref, os.path.join("/tmp", f"rlsys-ref-{ref}"))}
+    paths = {k: os.path.abspath(getattr(args, k)) for k in ("model", "teacher", "calc_model", "moe_model")}
     print("| case | numbers compared | largest difference | verdict |\n|---|---|---|---|")
     failed = False
     for name in args.only:
@@ -124,9 +135,9 @@ def main() -> None:
         for side, tree in trees.items():
             out = os.path.abspath(os.path.join(args.out, side))
             done = os.path.join(out, name, "summary.json")
-            if not (args.reuse and os.path.isfile(done)):
+            if not args.report and not (args.reuse and side == ref and os.path.isfile(done)):
                 subprocess.run(["rm", "-rf", os.path.join(out, name)], check=True)
-                run_case(tree, out, name, paths["model"], paths["teacher"], paths["calc_model"])
+                run_case(tree, out, name, paths)
             metrics[side] = read_rows(os.path.join(out, name, "metrics.jsonl"))
         compared, largest, differs = compare(metrics["here"], metrics[ref])
         failed |= bool(differs)

@@ -403,7 +403,7 @@ def test_truncated_importance_weights_by_token_and_by_sequence():
 def test_batch_normalised_importance_weights_average_one():
     from rlsys.algorithms.rollout_correction import correction_factors, is_weight_mean
     from rlsys.config.schema import RLJobConfig
-    from rlsys.stages.rl_update import old_logprobs_source
+    from rlsys.rl.passes import old_logprobs_source
 
     # token weights 2, 0.5, 1 (truncated at 2): mean 7/6 over the response tokens, padding aside
     old = torch.tensor([[math.log(p) for p in [0.6, 0.1, 0.5, 1.0]]])

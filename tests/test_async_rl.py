@@ -66,12 +66,12 @@ def sample_across_a_sync(trainer: RLVRTrainer, indices, seed: int):
     trainer.train_group.on_each(probes.perturb_parameters, 0.05, seed)
     trainer.sync.run(version=1)
     samples = trainer.rollout_group.wait([ref], [0])[0].unpack({i: ids for i, ids, _ in prompts})
-    prompt_ids, pixels = trainer._prompts_with_pictures(samples)
+    prompt_ids, pixels = trainer.rl_step.prompts_with_pictures(samples)
     batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], trainer.tokenizer.pad_token_id,
                              prompt_pixels=pixels)
-    new = trainer.logprob_passes.policy(batch)[0]
+    new = trainer.rl_step.passes.policy(batch)[0]
     trainer.train_group.on_each(probes.perturb_parameters, -0.05, seed)  # back to version 0's weights
-    return samples, prompt_ids, trainer.logprob_passes.policy(batch)[0], new
+    return samples, prompt_ids, trainer.rl_step.passes.policy(batch)[0], new
 
 
 def engine_seconds(trainer: RLVRTrainer) -> float:

@@ -23,6 +23,8 @@ from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.config.training import TrackingConfig
 from rlsys.data.batching import collate_rollouts
+from rlsys.rl.batch import RLBatch
+from rlsys.rl.remax import ReMax
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
 from rlsys.sync.weight_sync import WeightSync, _gpus_unseen, _Host, plan_buckets
 
@@ -162,7 +164,7 @@ def logprob_gap(trainer: RLVRTrainer) -> float:
     samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, sampling, seed=1)
     batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                              trainer.tokenizer.pad_token_id)
-    ours = trainer.logprob_passes.policy(batch)[0]
+    ours = trainer.rl_step.passes.policy(batch)[0]
     return max((ours[row, len(s.prompt_ids):len(s.prompt_ids) + len(s.response_ids)]
                 - torch.tensor(s.logprobs)).abs().max().item() for row, s in enumerate(samples))
 
@@ -422,10 +424,10 @@ def test_update_moves_log_probs_along_the_advantages(ray_cluster, rl_config):
         assert engine_length(trainer) == longest + cfg.rollout.response_budget < 256
         batch = sampled_batch(trainer)
         advantages = torch.tensor([1.0, -1.0] * 8)
-        batch["advantages"] = advantages.unsqueeze(1) * batch["loss_mask"]
-        batch["old_logprobs"] = trainer.logprob_passes.policy(batch)[0]
-        trainer._update(batch, train_actor=True)
-        change = ((trainer.logprob_passes.policy(batch)[0] - batch["old_logprobs"]) * batch["loss_mask"]).sum(1)
+        old = trainer.rl_step.passes.policy(batch)[0]
+        trainer.rl_step.update.run(RLBatch(None, [], None, batch, None, old_logprobs=old,
+                                           advantages=advantages.unsqueeze(1) * batch["loss_mask"]), step=1)
+        change = ((trainer.rl_step.passes.policy(batch)[0] - old) * batch["loss_mask"]).sum(1)
     finally:
         trainer.shutdown()
     up, down = change[advantages > 0], change[advantages < 0]
@@ -536,7 +538,9 @@ def test_dynamic_sampling_trains_only_on_groups_of_mixed_rewards(ray_cluster, rl
                     "reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=0.5")
     trainer = RLVRTrainer(cfg)
     try:
-        samples, groups, scored, rewards, metrics = trainer._rollout(1, PhaseTimer("rlvr", 1))
+        rollout = trainer.rl_step.rollout.collect(1, PhaseTimer("rlvr", 1))
+        samples, groups, scored, rewards, metrics = (rollout.episodes, rollout.groups, rollout.scored, rollout.rewards,
+                                                     rollout.metrics)
     finally:
         trainer.shutdown()
     assert len(samples) == len(scored) == 16 and metrics["dapo/mixed_groups"] == 1.0
@@ -607,13 +611,13 @@ def test_the_optimal_token_baseline_reads_the_policys_sum_of_squared_probabiliti
     cfg = rl_config("algorithm.adv_estimator=optimal_token_baseline", "eval=null", "algorithm.kl_coef=0")
     trainer = RLVRTrainer(cfg)
     try:
-        assert trainer.logprob_passes.source == "trainer"
+        assert trainer.rl_step.passes.source == "trainer"
         prompts = [(i, trainer.prompts[i].ids, {}) for i in range(4)]
         samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, trainer.rollout_group.sampling(),
                                                    seed=1)
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  trainer.tokenizer.pad_token_id)
-        rows = trainer.logprob_passes._rows("compute_logprobs_and_sum_pi_squared", batch)
+        rows = trainer.rl_step.passes._rows("compute_logprobs_and_sum_pi_squared", batch)
         step = trainer.step(1)
     finally:
         trainer.shutdown()
@@ -636,7 +640,7 @@ def test_remax_in_bypass_mode_generates_and_scores_a_greedy_response_per_prompt(
     try:
         indices = copy.deepcopy(trainer.sampler).next_indices()
         step = trainer.step(1)
-        baselines = dict(trainer.greedy_baselines)
+        baselines = dict(trainer.features.of_kind(ReMax).baselines)
     finally:
         trainer.shutdown()
     assert sorted(baselines) == sorted(indices) and set(baselines.values()) <= {0.0, 1.0}

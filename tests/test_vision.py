@@ -331,10 +331,10 @@ def picture_logprob_gap(trainer) -> float:
 
     prompts = [(i, p.ids, p.row) for i, p in enumerate(trainer.prompts)]
     samples, _ = trainer.rollout_group.rollout(prompts, "single_turn", 2, trainer.rollout_group.sampling(), seed=1)
-    prompt_ids, pixels = trainer._prompts_with_pictures(samples)
+    prompt_ids, pixels = trainer.rl_step.prompts_with_pictures(samples)
     batch = collate_rollouts(prompt_ids, [s.response_ids for s in samples], trainer.tokenizer.pad_token_id,
                              prompt_pixels=pixels)
-    ours = trainer.logprob_passes.policy(batch)[0]
+    ours = trainer.rl_step.passes.policy(batch)[0]
     return max((ours[row, len(ids):len(ids) + len(s.response_ids)] - torch.tensor(s.logprobs)).abs().max().item()
                for row, (ids, s) in enumerate(zip(prompt_ids, samples)))
 

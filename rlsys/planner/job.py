@@ -14,9 +14,9 @@ from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.planner.estimate import Layout, Precision, Workload
 from rlsys.planner.search import GIB, Cluster, plan, reason, table
 from rlsys.planner.shards import ModelShapes
+from rlsys.rl.passes import old_logprobs_source
 from rlsys.stages import preflight
 from rlsys.stages.algorithm_checks import check_algorithm
-from rlsys.stages.rl_update import old_logprobs_source
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from rlsys.config.loader import ConfigError
 from rlsys.config.rl import AlgorithmConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.models.moe import num_experts
+from rlsys.rl.token_baseline import TokenBaseline
 from rlsys.stages.limits import R3_ON_CPU, not_built
-from rlsys.stages.rl_update import needs_sum_pi_squared
 from rlsys.stages.run_schedule import SCHEDULE_FILE, read_schedule
 
 
@@ -102,8 +102,9 @@ def check_algorithm_against_job(cfg: RLJobConfig) -> None:
                           "cannot use")
     if algo.filter_groups and cfg.rollout.n < 2:
         raise ConfigError("algorithm.filter_groups: needs groups of rollout.n >= 2 responses")
-    if needs_sum_pi_squared(algo) and (algo.old_logprobs in ("current", "rollout") or algo.router_replay == "r2"
-                                       or algo.rollout_correction.bypass_mode):
+    if TokenBaseline.estimates(algo.adv_estimator) and (algo.old_logprobs in ("current", "rollout")
+                                                        or algo.router_replay == "r2"
+                                                        or algo.rollout_correction.bypass_mode):
         raise ConfigError(f"algorithm.adv_estimator: {algo.adv_estimator} reads the sums of squared probabilities "
                           "of the trainer's old-log-prob pass: needs old_logprobs: auto or trainer, without "
                           "router_replay: r2 or bypass_mode")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import AutoConfig
-
 from rlsys.agents.context_hooks import resolve_context_hook
 from rlsys.config.loader import ConfigError
 from rlsys.config.rl import DistillConfig
@@ -16,7 +14,6 @@ from rlsys.data.files import DataError
 from rlsys.data.image_tokens import ImageExpander, image_expander_of
 from rlsys.data.rl import Prompt, load_prompts, prompt_budget
 from rlsys.data.tokenizer import load_tokenizer
-from rlsys.models.moe import moe_layer_indices
 from rlsys.models.vision import images_per_prompt
 from rlsys.rollout.engine_length import check_kv_budget, run_length
 from rlsys.stages.agent_setup import AgentSetup, Harness, agent_setup
@@ -117,14 +114,6 @@ def _loops(cfg: RLJobConfig) -> dict[str, str]:
     if cfg.eval and cfg.eval.agent_loop:
         loops["eval.agent_loop"] = cfg.eval.agent_loop
     return loops
-
-
-def engine_routing_shape(cfg: RLJobConfig) -> tuple[list[int], int]:
-    """R3: the MoE layers among the model's hidden layers and experts per token (none without R3)."""
-    if cfg.algorithm.router_replay != "r3":
-        return [], 0
-    config = AutoConfig.from_pretrained(cfg.model.path)
-    return moe_layer_indices(config), config.num_experts_per_tok
 
 
 def teacher_in_trainer(cfg: RLJobConfig) -> str | None:

@@ -52,7 +52,7 @@ class Tracker:
             backend.log(step, finite)
 
     def log_samples(self, step: int, records: list[dict]) -> None:
-        """`records` (`rlsys.stages.rl_samples`) to every backend that keeps text; after the step's `log`."""
+        """`records` (`rlsys.rl.samples`) to every backend that keeps text; after the step's `log`."""
         for backend in self.backends:
             if hasattr(backend, "log_samples"):
                 backend.log_samples(step, records)

@@ -1,0 +1,34 @@
+"""PPO's critic (`algorithm.adv_estimator: gae`): its values before the advantages, the returns it
+regresses on after them, and its own step on each mini-batch before the policy's (none of the
+policy's while it warms up, `critic.warmup_steps`)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlsys.actors.phases import PhaseTimer
+from rlsys.algorithms.advantages import gae_advantages_and_returns
+from rlsys.algorithms.value_loss import value_loss
+from rlsys.config.rl import AlgorithmConfig, CriticConfig
+from rlsys.data.batching import Batch
+from rlsys.rl.batch import RLBatch
+from rlsys.rl.extension import StepExtension, StepGroups
+
+
+class Critic(StepExtension):
+    def __init__(self, cfg: CriticConfig, algo: AlgorithmConfig):
+        self.cfg, self.gamma, self.lam, self.loss_agg = cfg, algo.gamma, algo.lam, algo.loss_agg
+
+    def advantage_inputs(self, batch: RLBatch, groups: StepGroups, timer: PhaseTimer) -> None:
+        with timer("values"):
+            batch.values = torch.cat(groups.train.run_data_parallel("compute_values", batch.for_workers()))
+
+    def adjust_advantages(self, batch: RLBatch) -> None:
+        _, batch.returns = gae_advantages_and_returns(batch.advantage_inputs(), self.gamma, self.lam)
+
+    def trains_actor(self, step: int) -> bool:
+        return step > self.cfg.warmup_steps
+
+    def before_actor_step(self, mini: Batch, counts: dict[str, float], groups: StepGroups) -> dict[str, float]:
+        loss_fn = value_loss(counts, self.cfg.cliprange_value, self.loss_agg)
+        return groups.train.run_data_parallel("critic_step", mini, loss_fn=loss_fn)[0]

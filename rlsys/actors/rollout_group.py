@@ -15,6 +15,7 @@ from rlsys.agents.loop import AgentLoop
 from rlsys.agents.trajectory import Sampling, Trajectory
 from rlsys.config.rollout import RolloutConfig, ToolsConfig
 from rlsys.rollout.adapters import AdapterSpec
+from rlsys.seeds import engine_seed
 
 ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 """Transparent huge pages for torch's CPU allocations of 2 MiB and more in the engines: a
@@ -53,8 +54,8 @@ class RolloutGroup(ActorGroup):
         try:
             if kept:
                 self.actors = kept[1]
-                self.wait([engine.reuse.remote(log_file_of(self.names[i]), model_path, cfg, seed + i, *self._args)
-                           for i, engine in enumerate(self.actors)])
+                self.wait([engine.reuse.remote(log_file_of(self.names[i]), model_path, cfg, engine_seed(seed, i),
+                                               *self._args) for i, engine in enumerate(self.actors)])
             else:
                 self.start_engines(model_path)
             self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")  # for calls, not for starting
@@ -64,9 +65,9 @@ class RolloutGroup(ActorGroup):
 
     def _spawn(self, index: int):
         seat = self.placement.seat(index)
-        return spawn(ray.remote(RolloutWorker), "rollout", index, self.model_path, self.cfg, self.seed + index,
-                     *self._args, env={**ENGINE_ENV, **seat.env}, num_cpus=seat.num_cpus, num_gpus=seat.num_gpus,
-                     scheduling_strategy=seat.strategy)
+        return spawn(ray.remote(RolloutWorker), "rollout", index, self.model_path, self.cfg,
+                     engine_seed(self.seed, index), *self._args, env={**ENGINE_ENV, **seat.env},
+                     num_cpus=seat.num_cpus, num_gpus=seat.num_gpus, scheduling_strategy=seat.strategy)
 
     def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,
                 seed: int, version: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:

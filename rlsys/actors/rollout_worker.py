@@ -29,6 +29,7 @@ from rlsys.rollout.engine_memory import WEIGHTS, EngineMemory, record_loaded
 from rlsys.rollout.request_engine import RequestEngine, RequestRejected
 from rlsys.rollout.vllm_engine import create_llm, free_stopped_engine, set_engine_threads, stop_engine
 from rlsys.rollout.vllm_plugin import keep_cpu_weights_live
+from rlsys.seeds import request_seed
 from rlsys.sync.engine_writer import EngineWeightWriter
 from rlsys.sync.gathered import BufferEntry, open_own_buffers
 from rlsys.sync.shards import Assembler, Pieces, ShardBucket, Shared, shard_pieces, shared_pieces
@@ -152,7 +153,7 @@ class RolloutWorker(BuiltInPlace):
             raise RuntimeError(f"rollout engine: it holds the policy of version {self.engine.version}, the trainer "
                                f"synced version {version}: a sync did not reach it")
         agent = self.loops[loop]
-        requests = [RolloutRequest(index, ids, j, seed * 1_000_003 + index + j, row)
+        requests = [RolloutRequest(index, ids, j, request_seed(seed, index, j), row)
                     for index, ids, row in prompts for j in range(n)]
         started, engine_before = time.perf_counter(), self.engine.step_s
         trajectories = await asyncio.gather(*(_run(agent, request, sampling) for request in requests))

@@ -13,16 +13,17 @@ from __future__ import annotations
 import ray
 
 from rlsys.actors import kept_actors
-from rlsys.actors.kept_actors import BuiltInPlace
 from rlsys.actors.cluster import actor_name, log_file_of, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, Call, contiguous_shares
+from rlsys.actors.kept_actors import BuiltInPlace
 from rlsys.algorithms.distill import TeacherTokens
 from rlsys.config.rollout import ServingConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.rewards.model_terms import Exchange, reward_model_text
 from rlsys.rollout.vllm_engine import create_served_llm, free_stopped_engine, set_engine_threads, stop_engine
+from rlsys.seeds import engine_seed
 
 
 class ServedModelWorker(BuiltInPlace):
@@ -123,7 +124,7 @@ class ServedModelGroup(ActorGroup):
         try:
             if kept:
                 self.actors = kept[1]
-                self.wait([actor.reuse.remote(log_file_of(self.names[i]), model_path, cfg, seed + i,
+                self.wait([actor.reuse.remote(log_file_of(self.names[i]), model_path, cfg, engine_seed(seed, i),
                                               self.placement.threads, pooling) for i, actor in enumerate(self.actors)])
             else:
                 self.start_engines(model_path)
@@ -134,9 +135,9 @@ class ServedModelGroup(ActorGroup):
 
     def _spawn(self, index: int):
         seat = self.placement.seat(index)
-        return spawn(ray.remote(ServedModelWorker), self.role, index, self.model_path, self.cfg, self.seed + index,
-                     self.placement.threads, self.pooling, env=seat.env, num_cpus=seat.num_cpus,
-                     num_gpus=seat.num_gpus, scheduling_strategy=seat.strategy)
+        return spawn(ray.remote(ServedModelWorker), self.role, index, self.model_path, self.cfg,
+                     engine_seed(self.seed, index), self.placement.threads, self.pooling, env=seat.env,
+                     num_cpus=seat.num_cpus, num_gpus=seat.num_gpus, scheduling_strategy=seat.strategy)
 
     def submit_split(self, method: str, items: list, *args) -> list[Call]:
         """Start `method` on contiguous shares of `items`, one per engine; `gather` joins the results."""

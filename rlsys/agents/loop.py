@@ -19,8 +19,6 @@ from rlsys.registry import Registry
 from rlsys.user_code import load_entry
 
 AGENT_LOOPS: Registry[type] = Registry("agent loop")
-TURN_SEED_STRIDE = 1_000_000_007
-"""Model turn t of a trajectory samples with its request's seed + t x this (turn 0 with the single-turn seed)."""
 
 
 def register_agent_loop(name: str):

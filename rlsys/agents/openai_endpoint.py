@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from rlsys.agents.chat_session import ChatSession
-from rlsys.agents.loop import TURN_SEED_STRIDE, sampling_params
+from rlsys.agents.loop import sampling_params
 from rlsys.agents.openai_stream import ChunkStream, TextDeltas, include_usage
 from rlsys.agents.trajectory import RolloutRequest, Sampling
+from rlsys.seeds import turn_seed
 
 MODEL_NAME = "policy"
 LISTEN_BACKLOG = 4096
@@ -206,7 +207,7 @@ class OpenAIEndpoint:
             await stream.start()
         if tokens <= 0:
             return None
-        seed = session.request.seed + session.calls * TURN_SEED_STRIDE
+        seed = turn_seed(session.request.seed, session.calls)
         session.calls += 1
         sampled = self.engine.generate(call.prompt_ids, sampling_params(sampling, seed, tokens),
                                        on_tokens=deltas.on_tokens if deltas else None)

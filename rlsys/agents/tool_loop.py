@@ -22,10 +22,11 @@ import logging
 import uuid
 
 from rlsys.agents.chat import ChatTurns
-from rlsys.agents.loop import TURN_SEED_STRIDE, AgentContext, AgentLoop, register_agent_loop
+from rlsys.agents.loop import AgentContext, AgentLoop, register_agent_loop
 from rlsys.agents.tool_parsers import TOOL_PARSERS, ToolCall
 from rlsys.agents.trajectory import RolloutRequest, Sampling, Trajectory
 from rlsys.data.examples import chat_ids
+from rlsys.seeds import turn_seed
 from rlsys.tools.base import ToolResult
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class ToolLoop(AgentLoop):
             if budget <= 0:
                 state.finish = "length"
                 return
-            completion = await self.generate(state.ids, sampling, state.request.seed + state.turns * TURN_SEED_STRIDE,
+            completion = await self.generate(state.ids, sampling, turn_seed(state.request.seed, state.turns),
                                              min(sampling.max_new_tokens, budget), state.request.images)
             state.add_turn(completion)
             state.add_message({"role": "assistant", "content": self.tokenizer.decode(completion.token_ids,

@@ -20,6 +20,7 @@ from rlsys.rl.batch import Rollout
 from rlsys.rl.extension import StepGroups
 from rlsys.rl.features import Features
 from rlsys.rl.metrics import dropped_metrics
+from rlsys.seeds import draw_seed
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class RolloutPhase:
         cfg, engines = self.cfg, self.groups.rollout
         if self.stream is not None:
             return [t for group in self.stream.take(cfg.train.prompts_per_step, version=step - 1) for t in group]
-        indices, seed = self.sampler.next_indices(), cfg.seed * 100_003 + step + draw * 1_000_000_007
+        indices, seed = self.sampler.next_indices(), draw_seed(cfg.seed, step, draw)
         prompts = [(i, self.groups.prompts[i].ids, self.groups.prompts[i].row) for i in indices]
         samples, engine_times = engines.rollout(prompts, cfg.rollout.agent_loop, cfg.rollout.n, engines.sampling(),
                                                 seed, version=step - 1)  # the policy the last step synced

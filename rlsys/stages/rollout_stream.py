@@ -35,6 +35,7 @@ from rlsys.agents.trajectory import Sampling, Trajectory
 from rlsys.data.batching import EpochSampler
 from rlsys.data.rl import Prompt
 from rlsys.rollout.schedule import ScheduleDiverged
+from rlsys.seeds import group_seed
 
 
 @dataclass
@@ -160,7 +161,7 @@ class RolloutStream:
         prompt = self.prompts[group.index]
         group.actor = self.rollout.actors[group.engine]
         return self.rollout.submit(group.engine, "rollout", [(group.index, prompt.ids, prompt.row)], self.loop,
-                                   self.n, self.sampling, self.seed * 100_003 + group.serial)
+                                   self.n, self.sampling, group_seed(self.seed, group.serial))
 
     def drain(self) -> None:
         """Wait for every group in flight to finish (a sync without partial rollouts)."""

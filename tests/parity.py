@@ -119,12 +119,13 @@ def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, fl
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
     from rlsys.algorithms.actor_loss import actor_loss
-    from rlsys.algorithms.lm_loss import nll_loss
+    from rlsys.algorithms.lm_loss import nll_loss, token_logprobs
 
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
-        logprobs = torch.cat([lp for lp, _ in group.run_data_parallel("compute_logprobs", sft)])
+        logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel("forward", sft,
+                                                                                    loss_fn=token_logprobs())])
         shapes = group.on_each(probes.local_shapes)
         assert all(group.on_each(probes.attends_spans_where_it_can))
         if then is not None:

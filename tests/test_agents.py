@@ -50,16 +50,17 @@ def tool_pool(ray_cluster, calculator_tools):
 def engine(tool_caller, tool_pool, calculator_tools):
     """A rollout engine in this process running the tool loop, its calls going to the tool workers,
     and the openai loop with the harnesses below."""
-    from rlsys.actors.rollout_worker import RolloutWorker
+    from rlsys.actors.rollout_worker import RolloutWorker, RolloutWorkerSpec
 
     tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=10.0)
     harnesses = {"openai": OpenAILoop.bind(calculator_agent, 60.0), "edits": OpenAILoop.bind(editing_agent, 60.0),
                  "completions": OpenAILoop.bind(completions_agent, 60.0),
                  "failing": OpenAILoop.bind(failing_agent, 20.0), "streaming": OpenAILoop.bind(streaming_agent, 60.0),
                  "text": OpenAILoop.bind(text_agent, 60.0)}
-    return RolloutWorker(tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0, num_threads=2,
-                         loops={"tool": ToolLoop, **harnesses}, tools=tools, tool_client=tool_pool.client(),
-                         tool_schemas=[s.schema for s in calculator_tools])
+    return RolloutWorker(RolloutWorkerSpec(tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0,
+                                           num_threads=2, loops={"tool": ToolLoop, **harnesses}, tools=tools,
+                                           tool_client=tool_pool.client(),
+                                           tool_schemas=[s.schema for s in calculator_tools]))
 
 
 @pytest.mark.quick

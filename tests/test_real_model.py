@@ -226,7 +226,7 @@ def real_tool_caller(smollm2_cut_dir, calculator_tools, tmp_path_factory) -> str
 def real_engine(real_tool_caller, calculator_tools, ray_cluster):
     """A rollout engine in this process on the tool-calling cut of SmolLM2: the tool loop, the
     calculator harness and the two harnesses above."""
-    from rlsys.actors.rollout_worker import RolloutWorker
+    from rlsys.actors.rollout_worker import RolloutWorker, RolloutWorkerSpec
     from rlsys.actors.tool_pool import ToolPool
     from rlsys.agents.tool_loop import ToolLoop
 
@@ -234,9 +234,9 @@ def real_engine(real_tool_caller, calculator_tools, ray_cluster):
     loops = {"tool": ToolLoop, "openai": OpenAILoop.bind(calculator_agent, 60.0),
              "follow_up": OpenAILoop.bind(follow_up_agent, 60.0), "text": OpenAILoop.bind(text_agent, 60.0)}
     tools = ToolsConfig(names=["calculator"], max_turns=3, timeout_s=10.0)
-    worker = RolloutWorker(real_tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32), seed=0,
-                           num_threads=2, loops=loops, tools=tools, tool_client=pool.client(),
-                           tool_schemas=[s.schema for s in calculator_tools])
+    worker = RolloutWorker(RolloutWorkerSpec(real_tool_caller, RolloutConfig(engine_memory_gib=0.1, block_size=32),
+                                             seed=0, num_threads=2, loops=loops, tools=tools, tool_client=pool.client(),
+                                             tool_schemas=[s.schema for s in calculator_tools]))
     yield worker
     pool.shutdown()
 

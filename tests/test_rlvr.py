@@ -19,6 +19,8 @@ import torch
 import worker_probes as probes
 
 from rlsys.actors.failures import WorkerFailure
+from rlsys.algorithms.lm_loss import logprobs_and_sum_pi_squared
+from rlsys.algorithms.value_loss import token_values
 from rlsys.config.loader import build_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.config.training import TrackingConfig
@@ -505,7 +507,8 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
         batch = sampled_batch(trainer)
 
         def values() -> torch.Tensor:
-            return torch.cat(trainer.train_group.run_data_parallel("compute_values", batch))
+            shards = trainer.train_group.run_data_parallel("forward", batch, loss_fn=token_values, role="critic")
+            return torch.cat([out["values"] for out, _ in shards])
 
         batch["values"] = values()
         assert batch["values"].abs().max() == 0  # the value head starts at zero
@@ -617,7 +620,7 @@ def test_the_optimal_token_baseline_reads_the_policys_sum_of_squared_probabiliti
                                                    seed=1)
         batch = collate_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  trainer.tokenizer.pad_token_id)
-        rows = trainer.rl_step.passes._rows("compute_logprobs_and_sum_pi_squared", batch)
+        rows = trainer.rl_step.passes.rows(batch, logprobs_and_sum_pi_squared(cfg.rollout.temperature))
         step = trainer.step(1)
     finally:
         trainer.shutdown()

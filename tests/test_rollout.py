@@ -17,10 +17,10 @@ pytestmark = pytest.mark.xdist_group("rollout")
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir):
-    from rlsys.actors.rollout_worker import RolloutWorker
+    from rlsys.actors.rollout_worker import RolloutWorker, RolloutWorkerSpec
 
-    return RolloutWorker(tiny_model_dir, RolloutConfig(engine_memory_gib=0.1), seed=0, num_threads=2,
-                         loops={"single_turn": SingleTurnLoop})
+    return RolloutWorker(RolloutWorkerSpec(tiny_model_dir, RolloutConfig(engine_memory_gib=0.1), seed=0, num_threads=2,
+                                           loops={"single_turn": SingleTurnLoop}))
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,7 @@ def test_a_released_engine_fails_what_is_in_flight_and_the_next_samples_alike(wo
     sampled, it fails them (`EngineClosed`) and its serving ends before its vLLM engine shuts down;
     the engine built again in the process samples what the first one sampled, and a request to the
     released one is refused."""
+    from rlsys.actors.rollout_worker import RolloutWorkerSpec
     from rlsys.rollout.request_engine import EngineClosed
 
     prompts = [(i, tokenizer(f"{i}+{i}=")["input_ids"]) for i in range(4)]
@@ -104,8 +105,8 @@ def test_a_released_engine_fails_what_is_in_flight_and_the_next_samples_alike(wo
     assert kept and isinstance(in_flight, EngineClosed), in_flight
     with pytest.raises(EngineClosed):
         asyncio.run(released.generate(prompts[0][1], None))
-    worker.reuse(None, tiny_model_dir, RolloutConfig(engine_memory_gib=0.1), 0, 2, False,
-                 {"single_turn": SingleTurnLoop}, None, None, None, None, False, False)
+    worker.reuse(None, RolloutWorkerSpec(tiny_model_dir, RolloutConfig(engine_memory_gib=0.1), seed=0, num_threads=2,
+                                         loops={"single_turn": SingleTurnLoop}))
     after = rollout(worker, prompts, n=2, max_new_tokens=8, seed=5)
     assert [t.response_ids for t in after] == [t.response_ids for t in before]
     assert [t.logprobs for t in after] == [t.logprobs for t in before]

@@ -82,7 +82,7 @@ def test_prompts_with_pictures_are_sampled_with_them_and_the_trainers_logprobs(v
     pixels of the same picture, equal the engine's within 1e-4; another picture changes them."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from rlsys.actors.rollout_worker import RolloutWorker
+    from rlsys.actors.rollout_worker import RolloutWorker, RolloutWorkerSpec
     from rlsys.agents.loop import SingleTurnLoop
     from rlsys.agents.trajectory import Sampling
     from rlsys.config.rollout import RolloutConfig
@@ -104,8 +104,8 @@ def test_prompts_with_pictures_are_sampled_with_them_and_the_trainers_logprobs(v
     image_pad = model.config.image_token_id
     assert all(p.ids.count(image_pad) == 1 and len(p.images) == 1 for p in prompts)
 
-    worker = RolloutWorker(tiny_vl_dir, RolloutConfig(engine_memory_gib=0.1), seed=0, num_threads=2,
-                           loops={"single_turn": SingleTurnLoop})
+    worker = RolloutWorker(RolloutWorkerSpec(tiny_vl_dir, RolloutConfig(engine_memory_gib=0.1), seed=0, num_threads=2,
+                                             loops={"single_turn": SingleTurnLoop}))
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, max_response_tokens=8)
     trajectories = asyncio.run(worker.rollout([(i, p.ids, p.row) for i, p in enumerate(prompts)], "single_turn", 1,
                                               sampling, seed=3)).unpack({i: p.ids for i, p in enumerate(prompts)})
@@ -475,7 +475,10 @@ def test_ppo_critic_reads_the_pictures(ray_cluster, rl_config, vl_dirs, dots_fil
         prompt_ids, pixels = trainer.expander.expand_prompts([(p.ids, p.images) for p in prompts])
         batch = collate_rollouts(prompt_ids, [[5, 6]] * len(prompts), trainer.tokenizer.pad_token_id,
                                  prompt_pixels=pixels)
-        values = torch.cat(trainer.train_group.run_data_parallel("compute_values", batch))
+        from rlsys.algorithms.value_loss import token_values
+
+        values = torch.cat([out["values"] for out, _ in trainer.train_group.run_data_parallel(
+            "forward", batch, loss_fn=token_values, role="critic")])
     finally:
         trainer.shutdown()
     assert all(row["critic/grad_norm"] > 0 for row in rows)

@@ -3,6 +3,8 @@ agent loops of its share."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ray
 
 from rlsys.actors import kept_actors
@@ -10,7 +12,7 @@ from rlsys.actors.cluster import actor_name, log_file_of, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, contiguous_shares
-from rlsys.actors.rollout_worker import RolloutWorker
+from rlsys.actors.rollout_worker import RolloutWorker, RolloutWorkerSpec
 from rlsys.agents.loop import AgentLoop
 from rlsys.agents.trajectory import Sampling, Trajectory
 from rlsys.config.rollout import RolloutConfig, ToolsConfig
@@ -47,15 +49,14 @@ class RolloutGroup(ActorGroup):
         self.placement = kept[0] if kept else place_engines(cfg, train_placement, train_cpus, gpu_share,
                                                              "rollout engines", cpus_key)
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
-        self.seed = seed
-        self._args = (self.placement.threads, self.releases_memory, loops, tools, tool_client, tool_schemas, adapter,
-                      fp32_head, return_routing)
-        self.model_path = model_path
+        self.spec = RolloutWorkerSpec(model_path, cfg, seed, self.placement.threads, self.releases_memory, loops, tools,
+                                      tool_client, tool_schemas, adapter, fp32_head, return_routing)
+        """Every engine's spec but its seed (`spec_of`)."""
         try:
             if kept:
                 self.actors = kept[1]
-                self.wait([engine.reuse.remote(log_file_of(self.names[i]), model_path, cfg, engine_seed(seed, i),
-                                               *self._args) for i, engine in enumerate(self.actors)])
+                self.wait([engine.reuse.remote(log_file_of(self.names[i]), self.spec_of(i))
+                           for i, engine in enumerate(self.actors)])
             else:
                 self.start_engines(model_path)
             self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")  # for calls, not for starting
@@ -63,10 +64,12 @@ class RolloutGroup(ActorGroup):
             self.shutdown()
             raise
 
+    def spec_of(self, index: int) -> RolloutWorkerSpec:
+        return replace(self.spec, seed=engine_seed(self.spec.seed, index))
+
     def _spawn(self, index: int):
         seat = self.placement.seat(index)
-        return spawn(ray.remote(RolloutWorker), "rollout", index, self.model_path, self.cfg,
-                     engine_seed(self.seed, index), *self._args, env={**ENGINE_ENV, **seat.env},
+        return spawn(ray.remote(RolloutWorker), "rollout", index, self.spec_of(index), env={**ENGINE_ENV, **seat.env},
                      num_cpus=seat.num_cpus, num_gpus=seat.num_gpus, scheduling_strategy=seat.strategy)
 
     def rollout(self, prompts: list[tuple[int, list[int], dict]], loop: str, n: int, sampling: Sampling,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,36 +94,52 @@ def _release_staging(worker) -> None:
         worker.rlsys_writer.release()
 
 
-class RolloutWorker(BuiltInPlace):
-    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, num_threads: int,
-                 releases_memory: bool = False, loops: dict[str, type[AgentLoop]] | None = None,
-                 tools: ToolsConfig | None = None, tool_client=None, tool_schemas: list[dict] | None = None,
-                 adapter: AdapterSpec | None = None, fp32_head: bool = False, return_routing: bool = False):
-        """`loops`: the agent loop classes this engine runs, by the name `rollout` asks for; `adapter`:
-        generate with the LoRA adapter each sync brings (`load_adapter`) over the base loaded once;
-        `fp32_head`: logits in fp32 (`model.fp32_lm_head`); `return_routing`: trajectories carry the
-        experts an MoE model routed their tokens to (`algorithm.router_replay: r3`)."""
-        redirect_actor_output()
-        self._build(StartupClock(), False, model_path, cfg, seed, num_threads, releases_memory, loops, tools,
-                    tool_client, tool_schemas, adapter, fp32_head, return_routing)
+@dataclass(frozen=True)
+class RolloutWorkerSpec:
+    """Everything an engine needs to start: the model and its settings, the engine's seed and threads,
+    and what its agent loops use."""
 
-    def _build(self, startup: StartupClock, reused: bool, model_path: str, cfg: RolloutConfig, seed: int,
-               num_threads: int, releases_memory: bool, loops: dict[str, type[AgentLoop]] | None,
-               tools: ToolsConfig | None, tool_client, tool_schemas: list[dict] | None, adapter: AdapterSpec | None,
-               fp32_head: bool, return_routing: bool) -> None:
-        set_engine_threads(num_threads, cfg.tensor_parallel_size)
+    model_path: str
+    cfg: RolloutConfig
+    seed: int
+    num_threads: int
+    releases_memory: bool = False
+    """A colocated engine frees its memory while the trainer updates (`rollout.free_memory_in_update`)."""
+    loops: dict[str, type[AgentLoop]] | None = None
+    """The agent loop classes this engine runs, by the name `rollout` asks for."""
+    tools: ToolsConfig | None = None
+    tool_client: Any = None
+    """`ToolPool.client()`: the tool workers the loops call."""
+    tool_schemas: list[dict] | None = None
+    adapter: AdapterSpec | None = None
+    """Generate with the LoRA adapter each sync brings (`load_adapter`) over the base, loaded once."""
+    fp32_head: bool = False
+    """Logits in fp32 (`model.fp32_lm_head`)."""
+    return_routing: bool = False
+    """Trajectories carry the experts an MoE model routed their tokens to (`algorithm.router_replay: r3`)."""
+
+
+class RolloutWorker(BuiltInPlace):
+    def __init__(self, spec: RolloutWorkerSpec):
+        redirect_actor_output()
+        self._build(StartupClock(), False, spec)
+
+    def _build(self, startup: StartupClock, reused: bool, spec: RolloutWorkerSpec) -> None:
+        cfg = spec.cfg
+        set_engine_threads(spec.num_threads, cfg.tensor_parallel_size)
         on_gpu = torch.cuda.is_available()
         keep_cpu_weights_live()  # the plugin does it too, where rlsys is installed
         self.cfg = cfg
-        self.llm = create_llm(model_path, cfg, seed, sleep_mode=releases_memory and on_gpu,
-                              lora_rank=adapter.rank if adapter else 0, fp32_head=fp32_head,
-                              return_routing=return_routing)
+        self.llm = create_llm(spec.model_path, cfg, spec.seed, sleep_mode=spec.releases_memory and on_gpu,
+                              lora_rank=spec.adapter.rank if spec.adapter else 0, fp32_head=spec.fp32_head,
+                              return_routing=spec.return_routing)
         self.memory = EngineMemory(self.llm, on_gpu)
         self.engine = RequestEngine(self.llm)
-        self.adapter = ServedAdapter(self.llm, adapter) if adapter else None
+        self.adapter = ServedAdapter(self.llm, spec.adapter) if spec.adapter else None
         self.tokenizer = self.llm.get_tokenizer()
-        context = AgentContext(self.engine, self.tokenizer, tool_client, tool_schemas or [], tools or ToolsConfig())
-        self.loops = {name: cls(context) for name, cls in (loops or {}).items()}
+        context = AgentContext(self.engine, self.tokenizer, spec.tool_client, spec.tool_schemas or [],
+                               spec.tools or ToolsConfig())
+        self.loops = {name: cls(context) for name, cls in (spec.loops or {}).items()}
         record_startup("rollout", startup, reused)
 
     async def release(self) -> bool:

@@ -11,6 +11,7 @@ import os
 import socket
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Literal
 
 import ray
 import torch
@@ -18,9 +19,6 @@ import torch.distributed as dist
 import transformers
 
 from rlsys.actors.cluster import assigned_gpu_index
-from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
-from rlsys.algorithms.lm_loss import logprobs_and_sum_pi_squared, token_logprobs, top_k_logprobs
-from rlsys.algorithms.value_loss import token_values
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import LoraConfig, ModelConfig
 from rlsys.config.rl import CriticConfig
@@ -28,13 +26,16 @@ from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.config.training import OptimConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.data.batching import Batch
-from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
 from rlsys.engine.hf_export import export_hf
+from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
 from rlsys.host_memory import releases_freed_memory
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.router_replay import without_routing
 from rlsys.sync.gathered import BufferEntry, GatherBuffers, capacity
 from rlsys.sync.shards import ShardBucket, Shared, pack
+
+Role = Literal["policy", "reference", "teacher", "critic"]
+"""The models a training rank may hold: the policy, a frozen reference and teacher, a critic."""
 
 RENDEZVOUS_TIMEOUT_S = 300.0
 """How long the ranks of a group wait for each other to join it (`train.collective_timeout_s`, when
@@ -196,54 +197,24 @@ class TrainWorker:
         return metrics
 
     @releases_freed_memory
-    def compute_logprobs(self, shard: Batch, temperature: float = 1.0, reference: bool = False
-                         ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """Per-token log-probs [B, T] at the sampling temperature, aligned with input_ids
-        (column 0 is 0), without grad (None on a pipeline stage before the last); and the pass's
-        metrics: with the shard's tokens routed to recorded experts (R3: the rollout engine's), how
-        often the policy's own routers chose them (`router/replay_agreement`, over the data-parallel
-        ranks). The reference model's pass (`reference`) routes on its own."""
-        if reference:
+    def forward(self, shard: Batch, loss_fn: LossFn, role: Role = "policy", record_routing: bool = False
+                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A pass without grad of one of this rank's models over the shard (log-probs, values, a teacher's
+        top tokens: whatever `loss_fn` outputs): its rows, [B, T, ...] aligned with input_ids (empty on a
+        pipeline stage before the last), and the pass's metrics, summed over the data-parallel ranks.
+        The policy routes as the shard says (R3: the rollout engine's experts, and `router/replay_agreement`,
+        how often its own routers chose them); with `record_routing` the experts its routers chose come
+        back ("routed_experts": what R2 replays). The other roles route on their own. A LoRA policy's
+        reference is the policy with its adapters off."""
+        if role != "policy":
             shard = without_routing(shard)
-        if reference and self.reference is None:  # LoRA: the base model is the reference
+        if role == "reference" and self.reference is None:
             with self.policy.adapters_off():
-                metrics, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True)
-        else:
-            engine = self.reference if reference else self.policy
-            metrics, rows = engine.forward_backward(shard, token_logprobs(temperature), forward_only=True)
-        return rows.get("logprobs"), metrics
-
-    @releases_freed_memory
-    def compute_teacher_logprobs(self, shard: Batch, top_k: int = 0) -> dict[str, torch.Tensor]:
-        """The teacher's log-probs [B, T] of the batch's tokens (its own distribution, temperature 1),
-        aligned as `compute_logprobs`' ("logprobs"); with `top_k`, its k most likely tokens at each
-        position and their log-probs, [B, T, k] (the batch's TOP_IDS, TOP_LOGPROBS)."""
-        loss_fn = top_k_logprobs(top_k) if top_k else token_logprobs(1.0)
-        _, rows = self.teacher.forward_backward(without_routing(shard), loss_fn, forward_only=True)
-        if "top_ids" in rows:
-            rows[TOP_IDS], rows[TOP_LOGPROBS] = rows.pop("top_ids"), rows.pop("top_logprobs")
-        return rows
-
-    @releases_freed_memory
-    def compute_logprobs_and_routing(self, shard: Batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-        """compute_logprobs of the policy ("logprobs"), and the experts each token of its MoE layers
-        went to ("routed_experts", [B, T, MoE layers, k]): what routing replay routes the update to."""
-        _, rows = self.policy.forward_backward(shard, token_logprobs(temperature), forward_only=True,
-                                               record_routing=True)
-        return rows
-
-    @releases_freed_memory
-    def compute_logprobs_and_sum_pi_squared(self, shard: Batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-        """compute_logprobs of the policy ("logprobs") and each position's sum of squared next-token
-        probabilities ("sum_pi_squared"): what the optimal-token-baseline estimators read."""
-        _, rows = self.policy.forward_backward(shard, logprobs_and_sum_pi_squared(temperature), forward_only=True)
-        return rows
-
-    @releases_freed_memory
-    def compute_values(self, shard: Batch) -> torch.Tensor | None:
-        """The critic's values [B, T] aligned with input_ids (column 0 is 0), without grad."""
-        _, rows = self.critic.forward_backward(without_routing(shard), token_values, forward_only=True)
-        return rows.get("values")
+                metrics, rows = self.policy.forward_backward(shard, loss_fn, forward_only=True)
+            return rows, metrics
+        model = {"policy": self.policy, "reference": self.reference, "teacher": self.teacher, "critic": self.critic}
+        metrics, rows = model[role].forward_backward(shard, loss_fn, forward_only=True, record_routing=record_routing)
+        return rows, metrics
 
     @releases_freed_memory
     def critic_step(self, shard: Batch, loss_fn: LossFn) -> dict[str, float]:

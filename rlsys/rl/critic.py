@@ -8,7 +8,7 @@ import torch
 
 from rlsys.actors.phases import PhaseTimer
 from rlsys.algorithms.advantages import gae_advantages_and_returns
-from rlsys.algorithms.value_loss import value_loss
+from rlsys.algorithms.value_loss import token_values, value_loss
 from rlsys.config.rl import AlgorithmConfig, CriticConfig
 from rlsys.data.batching import Batch
 from rlsys.rl.batch import RLBatch
@@ -21,7 +21,8 @@ class Critic(StepExtension):
 
     def advantage_inputs(self, batch: RLBatch, groups: StepGroups, timer: PhaseTimer) -> None:
         with timer("values"):
-            batch.values = torch.cat(groups.train.run_data_parallel("compute_values", batch.for_workers()))
+            shards = groups.train.run_data_parallel("forward", batch.for_workers(), loss_fn=token_values, role="critic")
+            batch.values = torch.cat([out["values"] for out, _ in shards])
 
     def adjust_advantages(self, batch: RLBatch) -> None:
         _, batch.returns = gae_advantages_and_returns(batch.advantage_inputs(), self.gamma, self.lam)

@@ -8,6 +8,7 @@ import torch
 
 from rlsys.actors.phases import PhaseTimer
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS, reverse_kl, top_k_fields
+from rlsys.algorithms.lm_loss import token_logprobs, top_k_logprobs
 from rlsys.config.rl import DistillConfig
 from rlsys.data.batching import on_response_tokens
 from rlsys.rl.batch import RLBatch
@@ -51,10 +52,11 @@ class Distillation(StepExtension):
         copy in the training group; with top-k, its top tokens and their log-probs go into the batch."""
         top_k = self.cfg.top_k
         if self.calls is None:
-            outputs = groups.train.run_data_parallel("compute_teacher_logprobs", batch.for_workers(), top_k=top_k)
-            rows = {name: torch.cat([out[name] for out in outputs]) for name in outputs[0]}
+            loss_fn = top_k_logprobs(top_k) if top_k else token_logprobs(1.0)  # the teacher's own distribution
+            shards = groups.train.run_data_parallel("forward", batch.for_workers(), loss_fn=loss_fn, role="teacher")
+            rows = {name: torch.cat([out[name] for out, _ in shards]) for name in shards[0][0]}
             if top_k:
-                batch.teacher_top_ids, batch.teacher_top_logprobs = rows[TOP_IDS], rows[TOP_LOGPROBS]
+                batch.teacher_top_ids, batch.teacher_top_logprobs = rows["top_ids"], rows["top_logprobs"]
             return rows["logprobs"]
         per_sample, self.calls = groups.teacher.gather(self.calls), None
         if top_k:

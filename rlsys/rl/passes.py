@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from rlsys.actors.phases import PhaseTimer
+from rlsys.algorithms.lm_loss import LossFn, logprobs_and_sum_pi_squared, token_logprobs
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch, on_response_tokens
 from rlsys.parallel.router_replay import ROUTING_FIELD
@@ -74,11 +75,11 @@ class LogprobPasses:
         """The old log-probs from the policy's pass, with what the step needs of the same pass: the experts
         each token went to (R2), or the sums of squared probabilities (the optimal token baselines)."""
         if "routing" in self.needs:
-            rows = self._rows("compute_logprobs_and_routing", batch.for_workers())
+            rows = self.rows(batch.for_workers(), token_logprobs(self.temperature), record_routing=True)
             batch.old_logprobs, batch.routing = rows["logprobs"], rows[ROUTING_FIELD]
             return {}
         if "sum_pi_squared" in self.needs:
-            rows = self._rows("compute_logprobs_and_sum_pi_squared", batch.for_workers())
+            rows = self.rows(batch.for_workers(), logprobs_and_sum_pi_squared(self.temperature))
             batch.old_logprobs, batch.sum_pi_squared = rows["logprobs"], rows["sum_pi_squared"]
             return {}
         batch.old_logprobs, pass_metrics = self.policy(batch.for_workers())
@@ -86,12 +87,13 @@ class LogprobPasses:
             return {"router/engine_agreement": pass_metrics["router/replay_agreement"]}
         return {}
 
-    def _rows(self, method: str, rows: Batch) -> dict[str, torch.Tensor]:
-        shards = self.train_group.run_data_parallel(method, rows, temperature=self.temperature)
-        return {name: torch.cat([rows[name] for rows in shards]) for name in shards[0]}
+    def rows(self, rows: Batch, loss_fn: LossFn, record_routing: bool = False) -> dict[str, torch.Tensor]:
+        """The policy's pass of `loss_fn` over the rows: its outputs by name, every shard's rows together."""
+        shards = self.train_group.run_data_parallel("forward", rows, loss_fn=loss_fn, record_routing=record_routing)
+        return {name: torch.cat([out[name] for out, _ in shards]) for name in shards[0][0]}
 
     def policy(self, rows: Batch, reference: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
         """The rows' log-probs from the policy (or the reference), and the pass's metrics."""
-        shards = self.train_group.run_data_parallel("compute_logprobs", rows,
-                                                    temperature=self.temperature, reference=reference)
-        return torch.cat([logprobs for logprobs, _ in shards]), shards[0][1]
+        shards = self.train_group.run_data_parallel("forward", rows, loss_fn=token_logprobs(self.temperature),
+                                                    role="reference" if reference else "policy")
+        return torch.cat([out["logprobs"] for out, _ in shards]), shards[0][1]

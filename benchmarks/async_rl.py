@@ -26,7 +26,7 @@ import ray
 import rlsys.tasks  # noqa: F401  (registers the `arith` reward)
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
-from rlsys.stages.run_schedule import SCHEDULE_FILE
+from rlsys.rl.run_schedule import SCHEDULE_FILE
 
 LAYOUTS = {
     "off, colocated": ["rollout.placement=colocated"],

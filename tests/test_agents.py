@@ -87,7 +87,7 @@ def test_an_episodes_earlier_segments_travel_with_it():
     """Between actors as columns, and in an asynchronous run's checkpoint as JSON."""
     import json
 
-    from rlsys.stages.rollout_stream import _restored, _saved
+    from rlsys.rl.rollout_stream import _restored, _saved
 
     first = Trajectory(0, [1, 2], [3, 4], [1, 1], [-0.5, -0.25], [0, 0], "", "rewritten", num_turns=1)
     episode = Trajectory(0, [5, 6], [7], [1], [-0.125], [1], "7", "stop", num_turns=2, earlier=[first])

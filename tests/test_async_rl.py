@@ -20,8 +20,8 @@ import yaml
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import collate_rollouts
+from rlsys.rl.run_schedule import read_schedule
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
-from rlsys.stages.run_schedule import read_schedule
 
 # One xdist worker runs this module (scripts/test.sh): the tool-calling model, built once, with test_agents'.
 pytestmark = pytest.mark.xdist_group("tool_caller")
@@ -228,7 +228,7 @@ def test_a_checkpoint_holds_a_trajectory_whole():
     import numpy as np
 
     from rlsys.agents.trajectory import Trajectory
-    from rlsys.stages.rollout_stream import _restored, _saved
+    from rlsys.rl.rollout_stream import _restored, _saved
 
     routing = np.arange(24, dtype=np.uint8).reshape(3, 4, 2)
     trajectory = Trajectory(0, [1, 2], [3, 4], [1, 0], [-0.5], [2], "34", "stop", num_turns=2,

@@ -13,9 +13,9 @@ from rlsys.config.loader import ConfigError
 from rlsys.config.rl import AlgorithmConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.models.moe import num_experts
+from rlsys.rl.run_schedule import SCHEDULE_FILE, read_schedule
 from rlsys.rl.token_baseline import TokenBaseline
 from rlsys.stages.limits import R3_ON_CPU, not_built
-from rlsys.stages.run_schedule import SCHEDULE_FILE, read_schedule
 
 
 def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:

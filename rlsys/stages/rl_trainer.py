@@ -20,15 +20,15 @@ from rlsys.data.batching import EpochSampler
 from rlsys.rl.extension import StepGroups
 from rlsys.rl.features import features_of
 from rlsys.rl.passes import needs_reference, updates_per_step
+from rlsys.rl.rollout_stream import RolloutStream
+from rlsys.rl.run_schedule import RunSchedule
 from rlsys.rl.step import RLStep
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.rollout.vllm_engine import synced_weight_dtype
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
 from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_setup import RLData, colocated_engines, load_rl_data, teacher_in_trainer, teacher_length
-from rlsys.stages.rollout_stream import RolloutStream
 from rlsys.stages.run_dir import finish_run, logged_metric
-from rlsys.stages.run_schedule import RunSchedule
 from rlsys.stages.stage_loop import run_stage
 from rlsys.sync.adapter_sync import AdapterSync
 from rlsys.sync.weight_sync import WeightSync

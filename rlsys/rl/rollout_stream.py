@@ -15,7 +15,7 @@ groups in flight to finish and holds their trajectories, so a resumed run trains
 the uninterrupted run trained, sampled by the weights that sampled them there, instead of
 generating those prompts again under the restored weights. The groups taken are written down
 in the order taken (`taken`, by draw serial) for the run's schedule
-(`rlsys.stages.run_schedule`); given a schedule's order (`plan`), the stream takes the groups in
+(`rlsys.rl.run_schedule`); given a schedule's order (`plan`), the stream takes the groups in
 that order instead of the order they finish. An engine that dies is replaced and the groups it
 had in flight are generated again (by the weights the trainer holds then), and counted.
 """

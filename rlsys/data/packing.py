@@ -20,10 +20,9 @@ it. The training ranks attend such a batch span by span where that scores far fe
 pairs than a dense block-causal mask (`rlsys.parallel.span_attention`). A group shares
 only where that removes at least `MIN_SHARED_FRACTION` of its tokens: under a dense mask
 a shared group is one row as wide as all its samples, whose every pair of columns the
-mask scores, so a short prompt before long responses saves less than the wider rows
-cost (at prompt:response 1:4, 17.5% of the tokens, sharing loses 0.85x under the dense
-mask and gains 1.15x attending by spans: `benchmarks/shared_prefix.py`; the guard does
-not know beforehand which the batch will take).
+mask scores, so a short prompt before long responses can save less than the wider rows
+cost (docs/performance.md, "Shared prompts in the update"; the guard does not know
+beforehand which attention the batch will take).
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed

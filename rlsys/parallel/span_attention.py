@@ -30,9 +30,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 MIN_PAIRS_SAVED_PER_TOKEN = 128
 """Attend by spans only where that scores at least this many fewer query-key pairs than a dense
 mask would, per token of the micro-batch: gathering each span's keys (its shared prompt's among
-them) costs a roughly fixed amount per token. The arithmetic RL step (prompts of ~8 tokens, 8
-answers of <= 8 each: ~50 pairs saved a token) ran its update 1.3x slower by spans; the 22.7 M
-model's batches of 160-token samples (240-900 a token) 1.0-1.6x faster (`benchmarks/shared_prefix.py`)."""
+them) costs a roughly fixed amount per token, which short sequences do not win back (the figures:
+docs/performance.md, "Shared prompts in the update")."""
 
 
 @dataclass

@@ -108,7 +108,7 @@ def compare(ours: list[dict], theirs: list[dict]) -> tuple[int, float, list[str]
 def worktree(ref: str, path: str) -> str:
     if not os.path.isdir(path):
         subprocess.run(["git", "worktree", "add", "--detach", path, ref], cwd=ROOT, check=True, capture_output=True)
-        os.symlink(os.path.join(ROOT, "runs"), os.path.join(path, "runs"))
+        os.symlink(os.path.realpath(os.path.join(ROOT, "runs")), os.path.join(path, "runs"))
     return path
 
 

@@ -40,7 +40,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
                               "algorithm.distill.source=trainer"]),
     "distill_penalty": (ARITH, ["algorithm.distill.teacher={teacher}", "algorithm.distill.mode=penalty",
                                 "algorithm.distill.serving.engine_memory_gib=0.1"]),
-    "async_one_step": (ARITH, ["train.async_mode=one_step"]),
+    "async_one_step": (ARITH, ["train.async_mode=one_step", "rollout.placement=separate", "ray.cpus_per_worker=1"]),
     "tools": ("examples/calc/rlvr_tools.yaml", []),
     "openai": ("examples/calc/rlvr_openai.yaml", []),
     "compact": ("examples/calc/rlvr_compact.yaml", []),

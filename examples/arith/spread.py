@@ -11,7 +11,8 @@ thread count of every training rank: with T=1 pretraining and SFT run on two ran
 in another order); the RL rank and its engine take T threads. Pretraining's own eval asks in the
 chat format it has not learned yet, so the table gives the pretrained model's accuracy on the test
 problems as raw text (`12+7=`) instead. A finished run is skipped, so the
-command resumes where it stopped; `--report` tables the finished runs alone. The table goes to
+command resumes where it stopped; `--report` tables the finished runs alone. The tables (every stage's
+held-out accuracy and time; the sign of negative answers after SFT and after RL) go to
 runs/arith-spread/spread.md.
 """
 
@@ -127,6 +128,29 @@ def row(seed: int, threads: int, out: str, data: str, summary: dict) -> dict:
             "total_s": sum(stage["time_s"] for stage in stages.values())}
 
 
+def sign_split(results_file: str) -> dict:
+    """Of a stage's greedy answers to the test problems (its eval_results.jsonl): the share right but for the
+    sign, the share of negative answers right, and how many negative answers were given a minus sign."""
+    with open(results_file) as f:
+        rows = [json.loads(line) for line in f]
+    negative = [r for r in rows if r["ground_truth"].startswith("-")]
+    unsigned = sum(r["response"].strip().lstrip("-") == r["ground_truth"].lstrip("-") for r in rows)
+    return {"unsigned": unsigned / len(rows),
+            "negative": sum(r["score"] >= 1 for r in negative) / len(negative),
+            "minus": sum(r["response"].strip().startswith("-") for r in negative), "negatives": len(negative)}
+
+
+def sign_table(runs: list[tuple[int, int, str]]) -> str:
+    """What RL adds, per run: the sign of negative answers, after SFT (its eval) and after RL (the eval stage)."""
+    lines = ["| seed | threads | after SFT: right but for the sign | negatives right | given a minus | after RL: "
+             "right but for the sign | negatives right | given a minus |", "|---|---|---|---|---|---|---|---|"]
+    for seed, threads, out in runs:
+        sft, rl = (sign_split(os.path.join(out, stage, "eval_results.jsonl")) for stage in ("sft", "eval"))
+        lines.append(f"| {seed} | {threads} | " + " | ".join(
+            f"{s['unsigned']:.1%} | {s['negative']:.1%} | {s['minus']} of {s['negatives']}" for s in (sft, rl)) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| seed | threads | pretrain (raw text) | sft | rlvr | RL's gain | pretrain s | sft s | rlvr s "
              "| stages s |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -157,7 +181,8 @@ def main() -> None:
             if (summary := finished(out)) is not None]
     if not rows:
         sys.exit(f"no finished run under {args.out}")
-    text = table(rows)
+    finished_runs = [(seed, threads, out) for seed, threads, out in grid if finished(out) is not None]
+    text = table(rows) + "\n\n" + sign_table(finished_runs)
     with open(os.path.join(args.out, "spread.md"), "w") as f:
         f.write(text + "\n")
     print(text)

@@ -71,7 +71,6 @@ class RLVRTrainer:
                                               return_routing=cfg.algorithm.router_replay == "r3")
             self.sync = self._weight_sync()
             self.rollout_group.replacements = self.replacements
-            self.rollout_group.restore = lambda engine: self.sync.load_into(engine, self.rl_step.policy_version)
             if cfg.train.async_mode != "off":
                 self.stream = RolloutStream(self.rollout_group, self.prompts, self.sampler, cfg.train.async_mode,
                                             cfg.train.max_staleness, cfg.rollout.agent_loop, cfg.rollout.n,
@@ -81,6 +80,7 @@ class RLVRTrainer:
             groups = StepGroups(self.train_group, self.rollout_group, self.reward_pool, self.teacher, self.prompts)
             self.rl_step = RLStep(cfg, groups, self.features, self.sampler, self.stream, self.sync, self.tokenizer,
                                   self.expander)
+            self.rollout_group.restore = lambda engine: self.sync.load_into(engine, self.rl_step.policy_version)
         except BaseException:
             self.shutdown()
             raise

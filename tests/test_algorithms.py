@@ -845,3 +845,29 @@ def test_remax_subtracts_the_greedy_responses_score():
     inputs = AdvantageInputs(rewards, mask, torch.tensor([0, 1]), reward_baselines=torch.tensor([0.25, 1.0]))
     result = compute_advantages(inputs, AlgorithmConfig(adv_estimator="remax"))
     assert torch.allclose(result, torch.tensor([[0.0, 0.75, 0.75], [-0.5, -0.5, 0.0]]))
+
+
+def test_the_passes_follow_what_the_extensions_declare():
+    """Which trainer passes a step runs follows from its features' declared needs: on-policy GRPO none
+    (the update's own forward), KL in the reward an old pass and the reference, KL in the loss the
+    reference alone; an extension needing what no pass gives is refused by name."""
+    from rlsys.config.schema import RLJobConfig
+    from rlsys.rl.extension import StepExtension
+    from rlsys.rl.features import Features, features_of
+    from rlsys.rl.passes import needs_reference, old_logprobs_source
+
+    def job(**algorithm) -> RLJobConfig:
+        return RLJobConfig(model={"path": "m"}, data={"train_files": ["x"]}, reward={"terms": [{"name": "arith"}]},
+                           algorithm=algorithm)
+
+    grpo, in_reward, in_loss = job(), job(use_kl_in_reward=True), job(kl_coef=0.01)
+    assert features_of(grpo).needs == frozenset()
+    assert (old_logprobs_source(grpo), needs_reference(grpo)) == ("current", False)
+    assert (old_logprobs_source(in_reward), needs_reference(in_reward)) == ("trainer", True)
+    assert (old_logprobs_source(in_loss), needs_reference(in_loss)) == ("current", True)
+
+    class Typo(StepExtension):
+        needs = frozenset({"old_logprob"})
+
+    with pytest.raises(ValueError, match=r"Typo needs \['old_logprob'\]: the passes give old_logprobs"):
+        Features([Typo()])

@@ -11,7 +11,7 @@ from rlsys.data.batching import Batch
 from rlsys.rl.batch import RLBatch
 from rlsys.rl.critic import Critic
 from rlsys.rl.distillation import Distillation
-from rlsys.rl.extension import StepExtension, StepGroups
+from rlsys.rl.extension import PASS_FIELDS, StepExtension, StepGroups
 from rlsys.rl.kl import KLInLoss, KLInReward
 from rlsys.rl.remax import ReMax
 from rlsys.rl.rollout_correction import RolloutCorrection
@@ -46,6 +46,10 @@ class Features:
     """The job's extensions; each method runs one hook of every one of them, in order."""
 
     def __init__(self, extensions: list[StepExtension]):
+        for ext in extensions:
+            if not ext.needs <= set(PASS_FIELDS):
+                raise ValueError(f"{type(ext).__name__} needs {sorted(ext.needs - set(PASS_FIELDS))}: the passes give "
+                                 f"{', '.join(PASS_FIELDS)}")
         self.extensions = extensions
 
     @property

@@ -9,15 +9,17 @@ import time
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.actors import kept_actors
 from rlsys.actors.cluster import actor_name, check_resources, log_file_of, place_ranks, spawn
 from rlsys.actors.group import ActorGroup
-from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, TrainWorker, TrainWorkerSpec
+from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, Role, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
 from rlsys.data.batching import Batch, split_rows
+from rlsys.engine.model_engine import LossFn
 from rlsys.models.hub import size_text, weights_bytes
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,13 @@ class TrainGroup(ActorGroup):
         outputs = self.wait([self.submit(rank, method, shards[self.dp_ranks[rank]], **kwargs)
                              for rank in range(len(self.actors))])
         return [outputs[rank] for _, rank in self.collected]
+
+    def forward(self, batch: Batch, loss_fn: LossFn, role: Role = "policy", record_routing: bool = False
+                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """`TrainWorker.forward` over the batch, split across the data-parallel ranks: the loss function's
+        rows, every shard's together in row order, and the pass's metrics (summed over the ranks)."""
+        shards = self.run_data_parallel("forward", batch, loss_fn=loss_fn, role=role, record_routing=record_routing)
+        return {name: torch.cat([rows[name] for rows, _ in shards]) for name in shards[0][0]}, shards[0][1]
 
     def gpu_memory_peaks(self) -> dict[str, float]:
         """VeRL's `perf/max_memory_allocated` and `perf/max_memory_reserved`, in GiB: the fullest rank's

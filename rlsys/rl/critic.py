@@ -4,8 +4,6 @@ policy's while it warms up, `critic.warmup_steps`)."""
 
 from __future__ import annotations
 
-import torch
-
 from rlsys.actors.phases import PhaseTimer
 from rlsys.algorithms.advantages import gae_advantages_and_returns
 from rlsys.algorithms.value_loss import token_values, value_loss
@@ -21,8 +19,7 @@ class Critic(StepExtension):
 
     def advantage_inputs(self, batch: RLBatch, groups: StepGroups, timer: PhaseTimer) -> None:
         with timer("values"):
-            shards = groups.train.run_data_parallel("forward", batch.for_workers(), loss_fn=token_values, role="critic")
-            batch.values = torch.cat([out["values"] for out, _ in shards])
+            batch.values = groups.train.forward(batch.for_workers(), token_values, role="critic")[0]["values"]
 
     def adjust_advantages(self, batch: RLBatch) -> None:
         _, batch.returns = gae_advantages_and_returns(batch.advantage_inputs(), self.gamma, self.lam)

@@ -53,8 +53,7 @@ class Distillation(StepExtension):
         top_k = self.cfg.top_k
         if self.calls is None:
             loss_fn = top_k_logprobs(top_k) if top_k else token_logprobs(1.0)  # the teacher's own distribution
-            shards = groups.train.run_data_parallel("forward", batch.for_workers(), loss_fn=loss_fn, role="teacher")
-            rows = {name: torch.cat([out[name] for out, _ in shards]) for name in shards[0][0]}
+            rows, _ = groups.train.forward(batch.for_workers(), loss_fn, role="teacher")
             if top_k:
                 batch.teacher_top_ids, batch.teacher_top_logprobs = rows["top_ids"], rows["top_logprobs"]
             return rows["logprobs"]

@@ -15,30 +15,22 @@ from rlsys.data.batching import Batch, on_response_tokens
 from rlsys.parallel.router_replay import ROUTING_FIELD
 from rlsys.rl.batch import RLBatch
 from rlsys.rl.features import features_of
+from rlsys.rl.update import updates_per_step
 
 OldLogprobs = Literal["current", "trainer", "rollout"]
 
 
-def mini_batches_per_step(cfg: RLJobConfig) -> int:
-    """Policy updates per epoch: mini-batches of `algorithm.ppo_mini_batch_size` prompts (0: one)."""
-    mini = cfg.algorithm.ppo_mini_batch_size
-    return cfg.train.prompts_per_step // mini if mini else 1
-
-
-def updates_per_step(cfg: RLJobConfig) -> int:
-    return cfg.algorithm.ppo_epochs * mini_batches_per_step(cfg)
-
-
-def old_logprobs_source(cfg: RLJobConfig) -> OldLogprobs:
+def old_logprobs_source(cfg: RLJobConfig, needs: frozenset[str] | None = None) -> OldLogprobs:
     """Where the update's old log-probs come from: the engine's in bypass mode. `auto`: the update's own
     forward when the update is on-policy (one update a step, synchronous, no extension reading them
-    before the update), else a trainer forward pass before the update."""
+    before the update), else a trainer forward pass before the update. `needs`: the job's features'
+    (`Features.needs`), when they are built already."""
     algo = cfg.algorithm
     if algo.rollout_correction.bypass_mode:
         return "rollout"
     if algo.old_logprobs != "auto":
         return algo.old_logprobs
-    read_before = "old_logprobs" in features_of(cfg).needs
+    read_before = "old_logprobs" in (features_of(cfg).needs if needs is None else needs)
     on_policy = updates_per_step(cfg) == 1 and not read_before and cfg.train.async_mode == "off"
     return "current" if on_policy else "trainer"
 
@@ -51,7 +43,7 @@ def needs_reference(cfg: RLJobConfig) -> bool:
 class LogprobPasses:
     def __init__(self, train_group, cfg: RLJobConfig, needs: frozenset[str]):
         self.train_group, self.needs = train_group, needs
-        self.source = old_logprobs_source(cfg)
+        self.source = old_logprobs_source(cfg, needs)
         self.temperature = cfg.rollout.temperature
 
     def run(self, batch: RLBatch, timer: PhaseTimer) -> dict[str, float]:
@@ -88,12 +80,11 @@ class LogprobPasses:
         return {}
 
     def rows(self, rows: Batch, loss_fn: LossFn, record_routing: bool = False) -> dict[str, torch.Tensor]:
-        """The policy's pass of `loss_fn` over the rows: its outputs by name, every shard's rows together."""
-        shards = self.train_group.run_data_parallel("forward", rows, loss_fn=loss_fn, record_routing=record_routing)
-        return {name: torch.cat([out[name] for out, _ in shards]) for name in shards[0][0]}
+        """The policy's pass of `loss_fn` over the rows: its outputs by name."""
+        return self.train_group.forward(rows, loss_fn, record_routing=record_routing)[0]
 
     def policy(self, rows: Batch, reference: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
         """The rows' log-probs from the policy (or the reference), and the pass's metrics."""
-        shards = self.train_group.run_data_parallel("forward", rows, loss_fn=token_logprobs(self.temperature),
-                                                    role="reference" if reference else "policy")
-        return torch.cat([out["logprobs"] for out, _ in shards]), shards[0][1]
+        out, metrics = self.train_group.forward(rows, token_logprobs(self.temperature),
+                                                role="reference" if reference else "policy")
+        return out["logprobs"], metrics

@@ -11,7 +11,16 @@ from rlsys.data.batching import Batch, num_targets, split_rows
 from rlsys.rl.batch import RLBatch
 from rlsys.rl.extension import StepGroups
 from rlsys.rl.features import Features
-from rlsys.rl.passes import mini_batches_per_step, updates_per_step
+
+
+def mini_batches_per_step(cfg: RLJobConfig) -> int:
+    """Policy updates per epoch: mini-batches of `algorithm.ppo_mini_batch_size` prompts (0: one)."""
+    mini = cfg.algorithm.ppo_mini_batch_size
+    return cfg.train.prompts_per_step // mini if mini else 1
+
+
+def updates_per_step(cfg: RLJobConfig) -> int:
+    return cfg.algorithm.ppo_epochs * mini_batches_per_step(cfg)
 
 
 class Update:

@@ -19,10 +19,11 @@ from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import EpochSampler
 from rlsys.rl.extension import StepGroups
 from rlsys.rl.features import features_of
-from rlsys.rl.passes import needs_reference, updates_per_step
+from rlsys.rl.passes import needs_reference
 from rlsys.rl.rollout_stream import RolloutStream
 from rlsys.rl.run_schedule import RunSchedule
 from rlsys.rl.step import RLStep
+from rlsys.rl.update import updates_per_step
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.rollout.vllm_engine import synced_weight_dtype
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlsys.algorithms.actor_loss import actor_loss
+from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss, token_logprobs
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import ModelConfig
@@ -64,8 +64,8 @@ def make_batch(vocab: int, rows: int, width: int, seed: int = 0) -> dict[str, to
 
 def loss_fns(batch) -> dict:
     targets = int(batch["loss_mask"][:, 1:].sum())
-    return {"sft": nll_loss(targets), "rl": actor_loss({"tokens": targets, "sequences": len(batch["input_ids"])},
-                                                         ALGO)}
+    counts = {"tokens": targets, "sequences": len(batch["input_ids"])}
+    return {"sft": nll_loss(targets), "rl": actor_loss(counts, ALGO, ActorInputs(old_logprobs=True, ref_logprobs=True))}
 
 
 def reference(model_dir: str, batch, device: torch.device) -> dict:

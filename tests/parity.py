@@ -8,7 +8,7 @@ import torch
 import worker_probes as probes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlsys.algorithms.actor_loss import actor_loss
+from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
 from rlsys.config.rl import AlgorithmConfig, DistillConfig
@@ -20,6 +20,8 @@ from rlsys.data.packing import pack_rows
 MICRO_BATCH = 3
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1,
                        distill=DistillConfig(teacher="(its top-k tokens in the batch)", top_k=4, coef=0.5))
+RL_INPUTS = ActorInputs(old_logprobs=True, ref_logprobs=True, teacher_top_k=True)
+"""What `with_rl_fields` adds to an RL batch beside its advantages."""
 
 
 def parity_batches(tiny_model_dir: str, arith_files: dict[str, str], max_seq_len: int = 32):
@@ -118,12 +120,11 @@ def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, fl
     rank's local parameter shapes; `then(group)` runs last, before the group shuts down."""
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
-    from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.algorithms.lm_loss import nll_loss, token_logprobs
 
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
-        results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
+        results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO, RL_INPUTS)))
         logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel("forward", sft,
                                                                                     loss_fn=token_logprobs())])
         shapes = group.on_each(probes.local_shapes)
@@ -150,7 +151,7 @@ def assert_layout_matches_single_process(cfg, model_dir: str, sft, rl, counts, l
     reference SFT gradients and each rank's local parameter shapes, for a test's checks of how
     the layout holds them."""
     sft_loss, sft_grads = reference_gradients(model_dir, sft, nll_loss(num_targets(sft)))
-    _, rl_grads = reference_gradients(model_dir, rl, actor_loss(counts, ALGO))
+    _, rl_grads = reference_gradients(model_dir, rl, actor_loss(counts, ALGO, RL_INPUTS))
     [(metrics, got_sft), (_, got_rl)], logprobs, local_shapes = layout_run(cfg, sft, rl, counts, then)
     assert metrics["loss"] == pytest.approx(sft_loss, rel=1e-5)
     assert_gradients_match(got_sft, sft_grads, grad_tolerance)

@@ -279,14 +279,14 @@ def rl_batch():
 
 @pytest.mark.parametrize("loss", ["vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg"])
 def test_nan_in_padding_never_reaches_the_loss(loss):
-    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
 
     torch.manual_seed(0)
     batch = rl_batch()
     logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
     old = torch.randn(batch["input_ids"].shape) * 0.1
     algo = AlgorithmConfig(policy_loss=loss, kl_coef=0.1)
-    loss_fn = actor_loss({"tokens": 4, "sequences": 2}, algo)
+    loss_fn = actor_loss({"tokens": 4, "sequences": 2}, algo, ActorInputs(old_logprobs=True, ref_logprobs=True))
     clean = {**batch, "old_logprobs": old * batch["loss_mask"], "ref_logprobs": old * batch["loss_mask"]}
     padding = batch["loss_mask"] == 0
     dirty = {name: value.masked_fill(padding, float("nan")) if name in ("advantages", "old_logprobs", "ref_logprobs")
@@ -301,19 +301,19 @@ def test_nan_in_padding_never_reaches_the_loss(loss):
 def test_on_policy_loss_equals_the_loss_with_recomputed_old_logprobs():
     """With no old_logprobs the policy loss takes the current ones, detached: the loss,
     gradient and log-prob rows equal those of a separate pass's old log-probs."""
-    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
     from rlsys.algorithms.lm_loss import logprobs_of_labels
     from rlsys.data.batching import on_last_response_token, on_response_tokens
 
     torch.manual_seed(0)
     batch = rl_batch()
     logits = torch.randn(2, batch["input_ids"].shape[1], 16, requires_grad=True)
-    loss_fn = actor_loss({"tokens": 4, "sequences": 2}, AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28))
+    algo, counts = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28), {"tokens": 4, "sequences": 2}
 
-    on_policy = loss_fn(logits, batch)
+    on_policy = actor_loss(counts, algo)(logits, batch)
     (grad_on_policy,) = torch.autograd.grad(on_policy.loss, logits)
     old = torch.nn.functional.pad(logprobs_of_labels(logits, batch["input_ids"]).detach(), (1, 0))
-    recomputed = loss_fn(logits, {**batch, "old_logprobs": old})
+    recomputed = actor_loss(counts, algo, ActorInputs(old_logprobs=True))(logits, {**batch, "old_logprobs": old})
     (grad_recomputed,) = torch.autograd.grad(recomputed.loss, logits)
 
     assert on_policy.loss.item() == pytest.approx(recomputed.loss.item())
@@ -531,7 +531,7 @@ def test_mismatch_metrics_by_hand():
 def test_rollout_is_weights_each_tokens_policy_gradient():
     """With rollout log-probs the loss and its gradient are the per-token loss times the
     truncated weights, and the weights are logged."""
-    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
     from rlsys.algorithms.lm_loss import logprobs_of_labels
 
     torch.manual_seed(0)
@@ -542,7 +542,7 @@ def test_rollout_is_weights_each_tokens_policy_gradient():
     rollout = current - torch.tensor([[0.0, 0.0, 0.0, math.log(3.0), math.log(0.5)], [0.0] * 5])
     algo = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
     counts = {"tokens": 4, "sequences": 2}
-    out = actor_loss(counts, algo)(logits, {**batch, "rollout_logprobs": rollout})
+    out = actor_loss(counts, algo, ActorInputs(rollout_logprobs=True))(logits, {**batch, "rollout_logprobs": rollout})
     plain = actor_loss(counts, AlgorithmConfig())(logits, batch)
     # on-policy: the ratio is 1, so each token's loss is -A; row 0's three tokens weigh 1, 2 and 0.5
     assert plain.loss.item() == pytest.approx((-1.0 * 3 + 2.0) / 4)
@@ -654,7 +654,7 @@ def test_a_tool_turn_inside_a_response_is_skipped_not_a_cut(estimator):
     """Multi-turn rows (sampled turn, tool turn masked out, sampled turn): every estimator gives
     a row's sampled tokens of both turns what it gives the same tokens without the tool turn
     between them, and the tool turn nothing; the actor loss and its metrics likewise."""
-    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
 
     torch.manual_seed(0)
     plain_mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.float32)
@@ -677,7 +677,8 @@ def test_a_tool_turn_inside_a_response_is_skipped_not_a_cut(estimator):
 
     logits = torch.randn(2, 8, 11)
     ids = torch.randint(0, 11, (2, 8))
-    loss = actor_loss({"tokens": 6, "sequences": 2, "horizon": 8}, AlgorithmConfig(kl_coef=0.1))
+    loss = actor_loss({"tokens": 6, "sequences": 2, "horizon": 8}, AlgorithmConfig(kl_coef=0.1),
+                      ActorInputs(ref_logprobs=True))
     batch = {"input_ids": ids, "loss_mask": turns_mask, "advantages": turns_advantages,
              "ref_logprobs": torch.full((2, 8), -2.0)}
     with_tool_garbage = {**batch, "advantages": torch.where(tool, torch.nan, turns_advantages),
@@ -711,7 +712,7 @@ def test_top_k_distillation_loss_is_the_teachers_forward_kl_over_its_top_k():
     at each response token, at temperature 1 whatever the rollout's: over the whole vocabulary (k = V)
     it is the exact KL(teacher || pi), and its gradient is coef x (pi - p_t) / tokens on the logits.
     Off the mask (the prompt, padding) the teacher's fields are never read."""
-    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
     from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
     from rlsys.config.rl import DistillConfig
 
@@ -725,7 +726,8 @@ def test_top_k_distillation_loss_is_the_teachers_forward_kl_over_its_top_k():
     batch = {"input_ids": ids, "loss_mask": mask, "advantages": torch.zeros(2, 5),
              TOP_IDS: top_ids, TOP_LOGPROBS: top_logprobs}
     algo = AlgorithmConfig(distill=DistillConfig(teacher="t", top_k=k, coef=0.5))
-    out = actor_loss({"tokens": 5, "sequences": 2, "horizon": 4}, algo, temperature=0.7)(logits, batch)
+    top_k = ActorInputs(teacher_top_k=True)
+    out = actor_loss({"tokens": 5, "sequences": 2, "horizon": 4}, algo, top_k, temperature=0.7)(logits, batch)
     policy = logits[:, :-1].log_softmax(-1)
     exact = (teacher[:, 1:].exp() * (teacher[:, 1:] - policy)).sum(-1)
     on = mask[:, 1:].bool()
@@ -739,7 +741,7 @@ def test_top_k_distillation_loss_is_the_teachers_forward_kl_over_its_top_k():
 
     # k = 2 of 7: only the teacher's two likeliest tokens, neither side renormalised
     top2, ids2 = teacher.topk(2, dim=-1)
-    out2 = actor_loss({"tokens": 5, "sequences": 2, "horizon": 4}, algo)(
+    out2 = actor_loss({"tokens": 5, "sequences": 2, "horizon": 4}, algo, top_k)(
         logits.detach(), {**batch, TOP_IDS: ids2, TOP_LOGPROBS: top2})
     kl2 = (top2[:, 1:].exp() * (top2[:, 1:] - policy.detach().gather(-1, ids2[:, 1:]))).sum(-1)
     assert out2.metrics["distill/top_k_kl"].item() == pytest.approx(kl2[on].mean().item(), abs=1e-5)
@@ -781,7 +783,7 @@ def test_bypass_mode_corrects_the_ratio_of_the_policy_being_updated():
     pi / pi_rollout (no importance weight on top) with rejections against the current policy; with
     reinforce it is -w A log pi, w the truncated weight pi / pi_rollout, as VeRL's
     compute_policy_loss_bypass_mode computes them."""
-    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
     from rlsys.algorithms.lm_loss import logprobs_of_labels
 
     torch.manual_seed(0)
@@ -791,19 +793,20 @@ def test_bypass_mode_corrects_the_ratio_of_the_policy_being_updated():
     # the engine found row 0's second token 3x less likely than the current policy does, its third 2x likelier
     rollout = current - torch.tensor([[0.0, 0.0, 0.0, math.log(3.0), math.log(0.5)], [0.0] * 5])
     bypass = {**batch, "old_logprobs": rollout, "rollout_logprobs": rollout}
-    counts = {"tokens": 4, "sequences": 2}
+    counts, engine_old = {"tokens": 4, "sequences": 2}, ActorInputs(old_logprobs=True, rollout_logprobs=True)
 
     clip = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(preset="bypass_ppo_clip"))
-    vanilla = actor_loss(counts, AlgorithmConfig())(logits, {**batch, "old_logprobs": rollout})
-    assert actor_loss(counts, clip)(logits, bypass).loss.item() == pytest.approx(vanilla.loss.item())
+    vanilla = actor_loss(counts, AlgorithmConfig(), ActorInputs(old_logprobs=True))(
+        logits, {**batch, "old_logprobs": rollout})
+    assert actor_loss(counts, clip, engine_old)(logits, bypass).loss.item() == pytest.approx(vanilla.loss.item())
     # seq_mean_k3 rejects row 0 (its mean k3 is (0 + 2 - log 3 + 0.5 - log 0.5) / 3 = 0.4) above 0.01
     k3 = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(preset="bypass_ppo_clip_k3_rs"))
-    out = actor_loss(counts, k3)(logits, bypass)
+    out = actor_loss(counts, k3, engine_old)(logits, bypass)
     assert out.loss.item() == pytest.approx(2.0 / 4)  # row 1's token alone: ratio 1, -A = 2
     assert out.metrics["rollout_corr/rejected_frac"].item() == pytest.approx(3 / 4)
 
     reinforce = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(preset="bypass_pg_is"))
-    out = actor_loss(counts, reinforce)(logits, bypass)
+    out = actor_loss(counts, reinforce, engine_old)(logits, bypass)
     logp = current[:, 1:][batch["loss_mask"][:, 1:].bool()]  # row 0's three tokens, then row 1's
     w = min(3.0 * 0.5, 2.0)  # row 0's sequence weight: the product of its ratios, truncated at 2
     assert out.loss.item() == pytest.approx((-1.0 * w * logp[:3].sum() + 2.0 * logp[3]).item() / 4, rel=1e-5)

@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 import worker_probes as probes
-from parity import ALGO, MICRO_BATCH, parity_batches
+from parity import ALGO, MICRO_BATCH, RL_INPUTS, parity_batches
 from test_rlvr import COIN, logprob_gap, metrics, rl_raw
 from transformers import AutoModelForCausalLM
 
@@ -65,7 +65,7 @@ def test_adapter_gradients_match_single_process_peft(ray_cluster, sft_config, ti
         group.on_each(probes.perturb_adapters, 0.05, cfg.seed)
         adapters = group.on_each(probes.full_adapters)[0]
         assert adapters and all(lora.is_adapter(name) for name in adapters)
-        for batch, loss_fn in ((sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO))):
+        for batch, loss_fn in ((sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO, RL_INPUTS))):
             group.on_each(probes.zero_grad)
             probes.forward_backward(group, batch, loss_fn)
             got = group.on_each(probes.adapter_gradients)[0]

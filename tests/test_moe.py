@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 import worker_probes as probes
-from parity import ALGO, MICRO_BATCH, assert_gradients_match, layout_run, parity_batches, reference_logprobs
+from parity import ALGO, MICRO_BATCH, RL_INPUTS, assert_gradients_match, layout_run, parity_batches, reference_logprobs
 from test_rlvr import logprob_gap, rl_raw
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -153,7 +153,7 @@ def test_expert_parallel_layout_matches_single_process(ray_cluster, sft_config, 
     rows_per_pass = -(-12 // dp // cfg.parallel.pp_microbatches) if cfg.parallel.pp > 1 else MICRO_BATCH
     passes = pass_rows(12, dp, rows_per_pass)
     sft_loss, sft_balance, sft_grads = reference(moe_model_dir, sft, nll_loss(num_targets(sft)), passes)
-    _, rl_balance, rl_grads = reference(moe_model_dir, rl, actor_loss(counts, ALGO), passes)
+    _, rl_balance, rl_grads = reference(moe_model_dir, rl, actor_loss(counts, ALGO, RL_INPUTS), passes)
 
     some_agree = family != "qwen3_moe_dense_first"
     replay = lambda group: check_routing_replay(group, rl, some_agree)  # noqa: E731

@@ -18,6 +18,7 @@ import worker_probes as probes
 from parity import (
     ALGO,
     MICRO_BATCH,
+    RL_INPUTS,
     assert_gradients_match,
     assert_layout_matches_single_process,
     long_answer_batch,
@@ -154,9 +155,9 @@ def long_answers_match_one_process(model_dir: str, batches, cp: int):
     for micro in micro_batches(rl, MICRO_BATCH):
         packed = pack_rows(micro).batch
         assert SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"]) is not None
-    losses = [actor_loss(counts, ALGO)]
+    losses = [actor_loss(counts, ALGO, RL_INPUTS)]
     if cp == 1:
-        losses.append(actor_loss(counts, replace(ALGO, policy_loss="gspo")))
+        losses.append(actor_loss(counts, replace(ALGO, policy_loss="gspo"), RL_INPUTS))
         assert not is_token_level(losses[1])
     expected = [reference_gradients(model_dir, rl, loss)[1] for loss in losses]
 
@@ -206,13 +207,13 @@ def test_token_budget_evens_the_micro_batches_of_the_ranks(ray_cluster, sft_conf
     assert [len(token_budget_sizes(lengths(s), budget * cp)) for s in split_rows(sft, 2)] == sft_passes
     assert [len(token_budget_sizes(lengths(s), budget * cp)) for s in split_rows(few, 2)] == [2, 1]
     _, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
-    _, few_grads = reference_gradients(tiny_model_dir, few, actor_loss(few_counts, ALGO))
+    _, few_grads = reference_gradients(tiny_model_dir, few, actor_loss(few_counts, ALGO, RL_INPUTS))
 
     cfg = sft_config(*layout, f"train.micro_batch_tokens={budget}")
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         (_, got_sft), (_, got_few) = trained_gradients(
-            group, (sft, nll_loss(num_targets(sft))), (few, actor_loss(few_counts, ALGO)))
+            group, (sft, nll_loss(num_targets(sft))), (few, actor_loss(few_counts, ALGO, RL_INPUTS)))
         logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel("forward", few,
                                                                                     loss_fn=token_logprobs())])
     finally:
@@ -234,14 +235,14 @@ def test_token_budget_sets_the_pipeline_micro_batches(ray_cluster, sft_config, t
     needed = len(token_budget_sizes(sft["attention_mask"].sum(1).tolist(), budget))
     assert needed > 4
     _, sft_grads = reference_gradients(tiny_model_dir, sft, nll_loss(num_targets(sft)))
-    _, rl_grads = reference_gradients(tiny_model_dir, rl, actor_loss(counts, ALGO))
+    _, rl_grads = reference_gradients(tiny_model_dir, rl, actor_loss(counts, ALGO, RL_INPUTS))
 
     cfg = sft_config("parallel.dp_shard=1", "parallel.pp=2", f"train.micro_batch_tokens={budget}")
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         passes = group.on_each(probes.pipeline_micro_batches, sft)
         (_, got_sft), (_, got_rl) = trained_gradients(
-            group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO)))
+            group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO, RL_INPUTS)))
         logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel("forward", sft,
                                                                                     loss_fn=token_logprobs())])
     finally:

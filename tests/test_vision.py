@@ -184,7 +184,7 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     from parity import ALGO, assert_gradients_match, layout_run, trained_gradients
     from transformers import AutoModelForImageTextToText
 
-    from rlsys.algorithms.actor_loss import actor_loss
+    from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
     from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
     from rlsys.config.training import DataConfig
     from rlsys.data.batching import collate, num_targets
@@ -217,7 +217,8 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     rl.update(old_logprobs=logprobs + noise(), ref_logprobs=logprobs + noise())
     counts = {"tokens": num_targets(rl), "sequences": 8}
     expected = []
-    for batch, loss_fn in ((sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO))):
+    rl_loss = actor_loss(counts, ALGO, ActorInputs(old_logprobs=True, ref_logprobs=True))
+    for batch, loss_fn in ((sft, nll_loss(num_targets(sft))), (rl, rl_loss)):
         model.zero_grad()
         out = loss_fn(forward(), batch)
         out.loss.backward()

@@ -6,6 +6,7 @@ optional KL term, aggregated by `algorithm.loss_agg`."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -29,21 +30,36 @@ from rlsys.config.rl import AlgorithmConfig
 from rlsys.data.batching import Batch
 
 
-def actor_loss(counts: dict[str, int], algo: AlgorithmConfig, temperature: float = 1.0,
-               with_logprobs: bool = True) -> Callable[[torch.Tensor, Batch], LossOutput]:
-    """`counts`: the mini-batch's global response "tokens" and "sequences", and the "horizon"
-    (generation budget per response); `temperature`: the rollout's (`sampling_logits`).
+@dataclass(frozen=True)
+class ActorInputs:
+    """Which optional fields a micro-batch holds beside input_ids, loss_mask and advantages, each [B, T]
+    and aligned with input_ids: the loss reads what is declared here, never probing the batch's keys."""
 
-    A micro-batch holds [B, T] tensors aligned with input_ids: loss_mask (1 on response
-    tokens), advantages, old_logprobs (absent when the update is on-policy: the current
-    log-probs, detached, are the old ones) and, with a KL term, ref_logprobs, and with
-    `algorithm.rollout_correction`, rollout_logprobs (the engine's). Its rows output the current
-    log-probs when `with_logprobs` (each row costs a transfer, and a gather under context
-    parallel). Values outside the mask (padding) never reach the loss, NaN included.
-    (A partial, see `rlsys.algorithms.lm_loss`.)"""
+    old_logprobs: bool = False
+    """The sampling policy's (an off-policy update); without them the current log-probs, detached, are
+    the old ones."""
+    rollout_logprobs: bool = False
+    """The engine's: the rollout corrections of `algorithm.rollout_correction` weight by them."""
+    ref_logprobs: bool = False
+    """The reference policy's, which the KL term of `algorithm.kl_coef` needs."""
+    teacher_top_k: bool = False
+    """A teacher's top-k tokens and their log-probs ([B, T, k]): the top-k distillation term."""
+
+
+def actor_loss(counts: dict[str, int], algo: AlgorithmConfig, inputs: ActorInputs = ActorInputs(),
+               temperature: float = 1.0, with_logprobs: bool = True) -> Callable[[torch.Tensor, Batch], LossOutput]:
+    """`counts`: the mini-batch's global response "tokens" and "sequences", and the "horizon"
+    (generation budget per response); `inputs`: the optional fields each micro-batch holds;
+    `temperature`: the rollout's (`sampling_logits`).
+
+    Its rows output the current log-probs when `with_logprobs` (each row costs a transfer, and a
+    gather under context parallel). Values outside the mask (padding) never reach the loss, NaN
+    included. (A partial, see `rlsys.algorithms.lm_loss`.)"""
+    if algo.kl_coef > 0 and not inputs.ref_logprobs:
+        raise ValueError("algorithm.kl_coef > 0: the actor loss needs the batch's ref_logprobs")
     loss_kind = POLICY_LOSSES[policy_loss_name(algo)]
     loss_agg = loss_kind.loss_agg or algo.loss_agg
-    loss_fn = partial(_actor_loss, loss_kind=loss_kind, loss_agg=loss_agg, counts=counts, algo=algo,
+    loss_fn = partial(_actor_loss, loss_kind=loss_kind, loss_agg=loss_agg, counts=counts, algo=algo, inputs=inputs,
                       temperature=temperature, with_logprobs=with_logprobs)
     per_row = aggregates_per_sequence(loss_agg) or algo.rollout_correction.per_sequence
     return token_level(loss_fn) if loss_kind.token_level and not per_row else loss_fn
@@ -59,19 +75,19 @@ def policy_loss_name(algo: AlgorithmConfig) -> str:
 
 
 def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, loss_agg: str,
-                 counts: dict[str, int], algo: AlgorithmConfig, temperature: float, with_logprobs: bool
-                 ) -> LossOutput:
+                 counts: dict[str, int], algo: AlgorithmConfig, inputs: ActorInputs, temperature: float,
+                 with_logprobs: bool) -> LossOutput:
     micro = {k: v.to(logits.device) for k, v in micro.items()}
     model_logits, logits = logits, sampling_logits(logits, temperature)
     logprobs = logprobs_of_labels(logits, micro["input_ids"])
     mask = micro["loss_mask"][:, 1:]
     current = logprobs.detach()
     # padding may hold NaN or inf from the engine or the data: it never enters a ratio or a KL
-    old_logprobs = masked(micro["old_logprobs"][:, 1:], mask, current) if "old_logprobs" in micro else current
+    old_logprobs = masked(micro["old_logprobs"][:, 1:], mask, current) if inputs.old_logprobs else current
     advantages = masked(micro["advantages"][:, 1:], mask)
     terms = loss_kind.fn(logprobs, old_logprobs, advantages, mask, algo)
     pg_per_token, is_metrics = terms.per_token, {}
-    if "rollout_logprobs" in micro:
+    if inputs.rollout_logprobs:
         correction = algo.rollout_correction
         # bypass mode: the old log-probs are the engine's, and the ratio to correct is the current policy's
         factors, is_metrics = correction_factors(current if correction.bypass_mode else old_logprobs,
@@ -81,11 +97,11 @@ def _actor_loss(logits: torch.Tensor, micro: Batch, *, loss_kind: PolicyLoss, lo
                                                                and correction.loss_type == "ppo_clip"))
         pg_per_token = pg_per_token * factors
     per_token, kl = pg_per_token, torch.zeros_like(current)
-    if algo.kl_coef > 0:
+    if inputs.ref_logprobs and algo.kl_coef > 0:
         kl = kl_penalty(logprobs, masked(micro["ref_logprobs"][:, 1:], mask, current), algo.kl_estimator)
         per_token = per_token + algo.kl_coef * kl
     distill_metrics = {}
-    if TOP_IDS in micro:
+    if inputs.teacher_top_k:
         distilled, distill_metrics = _top_k_distillation(model_logits, micro, mask, counts)
         per_token = per_token + algo.distill.coef * distilled
     loss = aggregate(per_token, mask, loss_agg, counts)

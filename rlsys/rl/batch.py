@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsys.agents.trajectory import Trajectory
+from rlsys.algorithms.actor_loss import ActorInputs
 from rlsys.algorithms.advantages import AdvantageInputs
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
 from rlsys.data.batching import Batch
@@ -86,6 +87,12 @@ class RLBatch:
         """What the advantage estimator reads, one row per segment, grouped by prompt draw."""
         return AdvantageInputs(self.token_rewards, self.loss_mask, self.rollout.groups[self.episode_of], self.values,
                                self.old_logprobs, self.sum_pi_squared, self.is_weights, self.reward_baselines)
+
+    def actor_inputs(self) -> ActorInputs:
+        """The optional fields of the actor's loss the phases have made."""
+        made = lambda value: value is not None  # noqa: E731
+        return ActorInputs(old_logprobs=made(self.old_logprobs), rollout_logprobs=made(self.rollout_logprobs),
+                           ref_logprobs=made(self.ref_logprobs), teacher_top_k=made(self.teacher_top_ids))
 
     def for_workers(self) -> Batch:
         """The rows and every field made so far that the training ranks read, under the names they read."""

@@ -53,7 +53,7 @@ class Update:
 
     def _actor_step(self, mini: Batch, counts: dict[str, float], batch: RLBatch) -> dict[str, float]:
         wants_rows = batch.sampler_logprobs is None  # only the first mini-batch's, and only once
-        loss_fn = actor_loss(counts, self.algo, self.temperature, with_logprobs=wants_rows)
+        loss_fn = actor_loss(counts, self.algo, batch.actor_inputs(), self.temperature, with_logprobs=wants_rows)
         outputs = self.groups.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
         if wants_rows:
             batch.sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])

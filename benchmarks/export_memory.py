@@ -22,29 +22,29 @@ MIB = 2**20
 
 
 def export_once(model_dir: str, dtype: str, out_dir: str, results) -> None:
-    """Build one rank's engine of `model_dir`, then export it in `dtype`, sampling the resident set."""
+    """Build one rank's model of `model_dir`, then export it in `dtype`, sampling the resident set."""
     import torch
     import torch.distributed as dist
 
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.model import ModelConfig
     from rlsys.config.training import OptimConfig
-    from rlsys.engine.hf_export import export_hf
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine
     from rlsys.parallel.dims import ParallelDims
     from rlsys.planner.measure import PeakSampler
+    from rlsys.trainer.hf_export import export_hf
+    from rlsys.trainer.rank_model import RankModel, RankModelSpec
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel = ParallelConfig()
     dims = ParallelDims.of(parallel)
     model = ModelConfig(path=model_dir, export_dtype=dtype)
-    engine = ModelEngine(EngineSpec(model, OptimConfig(), dims, parallel, micro_batch_size=1, total_steps=1,
-                                    param_dtype=None),
-                         dims.build_mesh("cpu"), torch.device("cpu"))
-    own = sum(p.numel() * p.element_size() for _, p in engine.named_parameters())
+    rank_model = RankModel(RankModelSpec(model, OptimConfig(), dims, parallel, micro_batch_size=1, total_steps=1,
+                                         param_dtype=None),
+                           dims.build_mesh("cpu"), torch.device("cpu"))
+    own = sum(p.numel() * p.element_size() for _, p in rank_model.named_parameters())
     before = PeakSampler.rss()
     with PeakSampler() as sampler:
-        export_hf(engine.weights, model, out_dir, 0, 1, writes_stage=True, writes_config=True)
+        export_hf(rank_model.weights, model, out_dir, 0, 1, writes_stage=True, writes_config=True)
     shards = [os.path.getsize(path) for path in glob.glob(os.path.join(out_dir, "*.safetensors"))]
     results.put({"own": own, "before": before, "growth": sampler.peak - before, "largest": max(shards),
                  "total": sum(shards), "shards": len(shards)})

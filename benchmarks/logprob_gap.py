@@ -4,8 +4,8 @@
 
 The rollout's vLLM engine (`create_llm`, bf16 on a GPU) samples responses and returns each sampled
 token's log-prob, twice: with the logits rounded to the model dtype (vLLM's default) and computed
-in fp32 (vLLM's `head_dtype`, what `model.fp32_lm_head` asks for). The training engine
-(`ModelEngine`, one rank, as the RL trainer computes old log-probs) scores the same tokens three
+in fp32 (vLLM's `head_dtype`, what `model.fp32_lm_head` asks for). The trainer
+(`RankModel`, one rank, as the RL trainer computes old log-probs) scores the same tokens three
 ways: bf16 mixed precision (the default on a GPU), the same with fp32 logits
 (`compute_logits_in_fp32`), and full fp32, the exact function up to summation order and the
 reference each side's own error is measured against. `--engine-attention TRITON_ATTN` adds an
@@ -32,7 +32,7 @@ import torch.distributed as dist
 HEADS = {"rounded": None, "fp32": torch.float32}
 """The engine's head: logits in the model dtype (vLLM's default), or in fp32."""
 TRAINERS = {"bf16": ("bf16", False), "bf16+fp32 head": ("bf16", True), "fp32": ("float32", False)}
-"""The training engine's precision: (compute dtype, fp32 logits)."""
+"""The trainer's precision: (compute dtype, fp32 logits)."""
 
 
 def _set_head_dtype(worker, dtype) -> None:
@@ -85,22 +85,22 @@ def batch_of(samples: list[tuple]) -> tuple[dict[str, torch.Tensor], torch.Tenso
 
 def score(model: str, batch: dict[str, torch.Tensor], compute: str, fp32_head: bool, device: torch.device
           ) -> torch.Tensor:
-    """The training engine's log-prob of every token of `batch` (one rank, forward only)."""
+    """The trainer's log-prob of every token of `batch` (one rank, forward only)."""
     from rlsys.algorithms.lm_loss import token_logprobs
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.model import ModelConfig
     from rlsys.config.training import OptimConfig
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine
     from rlsys.parallel.dims import ParallelDims
+    from rlsys.trainer.rank_model import RankModel, RankModelSpec
 
     parallel = ParallelConfig(dp_shard=1)
     dims = ParallelDims.of(parallel)
-    spec = EngineSpec(ModelConfig(path=model, fp32_lm_head=fp32_head), OptimConfig(), dims, parallel,
-                      micro_batch_size=len(batch["input_ids"]), total_steps=1,
-                      param_dtype=torch.bfloat16 if compute == "bf16" else None)
-    engine = ModelEngine(spec, dims.build_mesh(device.type), device, trainable=False)
-    _, rows = engine.forward_backward(batch, token_logprobs(), forward_only=True)
-    del engine
+    spec = RankModelSpec(ModelConfig(path=model, fp32_lm_head=fp32_head), OptimConfig(), dims, parallel,
+                         micro_batch_size=len(batch["input_ids"]), total_steps=1,
+                         param_dtype=torch.bfloat16 if compute == "bf16" else None)
+    rank_model = RankModel(spec, dims.build_mesh(device.type), device, trainable=False)
+    _, rows = rank_model.forward_backward(batch, token_logprobs(), forward_only=True)
+    del rank_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows["logprobs"].float().cpu()

@@ -11,7 +11,7 @@ With --experts, each layout's step time is also measured, side by side, for the 
 the same active parameters per token (an MLP as wide as the top-k experts together; ep dropped).
 
 Each layout runs in its own gloo process group (torch.multiprocessing, no Ray: the
-model engine does not need it). The `ideal` column is the model's total bytes divided
+rank's model does not need it). The `ideal` column is the model's total bytes divided
 by the ranks that split it (dp_shard x cp x tp x pp; pipeline stages split by layer, so
 the stage with the embedding or the LM head holds more); `vs ideal` is the rank's parameter bytes
 against it. Peak memory is the bytes tensors hold above what they held before the model was

@@ -30,9 +30,9 @@ from rlsys.algorithms.lm_loss import nll_loss  # noqa: E402
 from rlsys.config.layout import ParallelConfig  # noqa: E402
 from rlsys.config.model import ModelConfig  # noqa: E402
 from rlsys.config.training import OptimConfig  # noqa: E402
-from rlsys.engine.model_engine import EngineSpec, ModelEngine  # noqa: E402
 from rlsys.parallel.dims import ParallelDims  # noqa: E402
 from rlsys.planner.measure import CpuAllocations  # noqa: E402
+from rlsys.trainer.rank_model import RankModel, RankModelSpec  # noqa: E402
 
 
 def run_rank(rank: int, layout: dict, model_dir: str, port: int, batch_shape: tuple[int, int], steps: int,
@@ -42,25 +42,25 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, batch_shape: tu
     dims = ParallelDims.of(parallel)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dims.world_size)
     rows, length = batch_shape
-    spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=rows,
-                      total_steps=steps + 1, param_dtype=None)
-    engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+    spec = RankModelSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=rows,
+                         total_steps=steps + 1, param_dtype=None)
+    rank_model = RankModel(spec, dims.build_mesh("cpu"), torch.device("cpu"))
     ids = torch.randint(0, 1000, (rows, length), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     loss_fn = nll_loss(int(batch["loss_mask"][:, 1:].sum()))
-    engine.forward_backward(batch, loss_fn)
-    engine.optimizer_step()
+    rank_model.forward_backward(batch, loss_fn)
+    rank_model.optimizer_step()
     dist.barrier()
     started = time.perf_counter()
     for _ in range(steps):
-        engine.forward_backward(batch, loss_fn)
-        engine.optimizer_step()
+        rank_model.forward_backward(batch, loss_fn)
+        rank_model.optimizer_step()
     dist.barrier()
     elapsed = (time.perf_counter() - started) / steps
     with CpuAllocations() as memory:  # one step more, apart from the timed ones: the profiler slows it
         with memory.window("step"):
-            engine.forward_backward(batch, loss_fn)
-            engine.optimizer_step()
+            rank_model.forward_backward(batch, loss_fn)
+            rank_model.optimizer_step()
     results.put((rank, elapsed, memory.peaks["step"]))
     dist.destroy_process_group()
 

@@ -1,7 +1,7 @@
-"""The training engine on a GPU, without Ray or vLLM: loss, gradients and log-probs of
-`ModelEngine` on CUDA (nccl, fp32 and bf16 mixed precision) against one plain Hugging Face
+"""The trainer on a GPU, without Ray or vLLM: loss, gradients and log-probs of
+`RankModel` on CUDA (nccl, fp32 and bf16 mixed precision) against one plain Hugging Face
 process on the same batch; the in-place weight sync, whose reader (a colocated rollout
-engine) maps a rank's shards through CUDA IPC; then the engine's forward/backward throughput
+engine) maps a rank's shards through CUDA IPC; then the trainer's forward/backward throughput
 beside that process's on a Qwen2.5-0.5B-shaped model. Run by `scripts/gpu_check.sh`.
 
 The lent GPU machines hold torch and transformers but neither Ray nor vLLM, and reach no
@@ -31,11 +31,11 @@ from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import ModelConfig
 from rlsys.config.rl import AlgorithmConfig
 from rlsys.config.training import OptimConfig
-from rlsys.engine.model_engine import EngineSpec, ModelEngine
-from rlsys.engine.weights import full_tensor
 from rlsys.models.tiny import TinyModelSpec, write_tiny_model
 from rlsys.parallel.dims import ParallelDims
 from rlsys.sync.shards import shared_pieces
+from rlsys.trainer.rank_model import RankModel, RankModelSpec
+from rlsys.trainer.weights import full_tensor
 
 ALGO = AlgorithmConfig(kl_coef=0.1, clip_ratio_low=0.1, clip_ratio_high=0.1)
 TOLERANCE = {"float32": 1e-4, "bf16": 3e-2}
@@ -100,12 +100,12 @@ def start_rank(rank: int, world: int, port: int) -> torch.device:
 
 
 def build_engine(model_dir: str, device: torch.device, layout: dict, precision: str, micro_batch_size: int,
-                 optim: OptimConfig = OptimConfig()) -> tuple[ModelEngine, ParallelDims]:
+                 optim: OptimConfig = OptimConfig()) -> tuple[RankModel, ParallelDims]:
     parallel = ParallelConfig(**layout)
     dims = ParallelDims.of(parallel)
-    spec = EngineSpec(ModelConfig(path=model_dir), optim, dims, parallel, micro_batch_size=micro_batch_size,
-                      total_steps=1, param_dtype=torch.bfloat16 if precision == "bf16" else None)
-    return ModelEngine(spec, dims.build_mesh(device.type), device), dims
+    spec = RankModelSpec(ModelConfig(path=model_dir), optim, dims, parallel, micro_batch_size=micro_batch_size,
+                         total_steps=1, param_dtype=torch.bfloat16 if precision == "bf16" else None)
+    return RankModel(spec, dims.build_mesh(device.type), device), dims
 
 
 def engine_rank(rank: int, world: int, port: int, layout: dict, precision: str, model_dir: str, batch,
@@ -292,7 +292,7 @@ def sharing_rank(conn, port: int, model_dir: str, batch) -> None:
         dist.destroy_process_group()
 
 
-def full_parameters(engine: ModelEngine) -> dict[str, torch.Tensor]:
+def full_parameters(engine: RankModel) -> dict[str, torch.Tensor]:
     """Copies (a CPU tensor sent through a pipe would share the parameter's own memory)."""
     return {name: full_tensor(p).detach().to("cpu", copy=True) for name, p in engine.named_parameters()}
 

@@ -26,9 +26,9 @@ def _one_rank_steps(model_dir: str, store: str, conn) -> None:
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.model import ModelConfig
     from rlsys.config.training import OptimConfig
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine
-    from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims
+    from rlsys.trainer.rank_model import RankModel, RankModelSpec
+    from rlsys.trainer.weights import full_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(0))
@@ -38,11 +38,11 @@ def _one_rank_steps(model_dir: str, store: str, conn) -> None:
                                                  ("recomputed", None, True)):
         parallel = ParallelConfig(activation_checkpointing=checkpointing)
         dims = ParallelDims.of(parallel)
-        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=2,
-                          total_steps=1, param_dtype=param_dtype)
-        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
-        model = engine.parts[0]
-        sums, _ = engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
+        spec = RankModelSpec(ModelConfig(path=model_dir), OptimConfig(), dims, parallel, micro_batch_size=2,
+                             total_steps=1, param_dtype=param_dtype)
+        rank_model = RankModel(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        model = rank_model.parts[0]
+        sums, _ = rank_model.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
         results[wrapping] = {
             "fsdp": isinstance(model, FSDPModule),
             "dtensors": any(isinstance(p, DTensor) for p in model.parameters()),
@@ -50,7 +50,7 @@ def _one_rank_steps(model_dir: str, store: str, conn) -> None:
             "recomputes": model.is_gradient_checkpointing,
             "loss": sums["loss"],
             # numpy: sent by value (a tensor would be shared through this process's file descriptors)
-            "grads": {name: full_tensor(p.grad).numpy() for name, p in engine.named_parameters()},
+            "grads": {name: full_tensor(p.grad).numpy() for name, p in rank_model.named_parameters()},
         }
     conn.send(results)
     dist.destroy_process_group()
@@ -104,9 +104,9 @@ def _head_outputs(model_dir: str, store: str, conn) -> None:
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.model import ModelConfig
     from rlsys.config.training import OptimConfig
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine
-    from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims
+    from rlsys.trainer.rank_model import RankModel, RankModelSpec
+    from rlsys.trainer.weights import full_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -115,14 +115,14 @@ def _head_outputs(model_dir: str, store: str, conn) -> None:
     for fp32_head in (False, True):
         parallel = ParallelConfig()
         dims = ParallelDims.of(parallel)
-        spec = EngineSpec(ModelConfig(path=model_dir, fp32_lm_head=fp32_head), OptimConfig(), dims, parallel,
-                          micro_batch_size=2, total_steps=1, param_dtype=torch.bfloat16)
-        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        spec = RankModelSpec(ModelConfig(path=model_dir, fp32_lm_head=fp32_head), OptimConfig(), dims, parallel,
+                             micro_batch_size=2, total_steps=1, param_dtype=torch.bfloat16)
+        rank_model = RankModel(spec, dims.build_mesh("cpu"), torch.device("cpu"))
         seen = {}
-        engine.parts[0].lm_head.register_forward_hook(lambda module, args, out: seen.update(
+        rank_model.parts[0].lm_head.register_forward_hook(lambda module, args, out: seen.update(
             hidden=args[0].detach().clone(), weight=module.weight.detach().clone(), logits=out.detach().clone()))
-        engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
-        grads = [full_tensor(p.grad) for _, p in engine.named_parameters()]
+        rank_model.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
+        grads = [full_tensor(p.grad) for _, p in rank_model.named_parameters()]
         results[fp32_head] = {**{k: v.float().numpy() for k, v in seen.items()},
                               "dtypes": (seen["hidden"].dtype, seen["weight"].dtype, seen["logits"].dtype),
                               "all_grads": all(g is not None and g.abs().sum() > 0 for g in grads)}
@@ -151,9 +151,9 @@ def _offloaded_steps(model_dir: str, store: str, conn) -> None:
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.model import ModelConfig
     from rlsys.config.training import OptimConfig
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine
-    from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims
+    from rlsys.trainer.rank_model import RankModel, RankModelSpec
+    from rlsys.trainer.weights import full_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(0))
@@ -162,16 +162,16 @@ def _offloaded_steps(model_dir: str, store: str, conn) -> None:
     for offload in (False, True):
         parallel = ParallelConfig(offload=offload)
         dims = ParallelDims.of(parallel)
-        spec = EngineSpec(ModelConfig(path=model_dir), OptimConfig(lr=1e-2, warmup_steps=0), dims, parallel,
-                          micro_batch_size=2, total_steps=2, param_dtype=torch.float32)
-        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
-        units = [m for m in engine.parts[0].modules() if isinstance(m, FSDPModule)]
+        spec = RankModelSpec(ModelConfig(path=model_dir), OptimConfig(lr=1e-2, warmup_steps=0), dims, parallel,
+                             micro_batch_size=2, total_steps=2, param_dtype=torch.float32)
+        rank_model = RankModel(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        units = [m for m in rank_model.parts[0].modules() if isinstance(m, FSDPModule)]
         steps = []
         for _ in range(2):
-            engine.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
-            grads = {name: full_tensor(p.grad).numpy().copy() for name, p in engine.named_parameters()}
-            engine.optimizer_step()
-            params = {name: full_tensor(p).detach().numpy().copy() for name, p in engine.named_parameters()}
+            rank_model.forward_backward(batch, nll_loss(int(batch["loss_mask"][:, 1:].sum())))
+            grads = {name: full_tensor(p.grad).numpy().copy() for name, p in rank_model.named_parameters()}
+            rank_model.optimizer_step()
+            params = {name: full_tensor(p).detach().numpy().copy() for name, p in rank_model.named_parameters()}
             steps.append({"grads": grads, "params": params})
         results[offload] = {"steps": steps, "units": len(units),
                             "offloaded": [isinstance(u._get_fsdp_state()._fsdp_param_group.offload_policy,
@@ -203,9 +203,9 @@ def _random_init_draws(model_dir: str, store: str, conn) -> None:
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.model import ModelConfig
     from rlsys.config.training import OptimConfig
-    from rlsys.engine.model_engine import EngineSpec, ModelEngine
-    from rlsys.engine.weights import full_tensor
     from rlsys.parallel.dims import ParallelDims
+    from rlsys.trainer.rank_model import RankModel, RankModelSpec
+    from rlsys.trainer.weights import full_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     draws = []
@@ -213,10 +213,10 @@ def _random_init_draws(model_dir: str, store: str, conn) -> None:
         torch.manual_seed(seed)
         parallel = ParallelConfig()
         dims = ParallelDims.of(parallel)
-        spec = EngineSpec(ModelConfig(path=model_dir, random_init=True), OptimConfig(), dims, parallel,
-                          micro_batch_size=2, total_steps=1, param_dtype=None)
-        engine = ModelEngine(spec, dims.build_mesh("cpu"), torch.device("cpu"))
-        draws.append({name: full_tensor(p).detach().numpy().copy() for name, p in engine.named_parameters()})
+        spec = RankModelSpec(ModelConfig(path=model_dir, random_init=True), OptimConfig(), dims, parallel,
+                             micro_batch_size=2, total_steps=1, param_dtype=None)
+        rank_model = RankModel(spec, dims.build_mesh("cpu"), torch.device("cpu"))
+        draws.append({name: full_tensor(p).detach().numpy().copy() for name, p in rank_model.named_parameters()})
     conn.send(draws)
     dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlsys.engine.hf_export import StageShards, name_shards
+from rlsys.trainer.hf_export import StageShards, name_shards
 
 pytestmark = pytest.mark.quick
 

@@ -1,5 +1,5 @@
 """The layout planner: its per-rank bytes against what each rank of a real step holds (gloo
-process groups, the model engine), its step peak against the measured one at Qwen2.5-0.5B's widths,
+process groups, a rank's model), its step peak against the measured one at Qwen2.5-0.5B's widths,
 and the `plan` command's table, recommendation and refusals."""
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_plan_bad_input_is_one_line(capsys, tmp_path):
 @pytest.mark.quick
 def test_micro_batches_follow_the_engine():
     """A token budget is per rank: under cp a micro-batch holds cp times as many tokens of whole
-    sequences (`ModelEngine._token_budget_sizes`); a pipeline runs pp_microbatches of them."""
+    sequences (`RankModel._token_budget_sizes`); a pipeline runs pp_microbatches of them."""
     work = Workload(sequences=64, seq_len=1000, micro_batch_rows=4, micro_batch_tokens=4000)
     assert micro_batches(layout_of(dp_shard=2), work) == (8, 4000)  # 32 rows a rank, 4 a micro-batch
     assert micro_batches(layout_of(dp_shard=2, cp=2), work) == (4, 4000)  # 8 rows, split over 2 ranks

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlsys.engine import stored_tensors
-from rlsys.engine.stored_tensors import TensorReader
+from rlsys.trainer import stored_tensors
+from rlsys.trainer.stored_tensors import TensorReader
 
 pytestmark = pytest.mark.quick  # the quick tier (scripts/test.sh --quick)
 

@@ -270,7 +270,7 @@ def test_a_resumed_run_follows_its_own_schedule():
     the saved run's; resumed unchanged, exactly the lr the uninterrupted run had."""
     import torch
 
-    from rlsys.engine.schedule import follow_schedule, lr_multiplier
+    from rlsys.trainer.schedule import follow_schedule, lr_multiplier
 
     def scheduler(total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)

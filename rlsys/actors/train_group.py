@@ -19,8 +19,8 @@ from rlsys.actors.group import ActorGroup
 from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, Role, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
 from rlsys.data.batching import Batch, split_rows
-from rlsys.engine.model_engine import LossFn
 from rlsys.models.hub import size_text, weights_bytes
+from rlsys.trainer.rank_model import LossFn
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class TrainGroup(ActorGroup):
                     for rank in range(world_size)
                 ]
             master_addr, master_port = self.wait([self.submit(0, "master_address")], [0])[0]
-            # Building the engines is start-up: one rank may finish its last collective of it
+            # Building the ranks' models is start-up: one rank may finish its last collective of it
             # seconds before another on a busy machine, so its wait has the rendezvous's limit.
             placement = self.wait(self.submit_all("setup", master_addr, master_port),
                                   straggler_timeout_s=max(spec.collective_timeout_s, RENDEZVOUS_TIMEOUT_S))

@@ -1,7 +1,7 @@
-"""One rank of the training group, inside a Ray actor: a thin role on the model
-engine. The policy role is an engine with its optimizer, the reference role
-(for a KL penalty) and the teacher role (distillation) engines without one, the
-critic role (PPO) an engine with a value head and its own optimizer. The driver calls its methods on
+"""One rank of the training group, inside a Ray actor: a thin role on the rank's
+models (`RankModel`). The policy is one with its optimizer, the reference (for a
+KL penalty) and the teacher (distillation) ones without, the critic (PPO) one
+with a value head and its own optimizer. The driver calls its methods on
 every rank at once (see `train_group.TrainGroup`)."""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.config.training import OptimConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.data.batching import Batch
-from rlsys.engine.hf_export import export_hf
-from rlsys.engine.model_engine import EngineSpec, LossFn, ModelEngine
 from rlsys.host_memory import releases_freed_memory
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.router_replay import without_routing
 from rlsys.sync.gathered import BufferEntry, GatherBuffers, capacity
 from rlsys.sync.shards import ShardBucket, Shared, pack
+from rlsys.trainer.hf_export import export_hf
+from rlsys.trainer.rank_model import LossFn, RankModel, RankModelSpec
 
 Role = Literal["policy", "reference", "teacher", "critic"]
 """The models a training rank may hold: the policy, a frozen reference and teacher, a critic."""
@@ -71,22 +71,22 @@ class TrainWorkerSpec:
     def dims(self) -> ParallelDims:
         return ParallelDims.of(self.parallel)
 
-    def engine_spec(self) -> EngineSpec:
+    def model_spec(self) -> RankModelSpec:
         mixed = self.parallel.mixed_precision
         use_bf16 = mixed == "bf16" or (mixed == "auto" and self.use_gpu)
         parallel = replace(self.parallel, loss_parallel=False) if self.value_head else self.parallel  # one value
-        return EngineSpec(self.model, self.optim, self.dims, parallel, self.micro_batch_size,
-                          self.total_steps, torch.bfloat16 if use_bf16 else None,
-                          micro_batch_tokens=self.micro_batch_tokens, value_head=self.value_head)
+        return RankModelSpec(self.model, self.optim, self.dims, parallel, self.micro_batch_size,
+                             self.total_steps, torch.bfloat16 if use_bf16 else None,
+                             micro_batch_tokens=self.micro_batch_tokens, value_head=self.value_head)
 
-    def teacher_engine_spec(self) -> EngineSpec:
+    def teacher_model_spec(self) -> RankModelSpec:
         """The policy's layout and precision over the teacher's weights, without adapters."""
-        return replace(self.engine_spec(), model=replace(self.model, path=self.teacher, lora=LoraConfig()))
+        return replace(self.model_spec(), model=replace(self.model, path=self.teacher, lora=LoraConfig()))
 
-    def critic_engine_spec(self) -> EngineSpec:
+    def critic_model_spec(self) -> RankModelSpec:
         """The policy's layout with the critic's optimizer; no loss parallel (a value is one number); every
         weight trained (no LoRA)."""
-        policy = self.engine_spec()
+        policy = self.model_spec()
         parallel = replace(self.parallel, loss_parallel=False)
         model = replace(self.model, lora=LoraConfig())
         return replace(policy, model=model, optim=self.critic.optim, parallel=parallel, value_head=True)
@@ -130,7 +130,7 @@ class TrainWorker:
         """Where this rank writes gathered buckets for the engine beside it (`share_gather_buffers`)."""
 
     def release(self) -> bool:
-        """Drop this rank's engines and leave its process group, keeping the process and its imports
+        """Drop this rank's models and leave its process group, keeping the process and its imports
         for a rank of another group (`reuse`; `rlsys.actors.kept_actors`)."""
         self._become(self.rank, self.spec)
         self.shutdown()
@@ -155,7 +155,7 @@ class TrainWorker:
 
     @releases_freed_memory
     def setup(self, master_addr: str, master_port: int) -> tuple[int, bool]:
-        """Join the process group, build the engines; returns (data-parallel rank, collected?)."""
+        """Join the process group, build the rank's models; returns (data-parallel rank, collected?)."""
         spec = self.spec
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         if spec.use_gpu:
@@ -169,12 +169,12 @@ class TrainWorker:
                                 timeout=timedelta(seconds=spec.collective_timeout_s))
         mesh = spec.dims.build_mesh(self.device.type)
         torch.manual_seed(spec.seed)
-        self.policy = ModelEngine(spec.engine_spec(), mesh, self.device)
+        self.policy = RankModel(spec.model_spec(), mesh, self.device)
         copy_reference = spec.with_reference and not spec.model.lora.rank
-        self.reference = ModelEngine(spec.engine_spec(), mesh, self.device, trainable=False) \
+        self.reference = RankModel(spec.model_spec(), mesh, self.device, trainable=False) \
             if copy_reference else None
-        self.critic = ModelEngine(spec.critic_engine_spec(), mesh, self.device) if spec.critic else None
-        self.teacher = ModelEngine(spec.teacher_engine_spec(), mesh, self.device, trainable=False) \
+        self.critic = RankModel(spec.critic_model_spec(), mesh, self.device) if spec.critic else None
+        self.teacher = RankModel(spec.teacher_model_spec(), mesh, self.device, trainable=False) \
             if spec.teacher else None
         self.where = spec.dims.coordinates(self.rank)
         record_startup("train", self.startup, self.reused)

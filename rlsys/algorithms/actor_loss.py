@@ -1,4 +1,4 @@
-"""The actor's loss of one micro-batch, as a pure loss function for the model engine: the
+"""The actor's loss of one micro-batch, as a pure loss function for a rank's model: the
 configured policy-gradient loss (`algorithm.policy_loss`) on the batch's advantages, corrected
 for the engine/trainer mismatch where it is on (`algorithm.rollout_correction`), plus an
 optional KL term, aggregated by `algorithm.loss_agg`."""

@@ -1,5 +1,5 @@
 """Next-token log-probs and the language-modelling loss, as pure loss functions
-for the model engine (`rlsys.engine.model_engine`).
+for a rank's model (`rlsys.trainer.rank_model`).
 
 A loss builder returns a `functools.partial` of a module-level function rather than a
 closure: Ray pickles the loss for every call, a closure by value, a partial by reference."""
@@ -19,7 +19,7 @@ from rlsys.data.batching import Batch
 
 @dataclass
 class LossOutput:
-    """What a loss function gives the engine for one micro-batch."""
+    """What a loss function gives the rank's model for one micro-batch."""
 
     loss: torch.Tensor | None
     """This micro-batch's share of the global loss (None when only outputs are wanted)."""
@@ -34,7 +34,7 @@ LossFn = Callable[[torch.Tensor, Batch], LossOutput]
 
 def token_level(loss_fn: LossFn) -> LossFn:
     """Mark a loss function whose loss, metrics and rows are all sums or values over tokens:
-    the engine may then take it on packed rows of several sequences (`rlsys.data.packing`). A
+    the rank's model may then take it on packed rows of several sequences (`rlsys.data.packing`). A
     term taken per row (a sequence's mean) would mix the sequences packed into a row, so any
     other loss gets the packed forward's logits laid back out as its rows."""
     loss_fn.token_level = True

@@ -1,7 +1,7 @@
-"""The reward model's loss for the model engine: Bradley-Terry on preference pairs.
+"""The reward model's loss for a rank's model (`RankModel`): Bradley-Terry on preference pairs.
 
 The model is the policy's backbone with a one-output head in place of the LM head (as the
-critic's, `rlsys.engine.loading`), so its "logits" are [B, T, 1]; a sequence's score is the
+critic's, `rlsys.trainer.loading`), so its "logits" are [B, T, 1]; a sequence's score is the
 value at its last token (where its loss mask is 1), as a sequence-classification model scores it.
 Rows come in pairs, chosen then rejected (`rlsys.data.preferences`), and a micro-batch holds
 whole pairs. A partial, not a closure (see `lm_loss`).

@@ -1,7 +1,7 @@
-"""The critic's loss functions for the model engine (PPO with `adv_estimator: gae`).
+"""The critic's loss functions for a rank's model (PPO with `adv_estimator: gae`).
 
 The critic is the policy's backbone with a one-output head where the LM head was
-(`rlsys.engine.loading`), so its "logits" are [B, T, 1] values. As with log-probs,
+(`rlsys.trainer.loading`), so its "logits" are [B, T, 1] values. As with log-probs,
 the value of response token t is read at position t - 1: the state before the
 token was generated.
 """

@@ -50,7 +50,7 @@ def read_rows(paths: list[str]) -> Iterator[tuple[str, int, dict]]:
 
 
 def load_file(path: str) -> datasets.Dataset:
-    """`datasets` is imported here, not at the top: the training engine imports this module
+    """`datasets` is imported here, not at the top: the trainer imports this module
     (through batching) and must import where `datasets` is not installed (the GPU check)."""
     import datasets
 

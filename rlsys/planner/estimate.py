@@ -260,8 +260,8 @@ def _outside_blocks(shapes: ModelShapes, tp: int) -> float:
 
 
 def micro_batches(layout: Layout, work: Workload) -> tuple[int, int]:
-    """(micro-batches per step on a rank, tokens each puts on a rank), cut as the model engine
-    cuts a data-parallel shard (`ModelEngine._micro_batches`, `_pipeline_micro_batches`)."""
+    """(micro-batches per step on a rank, tokens each puts on a rank), cut as a rank's model
+    cuts a data-parallel shard (`RankModel._micro_batches`, `_pipeline_micro_batches`)."""
     dims, parallel = layout.dims, layout.parallel
     rows = max(1, math.ceil(work.sequences / dims.dp_size))
     if work.micro_batch_tokens:

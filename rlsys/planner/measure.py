@@ -4,7 +4,7 @@ and optimizer state it holds, and the peak memory of loading the model and of th
 its estimate.
 
 Each layout runs in its own gloo (or nccl) process group of processes forked from a server that
-imported this module once (no Ray: the model engine does not need it), so that a layout costs its
+imported this module once (no Ray: a rank's model does not need it), so that a layout costs its
 measurement, not a fresh interpreter's imports per rank. Peak memory is the bytes tensors hold
 above what they held before the model was built, as torch's allocator counts them:
 max_memory_allocated on a GPU; on the CPU, the allocations and frees torch's profiler records (not
@@ -42,9 +42,9 @@ from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import LoraConfig, ModelConfig
 from rlsys.config.training import OptimConfig
-from rlsys.engine.model_engine import EngineSpec, ModelEngine
-from rlsys.engine.weights import local_tensor
 from rlsys.parallel.dims import ParallelDims
+from rlsys.trainer.rank_model import RankModel, RankModelSpec
+from rlsys.trainer.weights import local_tensor
 
 
 @dataclass(frozen=True)
@@ -178,15 +178,15 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
         dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=dims.world_size)
     model = ModelConfig(path=model_dir, lora=LoraConfig(rank=args.lora_rank), random_init=args.one_rank)
-    spec = EngineSpec(model, OptimConfig(), dims, parallel, micro_batch_size=args.micro_batch or args.rows,
-                      total_steps=10, param_dtype=torch.bfloat16 if on_gpu else None)  # mixed_precision=auto
+    spec = RankModelSpec(model, OptimConfig(), dims, parallel, micro_batch_size=args.micro_batch or args.rows,
+                         total_steps=10, param_dtype=torch.bfloat16 if on_gpu else None)  # mixed_precision=auto
     device = torch.device(args.device, rank if on_gpu else None)
     with (CudaAllocations() if on_gpu else CpuAllocations()) as memory:
         with memory.window("load"):
-            engine = ModelEngine(spec, dims.build_mesh(args.device), device)
-        grads, step_s = _steps(engine, dims, rank, model_dir, args, memory)
-    params = local_bytes(p for _, p in engine.named_parameters())
-    optim = local_bytes(t for optimizer in engine.optimizers for state in optimizer.state.values()
+            rank_model = RankModel(spec, dims.build_mesh(args.device), device)
+        grads, step_s = _steps(rank_model, dims, rank, model_dir, args, memory)
+    params = local_bytes(p for _, p in rank_model.named_parameters())
+    optim = local_bytes(t for optimizer in rank_model.optimizers for state in optimizer.state.values()
                         for t in state.values() if t.dim() > 0)
     results.put((rank, {"params": params, "grads": grads, "optim": optim, "load_peak": memory.peaks["load"],
                         "step_peak": memory.peaks["step"], "step_s": step_s,
@@ -194,7 +194,7 @@ def run_rank(rank: int, layout: dict, model_dir: str, port: int, args: StepShape
     dist.destroy_process_group()
 
 
-def _steps(engine: ModelEngine, dims: ParallelDims, rank: int, model_dir: str, args: StepShape,
+def _steps(model: RankModel, dims: ParallelDims, rank: int, model_dir: str, args: StepShape,
            memory) -> tuple[int, float]:
     """`args.steps` training steps on random tokens; the last one's gradient bytes and seconds."""
     vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
@@ -206,9 +206,9 @@ def _steps(engine: ModelEngine, dims: ParallelDims, rank: int, model_dir: str, a
     for _ in range(args.steps):  # the last step is measured: from the second on, AdamW's state is held
         started = time.perf_counter()
         with memory.window("step"):
-            engine.forward_backward(shard, loss_fn)
-            grads = local_bytes(p.grad for _, p in engine.named_parameters() if p.grad is not None)
-            engine.optimizer_step()
+            model.forward_backward(shard, loss_fn)
+            grads = local_bytes(p.grad for _, p in model.named_parameters() if p.grad is not None)
+            model.optimizer_step()
         step_s = time.perf_counter() - started
     return grads, step_s
 
@@ -225,7 +225,7 @@ def measure(layout: dict, model_dir: str, args: StepShape) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([__name__])  # torch, transformers and the engine, imported once
+    context.set_forkserver_preload([__name__])  # torch, transformers and the rank's model, imported once
     results = context.Queue()
     procs = [context.Process(target=run_rank, args=(r, layout, model_dir, port, args, results))
              for r in range(world)]

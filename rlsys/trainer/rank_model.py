@@ -1,6 +1,6 @@
-"""The model engine: one rank's share of a model in its parallel layout, with
+"""A rank's model: one rank's share of a model in its parallel layout, with
 its optimizer and schedule. It knows nothing of Ray or of RL: a Ray worker
-holds one engine per role (the policy, a frozen reference) and hands it loss
+holds one per role (the policy, a frozen reference) and hands it loss
 functions (`rlsys.algorithms`).
 
 Under pipeline parallelism a rank holds one or more stages of the model
@@ -33,11 +33,6 @@ from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
 from rlsys.data.packing import block_causal_mask, pack_rows
-from rlsys.engine.grad_norm import clip_grad_norm
-from rlsys.engine.loading import load_parallel_model
-from rlsys.engine.schedule import lr_multiplier
-from rlsys.engine.state import RankState
-from rlsys.engine.weights import RankWeights
 from rlsys.models import lora
 from rlsys.models.moe import moe_layer_indices
 from rlsys.models.vision import image_inputs, vision_tower
@@ -62,10 +57,15 @@ from rlsys.parallel.router_replay import (
 )
 from rlsys.parallel.span_attention import SharedPrefixSpans, uses_span_attention
 from rlsys.tracking.trace import span
+from rlsys.trainer.grad_norm import clip_grad_norm
+from rlsys.trainer.loading import load_parallel_model
+from rlsys.trainer.schedule import lr_multiplier
+from rlsys.trainer.state import RankState
+from rlsys.trainer.weights import RankWeights
 
 
 @dataclass(frozen=True)
-class EngineSpec:
+class RankModelSpec:
     model: ModelConfig
     optim: OptimConfig
     dims: ParallelDims
@@ -75,14 +75,14 @@ class EngineSpec:
     param_dtype: torch.dtype | None
     """Compute dtype under FSDP2 mixed precision (None: the model's own)."""
     value_head: bool = False
-    """A critic: a one-output value head in place of the LM head (`engine.loading`)."""
+    """A critic: a one-output value head in place of the LM head (`trainer.loading`)."""
     micro_batch_tokens: int | None = None
     """Cut micro-batches by this token budget instead of by micro_batch_size rows: a rank's
     tokens, so under context parallel cp times as many of whole sequences (as VeRL's Ulysses)."""
 
 
-class ModelEngine:
-    def __init__(self, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, trainable: bool = True):
+class RankModel:
+    def __init__(self, spec: RankModelSpec, mesh: DeviceMesh, device: torch.device, trainable: bool = True):
         self.spec, self.mesh, self.device = spec, mesh, device
         self.parts = load_parallel_model(spec.model, spec.dims, mesh, spec.parallel, device, spec.param_dtype,
                                          spec.value_head)
@@ -108,9 +108,9 @@ class ModelEngine:
             for part in self.parts:
                 part.eval().requires_grad_(False)
         self.weights = RankWeights(self.parts, spec.model.lora)
-        """What the weight sync and the export read (`rlsys.engine.weights`)."""
+        """What the weight sync and the export read (`rlsys.trainer.weights`)."""
         self.state = RankState(self.parts, self.optimizers, self.schedulers, spec.model, spec.optim.lr)
-        """Checkpoints (`rlsys.engine.state`)."""
+        """Checkpoints (`rlsys.trainer.state`)."""
 
     def _build_optimizers(self) -> None:
         optim = self.spec.optim

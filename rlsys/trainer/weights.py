@@ -1,6 +1,6 @@
 """A rank's parameters as the weight sync and the export read them: full sizes and tensors under
 HF names, this rank's own shards (with LoRA adapters merged in), and handles to those shards for
-an engine on the same machine to read in place. It takes the model's parts, not the engine."""
+an engine on the same machine to read in place. It takes the model's parts, not the rank's `RankModel`."""
 
 from __future__ import annotations
 

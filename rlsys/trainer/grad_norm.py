@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlsys.engine.weights import full_tensor
+from rlsys.trainer.weights import full_tensor
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group) -> float:

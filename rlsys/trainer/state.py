@@ -1,6 +1,6 @@
 """A rank's state on disk: the distributed checkpoint a run resumes from (model, optimizer,
 schedule and RNG under HF names, so any layout can read it). It takes the model's parts, optimizers
-and schedules, not the engine; the Hugging Face directory a stage exports is `hf_export`'s."""
+and schedules, not the rank's model; the Hugging Face directory a stage exports is `hf_export`'s."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlsys.config.model import ModelConfig
-from rlsys.engine.schedule import follow_schedule
 from rlsys.models import lora
+from rlsys.trainer.schedule import follow_schedule
 
 
 class RankState:

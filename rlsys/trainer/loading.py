@@ -19,7 +19,6 @@ from transformers import AutoConfig
 
 from rlsys.config.layout import ParallelConfig
 from rlsys.config.model import ModelConfig
-from rlsys.engine.stored_tensors import TensorReader, stored_tensors
 from rlsys.models import lora
 from rlsys.models.head import compute_logits_in_fp32
 from rlsys.models.moe import FUSED, MoEFamily, moe_family
@@ -27,6 +26,7 @@ from rlsys.models.vision import checkpoint_name, freeze_vision, model_class, pla
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import parallelize
 from rlsys.parallel.pipeline_stages import split_into_stages, stages_per_rank
+from rlsys.trainer.stored_tensors import TensorReader, stored_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from rlsys.config.model import ModelConfig
-from rlsys.engine.weights import RankWeights
 from rlsys.models import lora
 from rlsys.models.moe import moe_family
 from rlsys.models.vision import checkpoint_name
+from rlsys.trainer.weights import RankWeights
 
 MAX_SHARD_BYTES = 5 * 10**9
 """The Hub's shard size (`save_pretrained`'s max_shard_size="5GB")."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import yaml
 
 from rlsys.actors import kept_actors
+from rlsys.actors.phases import set_phase
 from rlsys.config.loader import ConfigError, build_config, config_to_dict, load_config
 from rlsys.config.schema import EvalJobConfig, PipelineConfig, PipelineStage, RLJobConfig, TrainJobConfig
 from rlsys.stages.preflight import resolve_models
@@ -57,6 +58,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             if finished is None:
                 log.info("pipeline: stage %d/%d %r (%s) in %s", index + 1, len(jobs), spec.name, spec.stage,
                          job.output_dir)
+                set_phase(f"{spec.stage}: checks and data")  # until the stage names its own phases
                 summary, status = _run_stage(spec.stage, job), None
             else:
                 log.info("pipeline: stage %r already finished in %s; skipped", spec.name, job.output_dir)

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 
 from rlsys.actors.cluster import ensure_ray
+from rlsys.actors.phases import set_phase
 from rlsys.actors.reward_pool import RewardPool
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.config.rl import RewardConfig
@@ -96,6 +97,7 @@ def run_eval(cfg: EvalJobConfig) -> dict:
     evaluator.check_engine(cfg.model.path, on_gpu=cfg.ray.gpus_per_worker > 0)
     prepare_run_dir(cfg, "eval")
     ensure_ray(cfg.ray)
+    set_phase("eval: generate and score")
     summary = evaluate_model(cfg.model.path, evaluator, agents, cfg.output_dir, cfg.ray.cpus_per_worker,
                              cfg.ray.gpus_per_worker)
     summary = {"stage": "eval", **summary, "time_s": round(time.time() - started, 1)}

@@ -27,6 +27,7 @@ import psutil
 import ray
 
 import rlsys.tasks  # noqa: F401  (registers the `arith` reward)
+from rlsys.actors.train_worker import TrainWorker
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.models.moe import num_experts
@@ -75,7 +76,7 @@ def rlsys_steps(cfg: RLJobConfig, bare: PausedEngine | None = None, export: str 
                 replays.append(bare.replay_paired(calls_by_step[-1], paused_first=step % 2 == 0))
         prompts = [(i, trainer.prompts[i].ids) for i in range(cfg.train.prompts_per_step)]
         if export:
-            trainer.train_group.run_all("export_hf", export)
+            trainer.train_group.run_all(TrainWorker.export_hf, export)
     finally:
         trainer.shutdown()
     return rows, prompts, calls_by_step, replays

@@ -8,6 +8,7 @@ import torch
 import worker_probes as probes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlsys.actors.train_worker import TrainWorker
 from rlsys.algorithms.actor_loss import ActorInputs, actor_loss
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS
 from rlsys.algorithms.lm_loss import logprobs_of_labels, nll_loss
@@ -125,7 +126,7 @@ def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, fl
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
         results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO, RL_INPUTS)))
-        logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel("forward", sft,
+        logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel(TrainWorker.forward, sft,
                                                                                     loss_fn=token_logprobs())])
         shapes = group.on_each(probes.local_shapes)
         assert all(group.on_each(probes.attends_spans_where_it_can))

@@ -17,6 +17,7 @@ import torch
 import worker_probes as probes
 import yaml
 
+from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.config.loader import load_config
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import collate_rollouts
@@ -58,7 +59,7 @@ def sample_across_a_sync(trainer: RLVRTrainer, indices, seed: int):
     prompts = [(i, trainer.prompts[i].ids, trainer.prompts[i].row) for i in indices]
     sampling = trainer.rollout_group.sampling(max_new_tokens=LONG_RESPONSE)
     stepped = engine_seconds(trainer)
-    ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2, sampling, 7)
+    ref = trainer.rollout_group.submit(0, RolloutWorker.rollout, prompts, "single_turn", 2, sampling, 7)
     deadline = time.monotonic() + 300
     while engine_seconds(trainer) == stepped:  # the sync goes in once the engine has sampled a token of them
         assert time.monotonic() < deadline, "the engine took no step"

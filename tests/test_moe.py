@@ -197,7 +197,7 @@ def test_vllm_logprobs_match_trainer_after_syncs_from_ep2(ray_cluster, moe_model
     each of the 2 MoE layers' experts again exactly once (skipped, vLLM-CPU computes with the experts
     in the wrong order; twice, in another wrong order). With R2 (Qwen3-MoE) a step of several updates
     routes them as its old-log-prob pass did."""
-    from rlsys.sync.weight_sync import WeightSync
+    from rlsys.rl.weight_sync import WeightSync
 
     raw = rl_raw(moe_model_dirs[family], arith_files, str(tmp_path / "rl"))
     raw["parallel"] = {"dp_shard": 2, "ep": 2}

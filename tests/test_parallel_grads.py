@@ -30,7 +30,7 @@ from parity import (
 )
 
 from rlsys.actors.train_group import TrainGroup
-from rlsys.actors.train_worker import build_worker_spec
+from rlsys.actors.train_worker import TrainWorker, build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import is_token_level, logprobs_of_labels, nll_loss, token_logprobs
 from rlsys.data.batching import micro_batches, num_targets, split_rows, token_budget_sizes
@@ -214,7 +214,7 @@ def test_token_budget_evens_the_micro_batches_of_the_ranks(ray_cluster, sft_conf
     try:
         (_, got_sft), (_, got_few) = trained_gradients(
             group, (sft, nll_loss(num_targets(sft))), (few, actor_loss(few_counts, ALGO, RL_INPUTS)))
-        logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel("forward", few,
+        logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel(TrainWorker.forward, few,
                                                                                     loss_fn=token_logprobs())])
     finally:
         group.shutdown()
@@ -243,7 +243,7 @@ def test_token_budget_sets_the_pipeline_micro_batches(ray_cluster, sft_config, t
         passes = group.on_each(probes.pipeline_micro_batches, sft)
         (_, got_sft), (_, got_rl) = trained_gradients(
             group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO, RL_INPUTS)))
-        logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel("forward", sft,
+        logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel(TrainWorker.forward, sft,
                                                                                     loss_fn=token_logprobs())])
     finally:
         group.shutdown()

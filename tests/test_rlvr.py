@@ -19,6 +19,8 @@ import torch
 import worker_probes as probes
 
 from rlsys.actors.failures import WorkerFailure
+from rlsys.actors.rollout_worker import RolloutWorker
+from rlsys.actors.train_worker import TrainWorker
 from rlsys.algorithms.lm_loss import logprobs_and_sum_pi_squared
 from rlsys.algorithms.value_loss import token_values
 from rlsys.config.loader import build_config
@@ -27,8 +29,8 @@ from rlsys.config.training import TrackingConfig
 from rlsys.data.batching import collate_rollouts
 from rlsys.rl.batch import RLBatch
 from rlsys.rl.remax import ReMax
+from rlsys.rl.weight_sync import WeightSync, _gpus_unseen, _Host, plan_buckets
 from rlsys.stages.rl_trainer import RLVRTrainer, run_rlvr
-from rlsys.sync.weight_sync import WeightSync, _gpus_unseen, _Host, plan_buckets
 
 # One xdist worker runs this module (scripts/test.sh): the uninterrupted run its tests read, built once.
 pytestmark = pytest.mark.xdist_group("rlvr")
@@ -478,7 +480,7 @@ def _hold_a_generation_in_flight(trainer: RLVRTrainer):
     sync's first bucket does (`RequestEngine.sync_turn`), so they stay in flight. Their result's ref."""
     prompts = [(i, trainer.prompts[i].ids, trainer.prompts[i].row) for i in range(4)]
     stepped = trainer.rollout_group.on_each(lambda worker: worker.engine.step_s)[0]
-    ref = trainer.rollout_group.submit(0, "rollout", prompts, "single_turn", 2,
+    ref = trainer.rollout_group.submit(0, RolloutWorker.rollout, prompts, "single_turn", 2,
                                        trainer.rollout_group.sampling(max_new_tokens=LONG_RESPONSE), 7)
     deadline = time.monotonic() + 300
     while trainer.rollout_group.on_each(lambda worker: worker.engine.step_s)[0] == stepped:
@@ -507,7 +509,8 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
         batch = sampled_batch(trainer)
 
         def values() -> torch.Tensor:
-            shards = trainer.train_group.run_data_parallel("forward", batch, loss_fn=token_values, role="critic")
+            shards = trainer.train_group.run_data_parallel(TrainWorker.forward, batch, loss_fn=token_values,
+                                                           role="critic")
             return torch.cat([out["values"] for out, _ in shards])
 
         batch["values"] = values()
@@ -517,12 +520,13 @@ def test_critic_value_loss_falls_and_resumes(ray_cluster, rl_config, tmp_path, l
                                  torch.arange(16) // 2, batch["values"])
         _, batch["returns"] = gae_advantages_and_returns(inputs, gamma=1.0, lam=0.95)
         loss_fn = value_loss({"tokens": num_targets(batch), "sequences": 16}, 10.0, "token-mean")
-        losses = [trainer.train_group.run_data_parallel("critic_step", batch, loss_fn=loss_fn)[0]["critic/vf_loss"]
-                  for _ in range(6)]
+        critic_step = lambda: trainer.train_group.run_data_parallel(TrainWorker.critic_step, batch,  # noqa: E731
+                                                                    loss_fn=loss_fn)[0]
+        losses = [critic_step()["critic/vf_loss"] for _ in range(6)]
         checkpoints = CheckpointDir(str(tmp_path / "ckpt"), keep_last=1)
         save_training_state(checkpoints, 1, trainer.train_group, trainer.sampler)
         saved = values()
-        trainer.train_group.run_data_parallel("critic_step", batch, loss_fn=loss_fn)
+        trainer.train_group.run_data_parallel(TrainWorker.critic_step, batch, loss_fn=loss_fn)
         assert not torch.allclose(values(), saved)
         restore_training_state(checkpoints, trainer.train_group, trainer.sampler)
         assert torch.allclose(values(), saved, atol=1e-6)

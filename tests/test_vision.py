@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from rlsys.actors.train_worker import TrainWorker
 from rlsys.models.vision_compat import allow_qwen_vl_without_torchvision
 
 # One xdist worker runs this module (scripts/test.sh): the vision-language models and data, built once.
@@ -399,7 +400,7 @@ def test_lora_rl_on_pictures_adapts_the_language_model_and_syncs_its_adapters(ra
         assert picture_logprob_gap(trainer) > 1e-2
         trainer.sync.run()
         assert picture_logprob_gap(trainer) < 1e-4
-        trainer.train_group.run_all("export_hf", str(tmp_path / "hf_model"))
+        trainer.train_group.run_all(TrainWorker.export_hf, str(tmp_path / "hf_model"))
     finally:
         trainer.shutdown()
     out = tmp_path / "hf_model"
@@ -479,7 +480,7 @@ def test_ppo_critic_reads_the_pictures(ray_cluster, rl_config, vl_dirs, dots_fil
         from rlsys.algorithms.value_loss import token_values
 
         values = torch.cat([out["values"] for out, _ in trainer.train_group.run_data_parallel(
-            "forward", batch, loss_fn=token_values, role="critic")])
+            TrainWorker.forward, batch, loss_fn=token_values, role="critic")])
     finally:
         trainer.shutdown()
     assert all(row["critic/grad_norm"] > 0 for row in rows)

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from rlsys.actors.cluster import kill_named, shut_down
 from rlsys.actors.failures import CallLimit, WorkerFailure, WorkerReplacements, wait_all
@@ -23,6 +23,21 @@ from rlsys.models.hub import size_text, weights_bytes
 from rlsys.tracking.trace import span
 
 log = logging.getLogger(__name__)
+
+
+Worker = TypeVar("Worker")
+"""The class of a group's actors (`TrainWorker`, `RolloutWorker`, ...)."""
+P = ParamSpec("P")
+R = TypeVar("R")
+Method = Callable[Concatenate[Worker, P], R]
+"""A method of the group's worker class, named by the function itself (`RolloutWorker.rollout`): a reader
+follows it to its definition and a type checker checks its arguments."""
+
+
+def method_name(method: Callable) -> str:
+    if isinstance(method, str):
+        raise TypeError(f"name the worker's method itself (e.g. RolloutWorker.rollout), not the string {method!r}")
+    return method.__name__
 
 
 def contiguous_shares(items: list, parts: int) -> list[list]:
@@ -35,7 +50,7 @@ class Call:
     """A call started on actor `index` of a group, with what it takes to send it again."""
 
     index: int
-    method: str
+    method: Callable
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     ref: Any = None
@@ -49,7 +64,7 @@ shared-memory queues in /dev/shm, which a tensor-parallel engine on a loaded mac
 do; killed before that, the queues outlive it."""
 
 
-class ActorGroup:
+class ActorGroup(Generic[Worker]):
     stop_timeout_s: float = 10.0
     """How long `shutdown` lets the actors release what outlives a killed process before killing them."""
 
@@ -78,15 +93,15 @@ class ActorGroup:
         self.wait([actor.__ray_ready__.remote() for actor in self.actors],
                   on_result=lambda i: log.info("%s ready in %.1f s", self.names[i], time.perf_counter() - started))
 
-    def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
+    def submit(self, index: int, method: Method[Worker, P, R], *args: P.args, **kwargs: P.kwargs):
         """Start `method` on actor `index`; returns its object ref."""
-        return call(getattr(self.actors[index], method), *args, **kwargs)
+        return call(getattr(self.actors[index], method_name(method)), *args, **kwargs)
 
-    def submit_call(self, index: int, method: str, *args: Any, **kwargs: Any) -> Call:
+    def submit_call(self, index: int, method: Method[Worker, P, R], *args: P.args, **kwargs: P.kwargs) -> Call:
         """Start `method` on actor `index`; the call, for `wait_replacing`."""
         return Call(index, method, args, kwargs, self.submit(index, method, *args, **kwargs), self.actors[index])
 
-    def submit_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+    def submit_all(self, method: Method[Worker, P, R], *args: P.args, **kwargs: P.kwargs) -> list:
         """Start `method` with the same arguments on every actor; returns their object refs."""
         return [self.submit(index, method, *args, **kwargs) for index in range(len(self.actors))]
 
@@ -142,7 +157,7 @@ class ActorGroup:
         """Create actor `index` (groups that can replace their actors build them here)."""
         raise NotImplementedError(f"{type(self).__name__} does not replace its actors")
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+    def run_all(self, method: Method[Worker, P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Call `method` with the same arguments on every actor; results in actor order."""
         return self.wait(self.submit_all(method, *args, **kwargs))
 

@@ -14,7 +14,7 @@ from rlsys.actors.cluster import actor_name, kill_named, log_file_of, spawn
 from rlsys.actors.failures import WorkerFailure, WorkerReplacements, wait_all
 from rlsys.actors.phases import call
 from rlsys.actors.reward_worker import RewardWorker
-from rlsys.actors.served_models import ServedModelGroup
+from rlsys.actors.served_models import ServedModelGroup, ServedModelWorker
 from rlsys.config.rl import RewardConfig, RewardTerm
 from rlsys.rewards.loading import resolve_term, term_label
 from rlsys.rewards.model_terms import (
@@ -58,10 +58,10 @@ class ModelTerm:
 
     def submit(self, exchanges: list[Exchange]) -> list:
         if self.template is None:
-            return self.engines.submit_split("reward_scores", exchanges)
+            return self.engines.submit_split(ServedModelWorker.reward_scores, exchanges)
         judge, self.calls = self.cfg.judge, self.calls + 1
         requests = [judge_request(self.template, e) for e in exchanges]
-        return self.engines.submit_split("verdicts", requests, judge.max_new_tokens, judge.temperature,
+        return self.engines.submit_split(ServedModelWorker.verdicts, requests, judge.max_new_tokens, judge.temperature,
                                          self.calls * 1_000_003)
 
     def values(self, pending: list) -> list[float | Failure]:

@@ -25,7 +25,7 @@ colocated engine's weights are freed in every update and grown back for the sync
 pages fault in faster than 4 KiB ones. No effect on GPU memory."""
 
 
-class RolloutGroup(ActorGroup):
+class RolloutGroup(ActorGroup[RolloutWorker]):
     stop_timeout_s = ENGINE_STOP_S
 
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, train_placement, train_cpus: float,
@@ -82,7 +82,7 @@ class RolloutGroup(ActorGroup):
         engines = len(self.actors)
         shares = contiguous_shares(prompts, engines)
         busy = [i for i in range(engines) if shares[i]]
-        calls = [self.submit_call(i, "rollout", shares[i], loop, n, sampling, seed, version) for i in busy]
+        calls = [self.submit_call(i, RolloutWorker.rollout, shares[i], loop, n, sampling, seed, version) for i in busy]
         prompt_ids = {index: ids for index, ids, _ in prompts}
         results = self.wait_replacing(calls)
         stats = {name: max(result.stats.get(name, 0.0) for result in results) for name in ("rollout_s", "engine_s")}
@@ -99,7 +99,8 @@ class RolloutGroup(ActorGroup):
         """The trainer's turn: colocated engines free their weights (and KV cache, on GPU); the
         bytes freed (None when the engines keep their memory)."""
         if self.releases_memory:
-            return sum(self.wait_replacing([self.submit_call(i, "release_memory") for i in range(len(self.actors))]))
+            calls = [self.submit_call(i, RolloutWorker.release_memory) for i in range(len(self.actors))]
+            return sum(self.wait_replacing(calls))
         return None
 
     def shutdown(self) -> None:

@@ -16,7 +16,7 @@ from rlsys.actors import kept_actors
 from rlsys.actors.cluster import actor_name, log_file_of, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
-from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, Call, contiguous_shares
+from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, Call, Method, contiguous_shares
 from rlsys.actors.kept_actors import BuiltInPlace
 from rlsys.algorithms.distill import TeacherTokens
 from rlsys.config.rollout import ServingConfig
@@ -109,7 +109,7 @@ def _prompt_token_logprobs(flat, ids: list[int], start: int, top_k: int) -> Teac
     return tokens
 
 
-class ServedModelGroup(ActorGroup):
+class ServedModelGroup(ActorGroup[ServedModelWorker]):
     stop_timeout_s = ENGINE_STOP_S
 
     def __init__(self, role: str, model_path: str, cfg: ServingConfig, seed: int, key: str, pooling: bool = False,
@@ -139,7 +139,7 @@ class ServedModelGroup(ActorGroup):
                      engine_seed(self.seed, index), self.placement.threads, self.pooling, env=seat.env,
                      num_cpus=seat.num_cpus, num_gpus=seat.num_gpus, scheduling_strategy=seat.strategy)
 
-    def submit_split(self, method: str, items: list, *args) -> list[Call]:
+    def submit_split(self, method: Method, items: list, *args) -> list[Call]:
         """Start `method` on contiguous shares of `items`, one per engine; `gather` joins the results."""
         shares = contiguous_shares(items, len(self.actors))
         return [self.submit_call(i, method, share, *args) for i, share in enumerate(shares) if share]

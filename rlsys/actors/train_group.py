@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.actors import kept_actors
 from rlsys.actors.cluster import actor_name, check_resources, log_file_of, place_ranks, spawn
-from rlsys.actors.group import ActorGroup
+from rlsys.actors.group import ActorGroup, Method
 from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, Role, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
 from rlsys.data.batching import Batch, split_rows
@@ -25,7 +25,7 @@ from rlsys.trainer.rank_model import LossFn
 log = logging.getLogger(__name__)
 
 
-class TrainGroup(ActorGroup):
+class TrainGroup(ActorGroup[TrainWorker]):
     def __init__(self, spec: TrainWorkerSpec, ray_cfg: RayConfig, gpu_share: float | None = None):
         """`gpu_share`: GPUs each rank's actor takes of its bundle (default all of
         ray.gpus_per_worker; less when a colocated rollout engine takes the rest)."""
@@ -59,10 +59,10 @@ class TrainGroup(ActorGroup):
                               self.placement.group, placement_group_bundle_index=self.placement.bundles[rank]))
                     for rank in range(world_size)
                 ]
-            master_addr, master_port = self.wait([self.submit(0, "master_address")], [0])[0]
+            master_addr, master_port = self.wait([self.submit(0, TrainWorker.master_address)], [0])[0]
             # Building the ranks' models is start-up: one rank may finish its last collective of it
             # seconds before another on a busy machine, so its wait has the rendezvous's limit.
-            placement = self.wait(self.submit_all("setup", master_addr, master_port),
+            placement = self.wait(self.submit_all(TrainWorker.setup, master_addr, master_port),
                                   straggler_timeout_s=max(spec.collective_timeout_s, RENDEZVOUS_TIMEOUT_S))
             log.info("training group: %s ready in %.1f s", _ranks(world_size), time.perf_counter() - started)
             self.dp_ranks = [dp_rank for dp_rank, _ in placement]
@@ -72,11 +72,11 @@ class TrainGroup(ActorGroup):
             self.shutdown()
             raise
 
-    def run_all_ranks(self, method: str, args_by_rank: dict[int, Any]) -> list:
+    def run_all_ranks(self, method: Method, args_by_rank: dict[int, Any]) -> list:
         """Call `method` on every rank with its own argument; results by rank."""
         return self.wait([self.submit(rank, method, args_by_rank[rank]) for rank in range(len(self.actors))])
 
-    def run_data_parallel(self, method: str, batch: Batch, **kwargs: Any) -> list:
+    def run_data_parallel(self, method: Method, batch: Batch, **kwargs: Any) -> list:
         """Split `batch` by rows into one shard per data-parallel rank; every rank of a
         data-parallel group (its tensor-parallel peers) gets the same shard. Returns the
         outputs of the collected ranks, one per shard, in data-parallel order."""
@@ -89,7 +89,8 @@ class TrainGroup(ActorGroup):
                 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """`TrainWorker.forward` over the batch, split across the data-parallel ranks: the loss function's
         rows, every shard's together in row order, and the pass's metrics (summed over the ranks)."""
-        shards = self.run_data_parallel("forward", batch, loss_fn=loss_fn, role=role, record_routing=record_routing)
+        shards = self.run_data_parallel(TrainWorker.forward, batch, loss_fn=loss_fn, role=role,
+                                        record_routing=record_routing)
         return {name: torch.cat([rows[name] for rows, _ in shards]) for name in shards[0][0]}, shards[0][1]
 
     def gpu_memory_peaks(self) -> dict[str, float]:
@@ -97,7 +98,7 @@ class TrainGroup(ActorGroup):
         since the last call (a step's peak when called once a step); none on CPU."""
         if not self.on_gpu:
             return {}
-        peaks = self.run_all("gpu_memory_peaks")
+        peaks = self.run_all(TrainWorker.gpu_memory_peaks)
         return {f"perf/max_memory_{kind}_gib": max(rank[kind] for rank in peaks) for kind in ("allocated", "reserved")}
 
     def shutdown(self) -> None:

@@ -5,6 +5,7 @@ policy's while it warms up, `critic.warmup_steps`)."""
 from __future__ import annotations
 
 from rlsys.actors.phases import PhaseTimer
+from rlsys.actors.train_worker import TrainWorker
 from rlsys.algorithms.advantages import gae_advantages_and_returns
 from rlsys.algorithms.value_loss import token_values, value_loss
 from rlsys.config.rl import AlgorithmConfig, CriticConfig
@@ -29,4 +30,4 @@ class Critic(StepExtension):
 
     def before_actor_step(self, mini: Batch, counts: dict[str, float], groups: StepGroups) -> dict[str, float]:
         loss_fn = value_loss(counts, self.cfg.cliprange_value, self.loss_agg)
-        return groups.train.run_data_parallel("critic_step", mini, loss_fn=loss_fn)[0]
+        return groups.train.run_data_parallel(TrainWorker.critic_step, mini, loss_fn=loss_fn)[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlsys.actors.phases import PhaseTimer
+from rlsys.actors.served_models import ServedModelWorker
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS, reverse_kl, top_k_fields
 from rlsys.algorithms.lm_loss import token_logprobs, top_k_logprobs
 from rlsys.config.rl import DistillConfig
@@ -27,9 +28,8 @@ class Distillation(StepExtension):
         """Ask the teacher's engines (while the trainer's passes run) for their log-prob of every response
         token, and with top-k their most likely tokens."""
         if groups.teacher is not None:
-            self.calls = groups.teacher.submit_split(
-                "token_logprobs", [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in batch.segments],
-                self.cfg.top_k)
+            sequences = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in batch.segments]
+            self.calls = groups.teacher.submit_split(ServedModelWorker.token_logprobs, sequences, self.cfg.top_k)
 
     def shape_rewards(self, batch: RLBatch, groups: StepGroups, timer: PhaseTimer) -> dict[str, float]:
         """The reverse KL, taken against the engine's log-probs (the policy that drew the tokens), as a

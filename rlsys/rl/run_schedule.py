@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 
+from rlsys.actors.rollout_worker import RolloutWorker
+
 SCHEDULE_FILE = "schedule.jsonl"
 
 
@@ -45,14 +47,14 @@ class RunSchedule:
             self._truncate(step)
         after = [line for line in self.followed if line["step"] > step]  # the earlier lines precede the checkpoint
         engines = range(len(self.engine_steps))
-        self.rollout.wait([self.rollout.submit(index, "follow_schedule",
+        self.rollout.wait([self.rollout.submit(index, RolloutWorker.follow_schedule,
                                                [event for line in after for event in line["engines"][index]],
                                                self.engine_steps[index]) for index in engines], list(engines))
         self.stream.plan = [serial for line in after for serial in line["taken"]]
 
     def write(self, step: int) -> None:
         """Append what happened since the last line: the stream's takes and the engines' events."""
-        reports = self.rollout.run_all("schedule")
+        reports = self.rollout.run_all(RolloutWorker.schedule)
         self.engine_steps = [steps for steps, _ in reports]
         taken, self.stream.taken = self.stream.taken, []
         if self.record:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rlsys.actors.train_worker import TrainWorker
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch, num_targets, split_rows
@@ -54,7 +55,7 @@ class Update:
     def _actor_step(self, mini: Batch, counts: dict[str, float], batch: RLBatch) -> dict[str, float]:
         wants_rows = batch.sampler_logprobs is None  # only the first mini-batch's, and only once
         loss_fn = actor_loss(counts, self.algo, batch.actor_inputs(), self.temperature, with_logprobs=wants_rows)
-        outputs = self.groups.train.run_data_parallel("train_step", mini, loss_fn=loss_fn)
+        outputs = self.groups.train.run_data_parallel(TrainWorker.train_step, mini, loss_fn=loss_fn)
         if wants_rows:
             batch.sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
         return {f"actor/{k}" if k in ("grad_norm", "lr") else k: v for k, v in outputs[0][0].items()}

@@ -14,6 +14,8 @@ import re
 import shutil
 from collections.abc import Callable
 
+from rlsys.actors.train_worker import TrainWorker
+
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -72,7 +74,7 @@ def save_training_state(checkpoints: CheckpointDir, step: int, group, sampler, d
     """Every rank's model/optimizer/scheduler/RNG, the driver's data position and the state of
     any other `driver` object (state_dict / load_state_dict), by name."""
     states = {name: obj.state_dict() for name, obj in (driver or {}).items()}
-    return checkpoints.save(step, lambda path: group.run_all("save_checkpoint", path),
+    return checkpoints.save(step, lambda path: group.run_all(TrainWorker.save_checkpoint, path),
                             {"sampler": sampler.state_dict(), **states})
 
 
@@ -84,7 +86,7 @@ def restore_training_state(checkpoints: CheckpointDir, group, sampler, driver: d
         sampler.load_state_dict({"epoch": 0, "offset": 0})
         return 0
     state = CheckpointDir.driver_state(path)
-    group.run_all("load_checkpoint", path)
+    group.run_all(TrainWorker.load_checkpoint, path)
     sampler.load_state_dict(state["sampler"])
     for name, obj in (driver or {}).items():
         if name in state:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from rlsys.actors.cluster import ensure_ray
 from rlsys.actors.train_group import TrainGroup
-from rlsys.actors.train_worker import build_worker_spec
+from rlsys.actors.train_worker import TrainWorker, build_worker_spec
 from rlsys.config.loader import ConfigError, load_config
 from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.stages.checkpoints import DRIVER_STATE, CheckpointDir
@@ -37,8 +37,8 @@ def run_export(checkpoint: str, out_dir: str, dtype: str | None = None) -> dict:
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps, value_head=stage == "rm"),
                        cfg.ray)
     try:
-        group.run_all("load_checkpoint", checkpoint)
-        group.run_all("export_hf", os.path.abspath(out_dir))
+        group.run_all(TrainWorker.load_checkpoint, checkpoint)
+        group.run_all(TrainWorker.export_hf, os.path.abspath(out_dir))
     finally:
         group.shutdown()
     step = CheckpointDir.driver_state(checkpoint)["step"]

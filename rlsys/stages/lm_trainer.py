@@ -17,7 +17,7 @@ from typing import Literal
 from rlsys.actors.cluster import largest_node_cpus
 from rlsys.actors.phases import set_phase
 from rlsys.actors.train_group import TrainGroup
-from rlsys.actors.train_worker import build_worker_spec
+from rlsys.actors.train_worker import TrainWorker, build_worker_spec
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.algorithms.preference_loss import bradley_terry_loss
 from rlsys.config.schema import TrainJobConfig
@@ -152,7 +152,7 @@ class LMSession:
         save_training_state(self.checkpoints, step, self.group, self.sampler)
 
     def export(self, hf_dir: str) -> None:
-        self.group.run_all("export_hf", hf_dir)
+        self.group.run_all(TrainWorker.export_hf, hf_dir)
 
     def shutdown(self) -> None:
         self.group.shutdown()
@@ -165,7 +165,7 @@ def score_pairs(group: TrainGroup, pairs: list[Unit], pairs_per_batch: int, pad_
     totals: dict[str, float] = {}
     for start in range(0, len(pairs), pairs_per_batch):
         batch = collate([example for pair in pairs[start:start + pairs_per_batch] for example in pair], pad_id)
-        metrics = group.run_data_parallel("evaluate", batch, loss_fn=loss_fn)[0]
+        metrics = group.run_data_parallel(TrainWorker.evaluate, batch, loss_fn=loss_fn)[0]
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value
     return {"val/loss": totals["loss"], "val/rm_accuracy": totals["rm/accuracy"], "val/rm_margin": totals["rm/margin"]}
@@ -178,7 +178,7 @@ def train_step(group: TrainGroup, examples: list[Unit], sampler: EpochSampler, p
     units = [examples[i] for i in sampler.next_indices()]
     batch = collate(with_pixels([example for unit in units for example in unit], expander), pad_id)
     loss_fn = bradley_terry_loss(len(units)) if len(units[0]) == 2 else nll_loss(num_targets(batch))
-    step, _ = group.run_data_parallel("train_step", batch, loss_fn=loss_fn)[0]
+    step, _ = group.run_data_parallel(TrainWorker.train_step, batch, loss_fn=loss_fn)[0]
     elapsed = time.perf_counter() - started
     tokens = int(batch["attention_mask"].sum())
     return {

@@ -14,9 +14,10 @@ from rlsys.actors.reward_pool import RewardPool
 from rlsys.actors.rollout_group import RolloutGroup
 from rlsys.actors.served_models import ServedModelGroup
 from rlsys.actors.train_group import TrainGroup
-from rlsys.actors.train_worker import build_worker_spec
+from rlsys.actors.train_worker import TrainWorker, build_worker_spec
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import EpochSampler
+from rlsys.rl.adapter_sync import AdapterSync
 from rlsys.rl.extension import StepGroups
 from rlsys.rl.features import features_of
 from rlsys.rl.passes import needs_reference
@@ -24,6 +25,7 @@ from rlsys.rl.rollout_stream import RolloutStream
 from rlsys.rl.run_schedule import RunSchedule
 from rlsys.rl.step import RLStep
 from rlsys.rl.update import updates_per_step
+from rlsys.rl.weight_sync import WeightSync
 from rlsys.rollout.adapters import AdapterSpec
 from rlsys.rollout.vllm_engine import synced_weight_dtype
 from rlsys.stages.checkpoints import CheckpointDir, restore_training_state, save_training_state
@@ -31,8 +33,6 @@ from rlsys.stages.preflight import check_rl_job
 from rlsys.stages.rl_setup import RLData, colocated_engines, load_rl_data, teacher_in_trainer, teacher_length
 from rlsys.stages.run_dir import finish_run, logged_metric
 from rlsys.stages.stage_loop import run_stage
-from rlsys.sync.adapter_sync import AdapterSync
-from rlsys.sync.weight_sync import WeightSync
 from rlsys.tracking.trace import span
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class RLSession:
         self.trainer.save(step)
 
     def export(self, hf_dir: str) -> None:
-        self.trainer.train_group.run_all("export_hf", hf_dir)
+        self.trainer.train_group.run_all(TrainWorker.export_hf, hf_dir)
 
     def shutdown(self) -> None:
         self.trainer.shutdown()

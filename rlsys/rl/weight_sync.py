@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import ray
 
+from rlsys.actors.rollout_worker import RolloutWorker
+from rlsys.actors.train_worker import TrainWorker
 from rlsys.sync.gathered import SLOTS
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class WeightSync:
     def __init__(self, train_group, rollout_group, bucket_mb: float, mode: str = "auto",
                  engine_ranks: list[tuple[int, ...]] | None = None, engine_dtype=None):
         self.train_group, self.rollout_group = train_group, rollout_group
-        nbytes = train_group.run_all("parameter_nbytes")
+        nbytes = train_group.run_all(TrainWorker.parameter_nbytes)
         stages = train_group.dims.stage_ranks()
         self.buckets = [(ranks, names) for ranks in stages
                         for names in plan_buckets(nbytes[ranks[0]], int(bucket_mb * 2**20))]
@@ -130,7 +132,7 @@ class WeightSync:
         started = time.perf_counter()
         if self.train_group.on_gpu and self.rollout_group.releases_memory:
             # the engines wake into the GPUs the ranks' allocators still hold at the update's peak
-            self.train_group.run_all("empty_gpu_cache")
+            self.train_group.run_all(TrainWorker.empty_gpu_cache)
         try:
             self._load(version)
         except Exception as err:  # a dead engine is replaced here; anything else goes on up
@@ -146,8 +148,8 @@ class WeightSync:
         """Send the policy to engine `engine` alone (one that replaced a dead engine), labelled `version`."""
         if self.in_place:
             handles = self._handles()
-            self.rollout_group.wait([self.rollout_group.submit(engine, "load_shared", *handles, version=version)],
-                                    [engine])
+            loading = self.rollout_group.submit(engine, RolloutWorker.load_shared, *handles, version=version)
+            self.rollout_group.wait([loading], [engine])
         elif self.mode == "gathered":
             self.engines_mapped.discard(engine)
             self._load_gathered(version, [engine])
@@ -170,9 +172,9 @@ class WeightSync:
         train, rollout = self.train_group, self.rollout_group
         loading: list = []
         for index, (ranks, names) in enumerate(self.buckets):
-            shards = [train.submit(rank, "sync_shards", names) for rank in ranks]
+            shards = [train.submit(rank, TrainWorker.sync_shards, names) for rank in ranks]
             rollout.wait(loading, engines)
-            loading = [rollout.submit(engine, "load_weights", *shards, first=index == 0,
+            loading = [rollout.submit(engine, RolloutWorker.load_weights, *shards, first=index == 0,
                                       last=index == len(self.buckets) - 1, version=version) for engine in engines]
         rollout.wait(loading, engines)
 
@@ -186,11 +188,12 @@ class WeightSync:
         gathering: list = []
         for index, (ranks, names) in enumerate(self.buckets):
             slot = index % SLOTS
-            gathered = {rank: train.submit(rank, "gather_bucket", names, slot, self.engine_dtype) for rank in ranks}
+            gathered = {rank: train.submit(rank, TrainWorker.gather_bucket, names, slot, self.engine_dtype)
+                        for rank in ranks}
             rollout.wait(loading, engines)
             if gathering:
                 train.wait(gathering, list(ranks))
-            loading = [rollout.submit(engine, "load_gathered", self._first_handles(engine, handles),
+            loading = [rollout.submit(engine, RolloutWorker.load_gathered, self._first_handles(engine, handles),
                                       gathered[self.engine_ranks[engine][0]], slot, first=index == 0,
                                       last=index == len(self.buckets) - 1, version=version) for engine in engines]
             gathering = list(gathered.values())
@@ -202,7 +205,8 @@ class WeightSync:
         if self.gather_handles is None:
             serving = sorted({rank for ranks in self.engine_ranks for rank in ranks})
             names = [names for _, names in self.buckets]
-            refs = [self.train_group.submit(rank, "share_gather_buffers", names, self.engine_dtype) for rank in serving]
+            refs = [self.train_group.submit(rank, TrainWorker.share_gather_buffers, names, self.engine_dtype)
+                    for rank in serving]
             self.gather_handles = dict(zip(serving, self.train_group.wait(refs, serving)))
         return self.gather_handles
 
@@ -219,13 +223,13 @@ class WeightSync:
         them to the engines; every sync is then one call to each engine, with no copy on the
         trainer's side and none through the object store."""
         handles = [] if self.shards_shared else self._handles()
-        self.rollout_group.run_all("load_shared", *handles, version=version)
+        self.rollout_group.run_all(RolloutWorker.load_shared, *handles, version=version)
         self.shards_shared = True
 
     def _handles(self) -> list:
         """Each rank's handles to its shards, asked for once (they never change)."""
         if self.handles is None:
-            self.handles = self.train_group.run_all_ranks("share_shards", self.stage_names)
+            self.handles = self.train_group.run_all_ranks(TrainWorker.share_shards, self.stage_names)
         return self.handles
 
     def _can_share(self) -> bool:

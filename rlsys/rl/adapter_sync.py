@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import time
 
+from rlsys.actors.rollout_worker import RolloutWorker
+from rlsys.actors.train_worker import TrainWorker
+
 
 class AdapterSync:
     """Same interface as `WeightSync`: `run(version)` returns the sync's metrics."""
@@ -33,6 +36,7 @@ class AdapterSync:
         self._load([engine], version)
 
     def _load(self, engines: list[int], version: int) -> int:
-        shards = self.train_group.submit_all("adapter_shards")
-        calls = [self.rollout_group.submit(engine, "load_adapter", *shards, version=version) for engine in engines]
+        shards = self.train_group.submit_all(TrainWorker.adapter_shards)
+        calls = [self.rollout_group.submit(engine, RolloutWorker.load_adapter, *shards, version=version)
+                 for engine in engines]
         return self.rollout_group.wait(calls, engines)[0]

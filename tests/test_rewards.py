@@ -102,8 +102,6 @@ def test_a_kept_worker_forgets_what_the_last_reward_imported_beside_it(ray_clust
     """Reward workers outlive their pool for the next pool of the same size (`rlsys.actors.kept_actors`,
     on in this suite). A reward that imports a module beside it when called gets its own module in a
     kept worker, not the module of the same name an earlier pool's reward imported there."""
-    import ray
-
     from rlsys.actors import kept_actors
 
     for score in (1, 2):
@@ -120,7 +118,7 @@ def test_a_kept_worker_forgets_what_the_last_reward_imported_beside_it(ray_clust
                                           num_workers=1))
         try:
             scored, metrics = rewards.score(inputs("7"))
-            pids.append(ray.get(rewards._workers[0].__ray_call__.remote(lambda worker: os.getpid())))
+            pids.append(rewards._workers.on_each(lambda worker: os.getpid())[0])
         finally:
             rewards.shutdown()
         assert metrics["reward/errors"] == 0

@@ -39,11 +39,12 @@ class WorkerFailure(RuntimeError):
     """What a re-run will do (set by `rlsys.stages.restarts` when no restart is left)."""
 
     def __init__(self, worker: str, reason: str, phase: str, actor_id: str | None = None,
-                 replaceable: bool = False):
+                 replaceable: bool = False, hung: bool = False):
         """`actor_id`: the dead actor's, where known (a name outlives the actor a replacement succeeds);
-        `replaceable`: the worker itself died or hung (not a peer's error that reached it)."""
+        `replaceable`: the worker itself died or hung (not a peer's error that reached it); `hung`: its
+        call ran past its limit."""
         self.worker, self.reason, self.phase, self.actor_id = worker, reason, phase, actor_id
-        self.replaceable = replaceable
+        self.replaceable, self.hung = replaceable, hung
         super().__init__(f"{describe(worker)} {reason} during {phase}")
 
 
@@ -103,7 +104,7 @@ def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: fl
             worker = names[index[pending[0]]] if names else "a worker"
             if deadline is not None and time.monotonic() >= deadline:
                 raise WorkerFailure(worker, f"did not answer within {limit.seconds:g} s ({limit.key})",
-                                    current_phase(), replaceable=True)
+                                    current_phase(), replaceable=True, hung=True)
             raise WorkerFailure(worker, f"did not answer within {timeout:g} s of its peers", current_phase())
         _collect(done, index, results, errors)
         if on_result is not None and not errors:

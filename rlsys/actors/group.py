@@ -6,19 +6,25 @@ A group that can build one of its actors again (`_spawn`) replaces a dead one in
 actor under the same name, with the same arguments and placement, brought to the group's state
 by `restore` (a rollout engine: the current weights), its unfinished calls sent again
 (`wait_replacing`), as far as the run's `WorkerReplacements` allow. An actor whose call runs past
-the group's `call_limit` is hung, and replaced the same way."""
+the group's `call_limit` is hung, and replaced the same way, or its call given a result of the
+caller's (`if_hung`: a reward whose time ran out scores as failed).
+
+Every group calls its actors this way: the training ranks, the rollout engines (the asynchronous
+stream's groups in flight too), the reward workers and the served models' engines."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
+import ray
+
 from rlsys.actors.cluster import kill_named, shut_down
 from rlsys.actors.failures import CallLimit, WorkerFailure, WorkerReplacements, wait_all
-from rlsys.actors.phases import call
+from rlsys.actors.phases import call, current_phase
 from rlsys.models.hub import size_text, weights_bytes
 from rlsys.tracking.trace import span
 
@@ -81,6 +87,8 @@ class ActorGroup(Generic[Worker]):
         """A call running longer than this is a hung actor: a failure, replaced as a death is."""
         self.failed = False
         """A wait of this group has failed (a dead, hung or erring actor)."""
+        self.resent = 0
+        """Calls sent again to an actor that replaced the one they went to, over the group's life."""
 
     def start_engines(self, model_path: str) -> None:
         """Spawn one engine per name (`_spawn`) and wait until each has loaded `model_path`, saying on the
@@ -106,28 +114,59 @@ class ActorGroup(Generic[Worker]):
         return [self.submit(index, method, *args, **kwargs) for index in range(len(self.actors))]
 
     def wait(self, refs: list, indices: list[int] | None = None, straggler_timeout_s: float | None = None,
-             on_result: Callable[[int], None] | None = None) -> list:
+             on_result: Callable[[int], None] | None = None, limit: CallLimit | None = None) -> list:
         """The results of calls on the actors at `indices` (default: one call per actor, in order);
-        `straggler_timeout_s` replaces the group's for this wait; `on_result`: told each call's index
-        as it returns."""
+        `straggler_timeout_s` and `limit` replace the group's for this wait; `on_result`: told each
+        call's index as it returns."""
         names = self.names if indices is None else [self.names[i] for i in indices]
         try:
-            return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s, self.call_limit, on_result)
+            return wait_all(refs, names, straggler_timeout_s or self.straggler_timeout_s, limit or self.call_limit,
+                            on_result)
         except BaseException:
             self.failed = True
             raise
 
-    def wait_replacing(self, calls: list[Call]) -> list:
-        """The results of `calls`, in order. A call whose actor died is sent again to the actor that
-        replaces it (`replace_dead`); the others' results are kept."""
+    def wait_replacing(self, calls: list[Call], in_flight: Iterable[Call] = (), limit: CallLimit | None = None,
+                       if_hung: Callable[[Call], Any] | None = None) -> list:
+        """The results of `calls`, in order. A call whose actor died (or hung) is sent again to the actor
+        that replaces it (`replace_dead`), and so is every call of `in_flight` that went to it; the
+        others' results are kept. `limit` replaces the group's `call_limit`; with `if_hung`, a call past
+        it has `if_hung(call)` for its result instead, and its actor is replaced without counting
+        against the run's replacements (the call's work hung, not the actor)."""
+        results: dict[int, Any] = {}
         while True:
+            waiting = [i for i in range(len(calls)) if i not in results]
             try:
-                return self.wait([c.ref for c in calls], [c.index for c in calls])
+                results.update(zip(waiting, self.wait([calls[i].ref for i in waiting],
+                                                      [calls[i].index for i in waiting], limit=limit)))
+                return [results[i] for i in range(len(calls))]
             except WorkerFailure as failure:
-                index = self.replace_dead(failure)
-                for c in calls:
-                    if c.index == index and c.actor is not self.actors[index]:
-                        c.ref, c.actor = self.submit(index, c.method, *c.args, **c.kwargs), self.actors[index]
+                if failure.hung and if_hung is not None:
+                    for i in _unfinished(calls, waiting):
+                        self.replace(calls[i].index)
+                        results[i] = if_hung(calls[i])
+                else:
+                    self.resend_lost(self.replace_dead(failure), [*calls, *in_flight])
+
+    def resend_lost(self, index: int, calls: Iterable[Call]) -> None:
+        """Send each of `calls` that went to actor `index` before it was replaced again, to its successor."""
+        for c in calls:
+            if c.index == index and c.actor is not self.actors[index]:
+                c.ref, c.actor = self.submit(index, c.method, *c.args, **c.kwargs), self.actors[index]
+                self.resent += 1
+
+    def first_done(self, calls: list[Call], count: int, timeout_s: float) -> list[Call]:
+        """The first `count` of `calls` to finish, in their order (their results, or their actors' deaths,
+        are `wait_replacing`'s to take); a wait past `timeout_s` is the failure of the first call's actor
+        that has not finished."""
+        if count == 0:
+            return []
+        done, _ = ray.wait([c.ref for c in calls], num_returns=count, timeout=timeout_s)
+        finished = set(done)
+        if len(done) < count:
+            late = next(c for c in calls if c.ref not in finished)
+            raise WorkerFailure(self.names[late.index], f"returned no result within {timeout_s:g} s", current_phase())
+        return [c for c in calls if c.ref in finished]
 
     def replace_dead(self, failure: Exception) -> int:
         """Replace the actor a `WorkerFailure` names, if it is one of this group's and the run allows
@@ -172,3 +211,10 @@ class ActorGroup(Generic[Worker]):
         (a group that failed, whose actors may hang, gets the shorter of its time and the default)."""
         failed_s = min(self.stop_timeout_s, ActorGroup.stop_timeout_s)
         shut_down(self.actors, self.names, failed_s if self.failed else self.stop_timeout_s)
+
+
+def _unfinished(calls: list[Call], indices: list[int]) -> list[int]:
+    """Those of `indices` whose call has not finished."""
+    ready, _ = ray.wait([calls[i].ref for i in indices], num_returns=len(indices), timeout=0)
+    finished = set(ready)
+    return [i for i in indices if calls[i].ref not in finished]

@@ -1,7 +1,8 @@
 """The reward actors: a pool of Ray actors that score a stage's responses off the driver
 (`rlsys.rewards.scoring`), each call under a time limit (a worker stuck past its batch's limit is
-replaced and its items fail; a worker that died is replaced and its items sent again), and the
-engines of the terms a model scores (`ModelTerm`: a reward model or a judge), all called at once."""
+replaced and its items fail; a worker that died is replaced and its items sent again: the group's
+`wait_replacing`), and the engines of the terms a model scores (`ModelTerm`: a reward model or a
+judge), all called at once."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import ray
 
 from rlsys.actors import kept_actors
 from rlsys.actors.cluster import actor_name, kill_named, log_file_of, spawn
-from rlsys.actors.failures import WorkerFailure, WorkerReplacements, wait_all
-from rlsys.actors.phases import call
+from rlsys.actors.failures import CallLimit, WorkerReplacements
+from rlsys.actors.group import ActorGroup, Call
 from rlsys.actors.reward_worker import RewardWorker
 from rlsys.actors.served_models import ServedModelGroup, ServedModelWorker
 from rlsys.config.rl import RewardConfig, RewardTerm
@@ -85,20 +86,40 @@ class ModelTerm:
         self.engines = None
 
 
+class RewardWorkers(ActorGroup[RewardWorker]):
+    """Long-lived reward actors (no CPU reserved: they run between the trainer's phases); those an earlier
+    pool of this role kept, where they are (`kept_actors`)."""
+
+    def __init__(self, role: str, count: int, terms: list[Term]):
+        super().__init__([actor_name(role, i) for i in range(count)])
+        self.role, self.terms, self.keep_key = role, terms, ("workers", count)
+        kept = kept_actors.take(role, self.keep_key)
+        if kept is None:
+            self.actors = [self._spawn(i) for i in range(count)]
+        else:
+            self.actors = kept[1]
+            self.wait([actor.reuse.remote(log_file_of(name), terms) for actor, name in zip(self.actors, self.names)])
+
+    def _spawn(self, index: int):
+        return spawn(ray.remote(num_cpus=0)(RewardWorker), self.role, index, self.terms)
+
+    def shutdown(self) -> None:
+        if not kept_actors.hand_back(self.role, self.keep_key, None, lambda: None, self.actors, self.names):
+            kill_named(self.actors, self.names)
+
+
 class RewardPool:
     def __init__(self, cfg: RewardConfig, role: str = "reward", replacements: WorkerReplacements | None = None):
         """`role` names the actors in the dashboard (rlsys/<role>/<i>; a model term's engines
         rlsys/<role>_model<j>/<i>). A model term's engines start with `start_models`. `replacements`:
         the run's budget of dead workers to replace (None: a death fails the call)."""
         self.cfg = cfg
-        self.names = [actor_name(role, i) for i in range(cfg.num_workers)]
         self.role = role
         keyed = [(f"reward.terms[{i}]", t) for i, t in enumerate(cfg.terms)]
         self.function_terms = [Term(term_label(t), resolve_term(t, key), t.weight) for key, t in keyed if not t.model]
         self.model_terms = [ModelTerm(t, key) for key, t in keyed if t.model]
         self.terms = self.function_terms + [m.term for m in self.model_terms]
-        self._workers: list = []
-        self._keep_key = ("workers", cfg.num_workers)
+        self._workers: RewardWorkers | None = None
         self._logged_failure = False
         self.replacements = replacements
 
@@ -123,58 +144,33 @@ class RewardPool:
         replaced and its items fail; a worker that died is replaced and its items sent again, as
         the run's `replacements` allow."""
         workers = self._pool()
-        chunks = [items[i::len(workers)] for i in range(len(workers))]
+        count = len(workers.actors)
+        chunks = [items[i::count] for i in range(count)]
         # Backstop for a call the in-actor alarm cannot interrupt (e.g. stuck in C code).
-        limit = self.cfg.timeout_s * (len(self.function_terms) * max(map(len, chunks)) + 1) + 30
-        pending = {index: self._submit_chunk(index, chunk) for index, chunk in enumerate(chunks)}
+        limit = CallLimit(self.cfg.timeout_s * (len(self.function_terms) * max(map(len, chunks)) + 1) + 30,
+                          "reward.timeout_s")
+        calls = [workers.submit_call(i, RewardWorker.score, chunk, self.cfg.timeout_s)
+                 for i, chunk in enumerate(chunks)]
+        results = workers.wait_replacing(calls, limit=limit, if_hung=self._timed_out)
         scored: list[ScoredSample] = [None] * len(items)
-        while pending:
-            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=limit)
-            for index, ref in list(pending.items()):
-                del pending[index]
-                if ref not in done:
-                    results = [all_failed(self.function_terms, "reward worker timed out")] * len(chunks[index])
-                    self._replace_worker(index)
-                else:
-                    try:
-                        [results] = wait_all([ref], [self.names[index]])
-                    except WorkerFailure as failure:
-                        if self.replacements is None or not self.replacements.allow(failure):
-                            raise
-                        self._replace_worker(index)
-                        pending[index] = self._submit_chunk(index, chunks[index])
-                        continue
-                scored[index::len(workers)] = results
+        for index, chunk_scores in enumerate(results):
+            scored[index::count] = chunk_scores
         return scored
 
-    def _submit_chunk(self, index: int, chunk: list[RewardInput]):
-        return call(self._workers[index].score, chunk, self.cfg.timeout_s)
+    def _timed_out(self, call: Call) -> list[ScoredSample]:
+        """A hung call's items, each failed."""
+        return [all_failed(self.function_terms, "reward worker timed out")] * len(call.args[0])
 
-    def _pool(self) -> list:
-        """Long-lived reward actors (no CPU reserved: they run between the trainer's phases); those
-        an earlier pool of this role kept, where they are (`kept_actors`)."""
-        if not self._workers:
-            kept = kept_actors.take(self.role, self._keep_key)
-            if kept is None:
-                self._workers = [self._start_worker(i) for i in range(self.cfg.num_workers)]
-            else:
-                self._workers = kept[1]
-                wait_all([worker.reuse.remote(log_file_of(name), self.function_terms)
-                          for worker, name in zip(self._workers, self.names)], self.names)
+    def _pool(self) -> RewardWorkers:
+        if self._workers is None:
+            self._workers = RewardWorkers(self.role, self.cfg.num_workers, self.function_terms)
+            self._workers.replacements = self.replacements
         return self._workers
 
-    def _start_worker(self, index: int):
-        return spawn(RewardWorker, self.role, index, self.function_terms)
-
-    def _replace_worker(self, index: int) -> None:
-        kill_named([self._workers[index]], [self.names[index]])
-        self._workers[index] = self._start_worker(index)
-
     def shutdown(self) -> None:
-        if self._workers and not kept_actors.hand_back(self.role, self._keep_key, None, lambda: None,
-                                                       self._workers, self.names):
-            kill_named(self._workers, self.names)
-        self._workers = []
+        if self._workers is not None:
+            self._workers.shutdown()
+        self._workers = None
         for term in self.model_terms:
             term.shutdown()
 

@@ -8,13 +8,10 @@ from __future__ import annotations
 import os
 import sys
 
-import ray
-
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.rewards.scoring import RewardInput, ScoredSample, Term, score_items
 
 
-@ray.remote(num_cpus=0)
 class RewardWorker:
     def __init__(self, terms: list[Term]):
         startup = StartupClock()

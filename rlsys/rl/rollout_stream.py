@@ -27,10 +27,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-import ray
 
-from rlsys.actors.failures import WorkerFailure
-from rlsys.actors.phases import current_phase
+from rlsys.actors.group import Call
+from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.agents.trajectory import Sampling, Trajectory
 from rlsys.data.batching import EpochSampler
 from rlsys.data.rl import Prompt
@@ -45,11 +44,10 @@ class _Group:
     serial: int
     """Groups drawn before it: its seed and its place in the draw order."""
     engine: int
-    ref: ray.ObjectRef | None
+    call: Call | None
+    """Its call on the engine (sent again to a replaced engine's successor); None for a checkpoint's group."""
     done: list[Trajectory] | None = None
-    """Its trajectories once they are known (the ref's result; a checkpoint's)."""
-    actor: object = None
-    """The engine's actor it went to (a replaced engine's calls go again to its successor)."""
+    """Its trajectories once they are known (the call's result; a checkpoint's)."""
 
 
 class RolloutStream:
@@ -107,15 +105,10 @@ class RolloutStream:
             candidates = self.in_flight[:count] if self.mode == "one_step" else self.in_flight
         known = [g for g in candidates if g.done is not None][:count]
         pending = [g for g in candidates if g.done is None]
-        wanted = count - len(known)
-        done, _ = ray.wait([g.ref for g in pending], num_returns=wanted, timeout=self.timeout_s) if wanted else ([], [])
-        if len(done) < wanted:
-            late = next(g for g in pending if g.ref not in set(done))
-            raise WorkerFailure(self.rollout.names[late.engine], f"returned no rollout within {self.timeout_s:g} s",
-                                current_phase())
-        done_refs = set(done)
-        self._collect([g for g in pending if g.ref in done_refs])
-        chosen = [g for g in candidates if g in known or g.ref in done_refs]
+        finished = self.rollout.first_done([g.call for g in pending], count - len(known), self.timeout_s)
+        newly = [g for g in pending if any(g.call is c for c in finished)]
+        self._collect(newly)
+        chosen = [g for g in candidates if g in known or g in newly]
         self.in_flight = [g for g in self.in_flight if g not in chosen]
         return [(g, g.done) for g in chosen]
 
@@ -137,31 +130,21 @@ class RolloutStream:
             group.done = result.unpack({group.index: self.prompts[group.index].ids})
 
     def _results(self, groups: list[_Group]) -> list:
-        """The results of `groups`' calls. An engine that died is replaced (`replace_dead`: the
+        """The results of `groups`' calls. An engine that died is replaced (`wait_replacing`: the
         trainer's current weights synced into it) and every group in flight on it generated again,
-        with the same seed, counted in `regenerated` (once: the calls that went to the dead actor)."""
-        while True:
-            try:
-                return self.rollout.wait([g.ref for g in groups], [g.engine for g in groups])
-            except WorkerFailure as failure:
-                engine = self.rollout.replace_dead(failure)
-                lost = [g for g in self.in_flight if g.engine == engine and g.done is None
-                        and g.actor is not self.rollout.actors[engine]]
-                for group in lost:
-                    group.ref = self._call(group)
-                self.regenerated += len(lost)
+        with the same seed, counted in `regenerated`."""
+        resent = self.rollout.resent
+        in_flight = [g.call for g in self.in_flight if g.done is None]
+        results = self.rollout.wait_replacing([g.call for g in groups], in_flight)
+        self.regenerated += self.rollout.resent - resent
+        return results
 
     def _submit(self, index: int) -> None:
-        group = _Group(index, self.serial, self.serial % len(self.rollout.actors), None)
-        group.ref = self._call(group)
-        self.in_flight.append(group)
+        engine, prompt = self.serial % len(self.rollout.actors), self.prompts[index]
+        call = self.rollout.submit_call(engine, RolloutWorker.rollout, [(index, prompt.ids, prompt.row)], self.loop,
+                                        self.n, self.sampling, group_seed(self.seed, self.serial))
+        self.in_flight.append(_Group(index, self.serial, engine, call))
         self.serial += 1
-
-    def _call(self, group: _Group) -> ray.ObjectRef:
-        prompt = self.prompts[group.index]
-        group.actor = self.rollout.actors[group.engine]
-        return self.rollout.submit(group.engine, "rollout", [(group.index, prompt.ids, prompt.row)], self.loop,
-                                   self.n, self.sampling, group_seed(self.seed, group.serial))
 
     def drain(self) -> None:
         """Wait for every group in flight to finish (a sync without partial rollouts)."""

@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rlsys.actors.phases import PhaseTimer
+from rlsys.agents.trajectory import Trajectory
 from rlsys.data.batching import Batch
-from rlsys.rl.batch import RLBatch
+from rlsys.rl.batch import RLBatch, Rollout
 
 PASS_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "sum_pi_squared", "routing")
 """What an extension may need from the trainer's passes before the update: the sampling policy's log-probs
@@ -42,6 +45,20 @@ class StepExtension:
 
     needs: frozenset[str] = frozenset()
     """The PASS_FIELDS it reads before the update."""
+    draws: int = 1
+    """How many prompt draws a step may take to fill its batch with the groups `keep_groups` keeps."""
+
+    def rollout_rewards(self, samples: list[Trajectory], rewards: torch.Tensor) -> torch.Tensor:
+        """A draw's reward per sample, from its score: shaped (a length penalty)."""
+        return rewards
+
+    def keep_groups(self, scores: torch.Tensor, n: int) -> torch.Tensor | None:
+        """Which of a draw's prompt groups (`n` samples each, in order) the step trains on first; None: all."""
+        return None
+
+    def rollout_metrics(self, rollout: Rollout, draws: int, kept_groups: int) -> dict[str, float]:
+        """The rollout's metrics of the feature: after `draws` draws, `kept_groups` groups were kept."""
+        return {}
 
     def on_draw(self, prompts: list[tuple], seed: int, step: int, groups: StepGroups) -> None:
         """After the engines sampled a prompt draw (synchronous rollouts): `prompts` as (index, ids, row)."""

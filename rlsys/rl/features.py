@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlsys.actors.phases import PhaseTimer
+from rlsys.agents.trajectory import Trajectory
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch
-from rlsys.rl.batch import RLBatch
+from rlsys.rl.batch import RLBatch, Rollout
 from rlsys.rl.critic import Critic
+from rlsys.rl.dapo import DynamicSampling, OverlongPenalty
 from rlsys.rl.distillation import Distillation
 from rlsys.rl.extension import PASS_FIELDS, StepExtension, StepGroups
 from rlsys.rl.kl import KLInLoss, KLInReward
@@ -23,6 +27,10 @@ def features_of(cfg: RLJobConfig) -> Features:
     """The job's features, in the order their hooks run (a penalty for KL in the reward is taken before
     the teacher's; the critic's step before the policy's)."""
     algo, found = cfg.algorithm, []
+    if algo.filter_groups:
+        found.append(DynamicSampling(algo.max_sampling_rounds, cfg.train.prompts_per_step))
+    if cfg.reward.overlong_buffer_len:
+        found.append(OverlongPenalty(cfg.reward, cfg.rollout.response_budget))
     if algo.router_replay != "none":
         found.append(RouterReplay(algo.router_replay, cfg.model.path))
     if algo.rollout_correction.active:
@@ -56,6 +64,30 @@ class Features:
     def needs(self) -> frozenset[str]:
         """What the extensions read from the trainer's passes before the update."""
         return frozenset().union(*(ext.needs for ext in self.extensions))
+
+    @property
+    def draws(self) -> int:
+        return max((ext.draws for ext in self.extensions), default=1)
+
+    def rollout_rewards(self, samples: list[Trajectory], rewards: torch.Tensor) -> torch.Tensor:
+        for ext in self.extensions:
+            rewards = ext.rollout_rewards(samples, rewards)
+        return rewards
+
+    def keep_groups(self, scores: torch.Tensor, n: int) -> list[bool]:
+        """The groups every extension keeps."""
+        keep = torch.ones(len(scores) // n, dtype=torch.bool)
+        for ext in self.extensions:
+            kept = ext.keep_groups(scores, n)
+            if kept is not None:
+                keep &= kept
+        return keep.tolist()
+
+    def rollout_metrics(self, rollout: Rollout, draws: int, kept_groups: int) -> dict[str, float]:
+        metrics = {}
+        for ext in self.extensions:
+            metrics.update(ext.rollout_metrics(rollout, draws, kept_groups))
+        return metrics
 
     def on_draw(self, prompts: list[tuple], seed: int, step: int, groups: StepGroups) -> None:
         for ext in self.extensions:

@@ -1,7 +1,7 @@
 """The rollout phase: the step's prompts sampled by the engines (an agent loop per episode), or taken from
-what they sampled ahead (asynchronous modes), scored by the reward terms, with DAPO's dynamic sampling
-around both (`algorithm.filter_groups`: again, until the step has enough groups of mixed scores) and its
-overlong penalty on the rewards; the engines then free their memory for the trainer."""
+what they sampled ahead (asynchronous modes), scored by the reward terms, the rewards shaped and the groups
+kept as the extensions say (DAPO's overlong penalty and dynamic sampling: drawn again until the step has
+enough groups of mixed scores); the engines then free their memory for the trainer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 from rlsys.actors.phases import PhaseTimer
 from rlsys.agents.trajectory import Trajectory
-from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import EpochSampler
 from rlsys.rewards.model_terms import exchanges
@@ -31,29 +30,27 @@ class RolloutPhase:
         self.cfg, self.groups, self.sampler, self.stream, self.features = cfg, groups, sampler, stream, features
 
     def collect(self, step: int, timer: PhaseTimer) -> Rollout:
-        cfg, algo, n = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
-        wanted = cfg.train.prompts_per_step
-        mixed, uniform, errors = [], [], 0.0
-        for draw in range(algo.max_sampling_rounds if algo.filter_groups else 1):
+        cfg, n, wanted = self.cfg, self.cfg.rollout.n, self.cfg.train.prompts_per_step
+        kept_groups, others, errors = [], [], 0.0
+        for draw in range(self.features.draws):
             with timer("generate"):
                 samples = self._generate(step, draw, timer)
             with timer("reward"):
                 scored, draw_metrics = self.groups.rewards.score(reward_inputs(samples, self.groups.prompts),
                                                                  exchanges(samples, self.groups.prompts))
             errors += draw_metrics["reward/errors"]
-            rewards = self._shaped_rewards(samples, scored)
-            scores = torch.tensor([s.score for s in scored])  # mixed by score, not by length penalty
-            keep = mixed_groups(scores, n).tolist() if algo.filter_groups else [True] * (len(samples) // n)
-            for g, kept in enumerate(keep):
+            scores = torch.tensor([s.score for s in scored])
+            rewards = self.features.rollout_rewards(samples, scores)
+            for g, kept in enumerate(self.features.keep_groups(scores, n)):  # by score, not by shaped reward
                 group = (samples[g * n:(g + 1) * n], scored[g * n:(g + 1) * n], rewards[g * n:(g + 1) * n])
-                (mixed if kept else uniform).append(group)
-            if len(mixed) >= wanted:
+                (kept_groups if kept else others).append(group)
+            if len(kept_groups) >= wanted:
                 break
         freed = self.groups.rollout.release_memory()
-        if len(mixed) < wanted:
+        if len(kept_groups) < wanted:
             log.warning("step %d: %d of %d prompt groups have mixed rewards after %d draws; filling with "
-                        "equal-reward groups", step, len(mixed), wanted, draw + 1)
-        groups = (mixed + uniform)[:wanted]
+                        "equal-reward groups", step, len(kept_groups), wanted, draw + 1)
+        groups = (kept_groups + others)[:wanted]
         samples = [s for group in groups for s in group[0]]
         scored = [s for group in groups for s in group[1]]
         rewards = torch.cat([group[2] for group in groups])
@@ -65,11 +62,9 @@ class RolloutPhase:
                    **self._accuracy(scored), **self.groups.rewards.metrics(scored), "reward/errors": errors, **dropped}
         if freed is not None:
             metrics["rollout/freed_gib"] = freed / 2**30
-        if algo.filter_groups:
-            metrics.update({"dapo/draws": draw + 1, "dapo/mixed_groups": min(len(mixed), wanted) / wanted})
-        if cfg.reward.overlong_buffer_len:
-            metrics["reward/overlong_penalty"] = (rewards - torch.tensor([s.score for s in scored])).mean().item()
-        return Rollout(samples, torch.tensor(kept) // n, scored, rewards, metrics)
+        rollout = Rollout(samples, torch.tensor(kept) // n, scored, rewards, metrics)
+        metrics.update(self.features.rollout_metrics(rollout, draw + 1, len(kept_groups)))
+        return rollout
 
     def _generate(self, step: int, draw: int, timer: PhaseTimer) -> list[Trajectory]:
         """One prompt batch's trajectories, n per prompt in order: generated now, or (asynchronous
@@ -91,12 +86,3 @@ class RolloutPhase:
         if not terms:
             return {}
         return {"reward/accuracy": sum(s.terms[terms[0].label] >= 1.0 for s in scored) / len(scored)}
-
-    def _shaped_rewards(self, samples: list[Trajectory], scored: list[ScoredSample]) -> torch.Tensor:
-        rewards = torch.tensor([s.score for s in scored])
-        reward = self.cfg.reward
-        if reward.overlong_buffer_len:
-            lengths = torch.tensor([len(s.response_ids) for s in samples])
-            rewards = rewards + overlong_penalty(lengths, self.cfg.rollout.response_budget,
-                                                 reward.overlong_buffer_len, reward.overlong_penalty_factor)
-        return rewards

@@ -44,9 +44,9 @@ def test_the_readme_commands_and_links_exist():
 
 
 def test_the_not_yet_row_names_every_refusal_of_an_unbuilt_feature():
-    """Every limit of rlsys/stages/limits.py is named in the README's "Not yet" row and refused somewhere
+    """Every limit of rlsys/config/limits.py is named in the README's "Not yet" row and refused somewhere
     through `not_built`, and no other refusal says that something is not built (yet)."""
-    from rlsys.stages import limits
+    from rlsys.config import limits
 
     row = next(line for line in README.read_text().splitlines() if line.startswith("| Not yet |"))
     sources = {path: path.read_text() for path in sorted((ROOT / "rlsys").rglob("*.py")) if path.name != "limits.py"}
@@ -55,7 +55,7 @@ def test_the_not_yet_row_names_every_refusal_of_an_unbuilt_feature():
         assert any(len(re.findall(rf"\b{name}\b", text)) > 1 for text in sources.values()), f"{name}: refused nowhere"
     unlimited = [f"{path.relative_to(ROOT)}:{line}: {words!r}" for path, text in sources.items()
                  for line, words in _unlimited_refusals(ast.parse(text))]
-    assert not unlimited, f"refusals of unbuilt features outside a limit (rlsys/stages/limits.py): {unlimited}"
+    assert not unlimited, f"refusals of unbuilt features outside a limit (rlsys/config/limits.py): {unlimited}"
 
 
 def _unlimited_refusals(tree: ast.Module) -> list[tuple[int, str]]:

@@ -4,11 +4,15 @@ policy's while it warms up, `critic.warmup_steps`)."""
 
 from __future__ import annotations
 
+from transformers import PretrainedConfig
+
 from rlsys.actors.phases import PhaseTimer
 from rlsys.actors.train_worker import TrainWorker
 from rlsys.algorithms.advantages import gae_advantages_and_returns
 from rlsys.algorithms.value_loss import token_values, value_loss
+from rlsys.config.loader import ConfigError
 from rlsys.config.rl import AlgorithmConfig, CriticConfig
+from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch
 from rlsys.rl.batch import RLBatch
 from rlsys.rl.extension import StepExtension, StepGroups
@@ -17,6 +21,18 @@ from rlsys.rl.extension import StepExtension, StepGroups
 class Critic(StepExtension):
     def __init__(self, cfg: CriticConfig, algo: AlgorithmConfig):
         self.cfg, self.gamma, self.lam, self.loss_agg = cfg, algo.gamma, algo.lam, algo.loss_agg
+
+    @classmethod
+    def check(cls, job: RLJobConfig, model: PretrainedConfig) -> None:
+        """A critic exists with gae; its returns are per row, not per episode, so it trains episodes of one
+        segment."""
+        rollout, gae = job.rollout, job.algorithm.adv_estimator == "gae"
+        if job.critic.warmup_steps and not gae:
+            raise ConfigError("critic.warmup_steps: there is no critic unless algorithm.adv_estimator is gae")
+        segmented = rollout.agent_loop == "openai" or bool(rollout.context_hook)
+        if segmented and rollout.train_segments == "all" and gae:
+            raise ConfigError("rollout.train_segments: gae's critic returns are per segment, not per episode; "
+                              "set rollout.train_segments: last (or an outcome estimator such as grpo)")
 
     def advantage_inputs(self, batch: RLBatch, groups: StepGroups, timer: PhaseTimer) -> None:
         with timer("values"):

@@ -6,10 +6,13 @@ response that ran into the last tokens of its budget."""
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 
 from rlsys.agents.trajectory import Trajectory
 from rlsys.algorithms.dapo import mixed_groups, overlong_penalty
+from rlsys.config.loader import ConfigError
 from rlsys.config.rl import RewardConfig
+from rlsys.config.schema import RLJobConfig
 from rlsys.rl.batch import Rollout
 from rlsys.rl.extension import StepExtension
 
@@ -20,6 +23,16 @@ class DynamicSampling(StepExtension):
 
     def __init__(self, max_draws: int, wanted: int):
         self.draws, self.wanted = max_draws, wanted
+
+    @classmethod
+    def check(cls, job: RLJobConfig, model: PretrainedConfig) -> None:
+        if not job.algorithm.filter_groups:
+            return
+        if job.rollout.n < 2:
+            raise ConfigError("algorithm.filter_groups: needs groups of rollout.n >= 2 responses")
+        if job.train.async_mode != "off":
+            raise ConfigError("algorithm.filter_groups: DAPO's dynamic sampling draws prompts a step at a time; "
+                              "not with train.async_mode")
 
     def keep_groups(self, scores: torch.Tensor, n: int) -> torch.Tensor | None:
         return mixed_groups(scores, n)
@@ -35,6 +48,13 @@ class OverlongPenalty(StepExtension):
     def __init__(self, reward: RewardConfig, response_budget: int):
         self.buffer_len, self.factor = reward.overlong_buffer_len, reward.overlong_penalty_factor
         self.budget = response_budget
+
+    @classmethod
+    def check(cls, job: RLJobConfig, model: PretrainedConfig) -> None:
+        if job.reward.overlong_buffer_len >= job.rollout.response_budget:
+            raise ConfigError(f"reward.overlong_buffer_len: {job.reward.overlong_buffer_len} must be below the "
+                              f"response budget (rollout.max_response_tokens, else rollout.max_new_tokens: "
+                              f"{job.rollout.response_budget})")
 
     def rollout_rewards(self, samples: list[Trajectory], rewards: torch.Tensor) -> torch.Tensor:
         lengths = torch.tensor([len(s.response_ids) for s in samples])

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from rlsys.actors.phases import PhaseTimer
 from rlsys.agents.trajectory import Trajectory
+from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch
 from rlsys.rl.batch import RLBatch, Rollout
 
@@ -47,6 +49,11 @@ class StepExtension:
     """The PASS_FIELDS it reads before the update."""
     draws: int = 1
     """How many prompt draws a step may take to fill its batch with the groups `keep_groups` keeps."""
+
+    @classmethod
+    def check(cls, job: RLJobConfig, model: PretrainedConfig) -> None:
+        """Before Ray starts: the feature's rules on the rest of the job (`model`: the policy's config), a
+        ConfigError naming the key; nothing when the job does not turn the feature on."""
 
     def rollout_rewards(self, samples: list[Trajectory], rewards: torch.Tensor) -> torch.Tensor:
         """A draw's reward per sample, from its score: shaped (a length penalty)."""

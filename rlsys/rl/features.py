@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from rlsys.actors.phases import PhaseTimer
 from rlsys.agents.trajectory import Trajectory
@@ -21,6 +22,16 @@ from rlsys.rl.remax import ReMax
 from rlsys.rl.rollout_correction import RolloutCorrection
 from rlsys.rl.router_replay import RouterReplay
 from rlsys.rl.token_baseline import TokenBaseline
+
+EXTENSIONS: tuple[type[StepExtension], ...] = (DynamicSampling, OverlongPenalty, RouterReplay, RolloutCorrection,
+                                               KLInLoss, KLInReward, Distillation, Critic, ReMax, TokenBaseline)
+"""Every feature of the step, each checking the jobs that turn it on."""
+
+
+def check_features(job: RLJobConfig, model: PretrainedConfig) -> None:
+    """Each feature's rules on the job (`StepExtension.check`), before Ray starts."""
+    for extension in EXTENSIONS:
+        extension.check(job, model)
 
 
 def features_of(cfg: RLJobConfig) -> Features:

@@ -17,6 +17,8 @@ import json
 import os
 
 from rlsys.actors.rollout_worker import RolloutWorker
+from rlsys.config.loader import ConfigError
+from rlsys.config.schema import RLJobConfig
 
 SCHEDULE_FILE = "schedule.jsonl"
 
@@ -27,6 +29,26 @@ def read_schedule(path: str) -> list[dict]:
         path = os.path.join(path, SCHEDULE_FILE)
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def check_replay(job: RLJobConfig) -> None:
+    """A schedule to follow (`train.replay`): an asynchronous run's, for as many engines."""
+    if job.train.replay is None:
+        return
+    if job.train.async_mode == "off":
+        raise ConfigError("train.replay: a synchronous run repeats itself without a schedule; set train.async_mode")
+    own = os.path.join(job.output_dir, SCHEDULE_FILE)
+    if os.path.abspath(job.train.replay) in {os.path.abspath(job.output_dir), os.path.abspath(own)}:
+        raise ConfigError(f"train.replay: {job.train.replay} is this run's own schedule, which it writes again; "
+                          "give the recorded run's and another output_dir")
+    try:
+        lines = read_schedule(job.train.replay)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"train.replay: cannot read a schedule from {job.train.replay} ({err})") from None
+    engines = {len(line.get("engines", [])) for line in lines}
+    if engines - {job.rollout.num_engines}:
+        raise ConfigError(f"train.replay: {job.train.replay} was recorded with {sorted(engines)} engines; this job "
+                          f"has rollout.num_engines={job.rollout.num_engines}")
 
 
 class RunSchedule:

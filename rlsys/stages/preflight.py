@@ -14,6 +14,16 @@ import os
 from transformers import PretrainedConfig
 
 from rlsys.config.layout import ParallelConfig, RayConfig
+from rlsys.config.limits import (
+    LORA_ADAPTER_SYNC_ASYNC,
+    LORA_LAYOUTS,
+    LORA_MOE,
+    MODEL_FAMILIES,
+    REWARD_MODEL_LAYOUTS,
+    REWARD_MODEL_LORA,
+    VISION_LANGUAGE,
+    not_built,
+)
 from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.model import ModelConfig
 from rlsys.config.rl import RewardTerm
@@ -26,18 +36,9 @@ from rlsys.models.vision import VL_FAMILIES, is_vision_language, model_class
 from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.tp import check_tp_family
-from rlsys.stages.algorithm_checks import check_algorithm, check_algorithm_against_job, check_router_replay
+from rlsys.rl.features import check_features
+from rlsys.stages.algorithm_checks import check_algorithm, check_algorithm_against_job
 from rlsys.stages.cluster_defaults import fill_cluster_defaults
-from rlsys.stages.limits import (
-    LORA_ADAPTER_SYNC_ASYNC,
-    LORA_LAYOUTS,
-    LORA_MOE,
-    MODEL_FAMILIES,
-    REWARD_MODEL_LAYOUTS,
-    REWARD_MODEL_LORA,
-    VISION_LANGUAGE,
-    not_built,
-)
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -114,12 +115,8 @@ def check_rl_job(cfg: RLJobConfig) -> None:
         raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
     check_algorithm(cfg.algorithm, cfg.parallel)
     check_algorithm_against_job(cfg)
-    check_router_replay(cfg, model_config)
+    check_features(cfg, model_config)
     check_rl_batch(cfg, dims.dp_size)
-    if cfg.reward.overlong_buffer_len >= cfg.rollout.response_budget:
-        raise ConfigError(f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} must be below the response "
-                          f"budget (rollout.max_response_tokens, else rollout.max_new_tokens: "
-                          f"{cfg.rollout.response_budget})")
     if not cfg.reward.terms and cfg.algorithm.distill is None:
         raise ConfigError(f"reward.terms: empty; name at least one reward (registered: "
                           f"{', '.join(registered_rewards())}), give a path or a model, or set algorithm.distill")

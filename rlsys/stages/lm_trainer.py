@@ -21,6 +21,7 @@ from rlsys.actors.train_worker import TrainWorker, build_worker_spec
 from rlsys.algorithms.lm_loss import nll_loss
 from rlsys.algorithms.preference_loss import bradley_terry_loss
 from rlsys.config.schema import TrainJobConfig
+from rlsys.config.training import DataConfig
 from rlsys.data.batching import EpochSampler, collate, num_targets
 from rlsys.data.examples import Example, load_pretrain_examples, load_sft_examples, with_pixels
 from rlsys.data.files import DataError, RowStats
@@ -47,7 +48,7 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     started = time.time()
     tokenizer = load_tokenizer(cfg.model.path, "model.path")
     expander = image_expander_of(cfg.model.path) if stage == "sft" else None
-    examples, row_stats = load_units(cfg, stage, tokenizer, expander)
+    examples, row_stats = load_units(cfg.data, stage, tokenizer, expander)
     held_out = load_held_out_pairs(cfg, tokenizer) if stage == "rm" else []
     try:
         sampler = EpochSampler(len(examples), cfg.train.global_batch_size, cfg.seed)
@@ -84,14 +85,14 @@ def run_lm_training(cfg: TrainJobConfig, stage: Stage) -> dict:
     return summary
 
 
-def load_units(cfg: TrainJobConfig, stage: Stage, tokenizer, expander: ImageExpander | None = None
+def load_units(data: DataConfig, stage: Stage, tokenizer, expander: ImageExpander | None = None
                ) -> tuple[list[Unit], RowStats]:
     if stage == "rm":
-        return load_preference_pairs(cfg.data, tokenizer)
+        return load_preference_pairs(data, tokenizer)
     if stage == "pretrain":
-        examples, stats = load_pretrain_examples(cfg.data, tokenizer)
+        examples, stats = load_pretrain_examples(data, tokenizer)
     else:
-        examples, stats = load_sft_examples(cfg.data, tokenizer, expander)
+        examples, stats = load_sft_examples(data, tokenizer, expander)
     return [(example,) for example in examples], stats
 
 

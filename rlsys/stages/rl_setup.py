@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from rlsys.agents.context_hooks import resolve_context_hook
 from rlsys.config.loader import ConfigError
 from rlsys.config.rl import DistillConfig
+from rlsys.config.rollout import RolloutConfig
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.files import DataError
 from rlsys.data.image_tokens import ImageExpander, image_expander_of
@@ -52,7 +53,7 @@ def load_rl_data(cfg: RLJobConfig) -> RLData:
                           loop=cfg.eval.agent_loop or cfg.rollout.agent_loop, tools=agents.schemas,
                           response_tokens=cfg.eval.max_response_tokens or cfg.rollout.response_budget,
                           max_images=max_images) if cfg.eval else None
-    length = _engine_length(cfg, prompts, evaluator)
+    length = _engine_length(cfg.rollout, prompts, evaluator)
     shortened_by = "rollout.max_model_len" if cfg.rollout.max_model_len or not length else "rollout.max_response_tokens"
     check_kv_budget(cfg.model.path, length, cfg.rollout.engine_memory_gib, cfg.rollout.dtype,
                     cfg.ray.gpus_per_worker > 0 or cfg.rollout.gpus_per_engine > 0, cfg.rollout.block_size,
@@ -85,21 +86,21 @@ def teacher_length(distill: DistillConfig, rollout_length: int | None) -> int | 
     return rollout_length + 1
 
 
-def _engine_length(cfg: RLJobConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:
+def _engine_length(rollout: RolloutConfig, prompts: list[Prompt], evaluator: Evaluator | None) -> int | None:
     """The rollout engines' length: as configured, else the longest sequence of the training prompts
     and of the validation split, which the same engines answer. A configured length that cannot hold
     the longest prompt and a whole response is refused (vLLM would reject its requests)."""
-    lengths = [run_length((p.engine_tokens for p in prompts), cfg.rollout.response_budget, cfg.rollout.agent_loop)]
+    lengths = [run_length((p.engine_tokens for p in prompts), rollout.response_budget, rollout.agent_loop)]
     if evaluator is not None:
         lengths.append(evaluator.engine_length)
     longest = None if None in lengths else max(lengths)
-    configured = cfg.rollout.engine_kwargs.get("max_model_len") or cfg.rollout.max_model_len
+    configured = rollout.engine_kwargs.get("max_model_len") or rollout.max_model_len
     if not configured:
         return longest
     prompt = max(p.engine_tokens for p in [*prompts, *(evaluator.prompts if evaluator else [])])
     needed = longest if longest is not None else prompt + 1
     if configured < needed:
-        key = "rollout.engine_kwargs.max_model_len" if "max_model_len" in cfg.rollout.engine_kwargs else \
+        key = "rollout.engine_kwargs.max_model_len" if "max_model_len" in rollout.engine_kwargs else \
             "rollout.max_model_len"
         response = "a whole response (rollout.max_response_tokens, else max_new_tokens)" if longest else "a token"
         raise ConfigError(f"{key}: {configured} tokens cannot hold the longest prompt ({prompt} tokens, training or "
@@ -116,9 +117,8 @@ def _loops(cfg: RLJobConfig) -> dict[str, str]:
     return loops
 
 
-def teacher_in_trainer(cfg: RLJobConfig) -> str | None:
+def teacher_in_trainer(distill: DistillConfig | None) -> str | None:
     """The teacher's directory when the training group holds it (`algorithm.distill.source: trainer`)."""
-    distill = cfg.algorithm.distill
     return distill.teacher if distill is not None and distill.source == "trainer" else None
 
 

@@ -57,7 +57,7 @@ class RLVRTrainer:
             spec = build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps * updates_per_step(cfg),
                                      with_reference=needs_reference(cfg),
                                      critic=cfg.critic if cfg.algorithm.adv_estimator == "gae" else None,
-                                     teacher=teacher_in_trainer(cfg))
+                                     teacher=teacher_in_trainer(cfg.algorithm.distill))
             train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, colocated_engines(cfg))
             self.train_group = TrainGroup(spec, cfg.ray, gpu_share=train_gpus)
             self._start_served_models(engine_gpus)

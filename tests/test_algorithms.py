@@ -363,9 +363,8 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
     check_algorithm(AlgorithmConfig(policy_loss="cispo"), ParallelConfig(cp=2))
     with pytest.raises(ConfigError, match="algorithm.loss_agg: seq-mean-token-mean averages each sequence's tokens"):
         check_algorithm(AlgorithmConfig(loss_agg="seq-mean-token-mean"), ParallelConfig(cp=2))
-    with pytest.raises(ConfigError, match="algorithm.rollout_correction: with old_logprobs: rollout"):
-        check_algorithm(AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token"),
-                                        old_logprobs="rollout"), ParallelConfig())
+    with pytest.raises(ValueError, match="rollout_correction: with old_logprobs: rollout"):  # the section's own
+        AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token"), old_logprobs="rollout")
     for per_sequence in ({"rollout_is": "sequence"}, {"rollout_rs": "geometric"},
                          {"rollout_token_veto_threshold": 0.1}):
         with pytest.raises(ConfigError, match="algorithm.rollout_correction: a sequence-level weight"):
@@ -485,9 +484,8 @@ def test_bad_rejection_settings_name_the_key():
         algo = AlgorithmConfig(rollout_correction=correction_cfg)
         with pytest.raises(ConfigError, match=f"algorithm.rollout_correction.rollout_rs: .*{message}"):
             check_algorithm(algo, ParallelConfig())
-    algo = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is_batch_normalize=True))
-    with pytest.raises(ConfigError, match="rollout_is_batch_normalize: normalises the importance weights"):
-        check_algorithm(algo, ParallelConfig())
+    with pytest.raises(ValueError, match="rollout_is_batch_normalize: normalises the importance weights"):
+        RolloutCorrectionConfig(rollout_is_batch_normalize=True)
 
 
 def test_veto_drops_a_response_and_corrections_compose():

@@ -136,6 +136,15 @@ def test_missing_and_invalid_config_files(capsys, tmp_path):
          "algorithm.rollout_correction.rollout_is: the preset bypass_pg_is sets it to 'sequence'; drop one of them"),
         (("algorithm.rollout_correction.bypass_mode=true", "algorithm.policy_loss=cispo"),
          "algorithm.policy_loss: bypass mode picks its loss by rollout_correction.loss_type"),
+        (("algorithm.rollout_correction.bypass_mode=true", "algorithm.old_logprobs=trainer"),
+         "algorithm.old_logprobs: bypass mode takes the engine's log-probs as the old ones, not trainer's"),
+        (("algorithm.rollout_correction.rollout_is=token", "algorithm.old_logprobs=rollout"),
+         "algorithm.rollout_correction: with old_logprobs: rollout every ratio is 1"),
+        ("algorithm.rollout_correction.rollout_is_batch_normalize=true",
+         "algorithm.rollout_correction.rollout_is_batch_normalize: normalises the importance weights"),
+        (("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token",
+          "algorithm.rollout_correction.rollout_is_batch_normalize=true"),
+         "algorithm.rollout_correction.rollout_is_batch_normalize: in bypass mode the weights follow the policy"),
     ],
 )
 def test_rlvr_bad_config_names_the_key(capsys, tiny_model_dir, arith_files, override, expected):

@@ -133,8 +133,17 @@ class RolloutCorrectionConfig:
     ...: docs/algorithms.md), which sets the fields above; setting one of those beside it is refused."""
 
     def __post_init__(self) -> None:
-        if not self.preset:
-            return
+        """A preset's fields set; batch normalisation of weights there are, and not in bypass mode."""
+        if self.preset:
+            self._apply_preset()
+        if self.rollout_is_batch_normalize and self.rollout_is == "none":
+            raise ValueError("rollout_is_batch_normalize: normalises the importance weights; set rollout_is: token "
+                             "or sequence")
+        if self.rollout_is_batch_normalize and self.bypass_mode:
+            raise ValueError("rollout_is_batch_normalize: in bypass mode the weights follow the policy being "
+                             "updated, so no mean over the batch precedes the update")
+
+    def _apply_preset(self) -> None:
         if self.preset not in ROLLOUT_CORRECTION_PRESETS:
             raise ValueError(f"preset: unknown {self.preset!r}; VeRL's: {', '.join(ROLLOUT_CORRECTION_PRESETS)}")
         defaults = RolloutCorrectionConfig()
@@ -216,6 +225,11 @@ class DistillConfig:
     log-probs a vLLM engine gives a position."""
     serving: ServingConfig = Field(default_factory=lambda: ServingConfig())
     """The engines that serve the teacher (source: engine)."""
+
+    def __post_init__(self) -> None:
+        if self.top_k and self.mode == "penalty":
+            raise ValueError("top_k: the top-k KL is a loss term; mode: penalty puts the sampled token's KL in the "
+                             "reward instead (set top_k: 0, or mode: advantage)")
 
 
 @dataclass(config=STRICT)
@@ -305,6 +319,20 @@ class AlgorithmConfig:
     update; rollout: the engine's own sampling log-probs (no extra pass); auto: none are
     needed when the update is one epoch of one mini-batch (the policy being updated is the
     one that sampled, so the loss uses its current log-probs, detached), else trainer."""
+
+    def __post_init__(self) -> None:
+        """Bypass mode takes the engine's log-probs as the old ones and its loss from its loss_type; outside
+        it, a correction needs old log-probs other than the engine's."""
+        correction = self.rollout_correction
+        if correction.bypass_mode and self.policy_loss != "vanilla":
+            raise ValueError(f"policy_loss: bypass mode picks its loss by rollout_correction.loss_type (ppo_clip or "
+                             f"reinforce), not {self.policy_loss}; leave policy_loss: vanilla")
+        if correction.bypass_mode and self.old_logprobs not in ("auto", "rollout"):
+            raise ValueError(f"old_logprobs: bypass mode takes the engine's log-probs as the old ones, not "
+                             f"{self.old_logprobs}'s")
+        if not correction.bypass_mode and correction.active and self.old_logprobs == "rollout":
+            raise ValueError("rollout_correction: with old_logprobs: rollout every ratio is 1; use old_logprobs: "
+                             "auto or trainer (or bypass_mode: true)")
 
 
 @dataclass(config=STRICT)

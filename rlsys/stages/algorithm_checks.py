@@ -39,30 +39,9 @@ def check_algorithm(algo: AlgorithmConfig, parallel: ParallelConfig) -> None:
         rejection_bounds(correction)
     except ValueError as err:
         raise ConfigError(f"algorithm.rollout_correction.rollout_rs: {err}") from None
-    if correction.rollout_is_batch_normalize and correction.rollout_is == "none":
-        raise ConfigError("algorithm.rollout_correction.rollout_is_batch_normalize: normalises the importance "
-                          "weights; set rollout_is: token or sequence")
     if correction.per_sequence and parallel.cp > 1:
         raise ConfigError("algorithm.rollout_correction: a sequence-level weight, rejection or veto needs each "
                           "sequence on one rank; not with parallel.cp > 1")
-    if correction.bypass_mode:
-        _check_bypass_mode(algo)
-    elif correction.active and algo.old_logprobs == "rollout":
-        raise ConfigError("algorithm.rollout_correction: with old_logprobs: rollout every ratio is 1; "
-                          "use old_logprobs: auto or trainer (or bypass_mode: true)")
-
-
-def _check_bypass_mode(algo: AlgorithmConfig) -> None:
-    """Bypass mode takes the engine's log-probs as the old ones and its loss from loss_type."""
-    if algo.policy_loss != "vanilla":
-        raise ConfigError(f"algorithm.policy_loss: bypass mode picks its loss by rollout_correction.loss_type "
-                          f"(ppo_clip or reinforce), not {algo.policy_loss}; leave policy_loss: vanilla")
-    if algo.old_logprobs not in ("auto", "rollout"):
-        raise ConfigError(f"algorithm.old_logprobs: bypass mode takes the engine's log-probs as the old ones, "
-                          f"not {algo.old_logprobs}'s")
-    if algo.rollout_correction.rollout_is_batch_normalize:
-        raise ConfigError("algorithm.rollout_correction.rollout_is_batch_normalize: in bypass mode the weights "
-                          "follow the policy being updated, so no mean over the batch precedes the update")
 
 
 def check_algorithm_against_job(cfg: RLJobConfig) -> None:

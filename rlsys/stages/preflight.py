@@ -129,9 +129,6 @@ def check_rl_job(cfg: RLJobConfig) -> None:
             resolve_term(term, f"reward.terms[{i}]")
     if cfg.algorithm.distill is not None:
         teacher_config = check_teacher(cfg.algorithm.distill.teacher, cfg.model.path)
-        if cfg.algorithm.distill.top_k and cfg.algorithm.distill.mode == "penalty":
-            raise ConfigError("algorithm.distill.top_k: the top-k KL is a loss term; mode: penalty puts the sampled "
-                              "token's KL in the reward instead (set top_k: 0, or mode: advantage)")
         if cfg.algorithm.distill.source == "trainer":
             try:
                 check_layout(cfg.parallel, teacher_config)

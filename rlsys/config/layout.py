@@ -62,6 +62,18 @@ class ParallelConfig:
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
 
+    def __post_init__(self) -> None:
+        """A pipeline's micro-batches fit its schedule; the tensor-parallel options need tensor parallelism."""
+        if self.pp > 1 and self.pp_schedule == "1f1b" and self.pp_microbatches < self.pp:
+            raise ValueError(f"pp_microbatches: 1f1b needs at least pp ({self.pp}) micro-batches, got "
+                             f"{self.pp_microbatches}")
+        if self.pp > 1 and self.pp_schedule == "interleaved_1f1b" and self.pp_microbatches % self.pp:
+            raise ValueError(f"pp_microbatches: interleaved_1f1b needs a multiple of pp ({self.pp}), got "
+                             f"{self.pp_microbatches}")
+        option = next((key for key in ("sequence_parallel", "loss_parallel") if getattr(self, key)), None)
+        if self.tp == 1 and option:
+            raise ValueError(f"{option}: needs parallel.tp > 1")
+
     @property
     def world_size(self) -> int:
         """Training ranks the layout takes."""

@@ -288,11 +288,6 @@ def read_model_config(path: str, key: str):
 
 def check_layout(parallel: ParallelConfig, model_config: PretrainedConfig) -> ParallelDims:
     """The training layout, checked against what is built so far and against the model."""
-    tp_option = _tp_option(parallel)
-    if parallel.pp > 1:
-        _check_pipeline(parallel)
-    if parallel.tp == 1 and tp_option:
-        raise ConfigError(f"parallel.{tp_option}: needs parallel.tp > 1")
     try:
         dims = ParallelDims.of(parallel)
         dims.check_model(model_config.get_text_config(), stages_per_rank(parallel))  # a VL model's language model
@@ -329,20 +324,6 @@ def _check_block_size(block_size: int | None, on_gpu: bool) -> None:
     """vLLM's CPU attention takes KV blocks of a multiple of 32 tokens."""
     if block_size is not None and not on_gpu and block_size % 32:
         raise ConfigError(f"rollout.block_size: {block_size} tokens; on CPU a multiple of 32")
-
-
-def _tp_option(parallel: ParallelConfig) -> str | None:
-    """The first tensor-parallel option switched on (sequence or loss parallel), if any."""
-    return next((key for key in ("sequence_parallel", "loss_parallel") if getattr(parallel, key)), None)
-
-
-def _check_pipeline(parallel: ParallelConfig) -> None:
-    if parallel.pp_schedule == "1f1b" and parallel.pp_microbatches < parallel.pp:
-        raise ConfigError(f"parallel.pp_microbatches: 1f1b needs at least pp ({parallel.pp}) micro-batches, "
-                          f"got {parallel.pp_microbatches}")
-    if parallel.pp_schedule == "interleaved_1f1b" and parallel.pp_microbatches % parallel.pp:
-        raise ConfigError(f"parallel.pp_microbatches: interleaved_1f1b needs a multiple of pp ({parallel.pp}), "
-                          f"got {parallel.pp_microbatches}")
 
 
 def _check_heads_split(model_config: PretrainedConfig, degree: int, key: str) -> None:

@@ -114,18 +114,20 @@ def trained_gradients(group, *batches_and_losses) -> list[tuple[dict[str, float]
     return results
 
 
-def layout_run(cfg, sft, rl, counts, then=None) -> tuple[list[tuple[dict[str, float], dict[str, torch.Tensor]]],
-                                                          torch.Tensor, list[dict[str, tuple[int, ...]]]]:
+def layout_run(cfg, sft, rl, counts, then=None, inputs: ActorInputs = RL_INPUTS
+               ) -> tuple[list[tuple[dict[str, float], dict[str, torch.Tensor]]], torch.Tensor,
+                          list[dict[str, tuple[int, ...]]]]:
     """A training group in `cfg`'s layout on the parity batches: the metrics and full gradients of
-    the SFT loss and of the RL policy loss (`trained_gradients`), the SFT batch's log-probs, and each
-    rank's local parameter shapes; `then(group)` runs last, before the group shuts down."""
+    the SFT loss and of the RL policy loss (`trained_gradients`; `inputs`: what the RL batch holds), the
+    SFT batch's log-probs, and each rank's local parameter shapes; `then(group)` runs last, before the
+    group shuts down."""
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
     from rlsys.algorithms.lm_loss import nll_loss, token_logprobs
 
     group = TrainGroup(build_worker_spec(cfg, cfg.train.micro_batch_size, cfg.train.steps), cfg.ray)
     try:
-        results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO, RL_INPUTS)))
+        results = trained_gradients(group, (sft, nll_loss(num_targets(sft))), (rl, actor_loss(counts, ALGO, inputs)))
         logprobs = torch.cat([out["logprobs"] for out, _ in group.run_data_parallel(TrainWorker.forward, sft,
                                                                                     loss_fn=token_logprobs())])
         shapes = group.on_each(probes.local_shapes)

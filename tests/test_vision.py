@@ -218,7 +218,8 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     rl.update(old_logprobs=logprobs + noise(), ref_logprobs=logprobs + noise())
     counts = {"tokens": num_targets(rl), "sequences": 8}
     expected = []
-    rl_loss = actor_loss(counts, ALGO, ActorInputs(old_logprobs=True, ref_logprobs=True))
+    inputs = ActorInputs(old_logprobs=True, ref_logprobs=True)  # no teacher's top-k tokens
+    rl_loss = actor_loss(counts, ALGO, inputs)
     for batch, loss_fn in ((sft, nll_loss(num_targets(sft))), (rl, rl_loss)):
         model.zero_grad()
         out = loss_fn(forward(), batch)
@@ -236,7 +237,7 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     data_parallel = "parallel.dp_shard=2" in layout  # where ranks without pictures run the vision tower idle
     [(metrics, got_sft), (_, got_rl)], got_logprobs, _ = layout_run(
         cfg, sft, rl, counts, then=lambda group: got_text.extend(trained_gradients(group, (text, nll_loss(
-            num_targets(text))))) if data_parallel else None)
+            num_targets(text))))) if data_parallel else None, inputs=inputs)
     assert metrics["loss"] == pytest.approx(expected[0][0], rel=1e-5)
     assert_gradients_match(got_sft, expected[0][1])
     assert_gradients_match(got_rl, expected[1][1])

@@ -96,13 +96,14 @@ def wait_all(refs: list, names: list[str] | None = None, straggler_timeout_s: fl
     pending = list(refs)
     deadline = time.monotonic() + limit.seconds if limit else None
     while pending and not errors:
-        timeouts = [straggler_timeout_s if results else None,
-                    max(0.0, deadline - time.monotonic()) if deadline is not None else None]
-        timeout = min((t for t in timeouts if t is not None), default=None)
+        straggler = straggler_timeout_s if results else None
+        remaining = max(0.0, deadline - time.monotonic()) if deadline is not None else None
+        timeout = min((t for t in (straggler, remaining) if t is not None), default=None)
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
             worker = names[index[pending[0]]] if names else "a worker"
-            if deadline is not None and time.monotonic() >= deadline:
+            # the limit that bound this wait decides (ray.wait may return a hair before its timeout)
+            if remaining is not None and (straggler is None or remaining <= straggler):
                 raise WorkerFailure(worker, f"did not answer within {limit.seconds:g} s ({limit.key})",
                                     current_phase(), replaceable=True, hung=True)
             raise WorkerFailure(worker, f"did not answer within {timeout:g} s of its peers", current_phase())

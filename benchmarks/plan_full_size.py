@@ -16,10 +16,11 @@ import argparse
 from memory import parse_layout
 
 from rlsys.config.loader import ConfigError
+from rlsys.models.directory import read_model_config
+from rlsys.parallel.parallelize import check_layout
 from rlsys.planner.check import check_full_size, full_size_table
 from rlsys.planner.estimate import layout_of
 from rlsys.planner.measure import StepShape
-from rlsys.stages.preflight import check_layout, read_model_config
 
 
 def main() -> None:

@@ -332,7 +332,7 @@ def test_estimators_and_losses_registered_from_a_file(tmp_path):
     from rlsys.algorithms.actor_loss import actor_loss
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.loader import ConfigError
-    from rlsys.stages.algorithm_checks import check_algorithm
+    from rlsys.rl.algorithm_checks import check_algorithm
 
     extension = tmp_path / "my_algos.py"
     extension.write_text(
@@ -473,7 +473,7 @@ def test_verls_divergence_rejections_and_chained_criteria():
 def test_bad_rejection_settings_name_the_key():
     from rlsys.config.layout import ParallelConfig
     from rlsys.config.loader import ConfigError
-    from rlsys.stages.algorithm_checks import check_algorithm
+    from rlsys.rl.algorithm_checks import check_algorithm
 
     for rs, threshold, message in [("token_k9", 1.0, "unknown rejection 'token_k9'"),
                                    ("token_k2", "0.5_2.0", "token_k2 takes an upper bound alone"),

@@ -131,8 +131,10 @@ def plan_output(capsys, *args: str) -> tuple[int, str, str]:
 def test_plan_recommends_a_layout_the_job_runs(capsys):
     """The recommendation's overrides pass the job's own preflight and give a layout of every GPU."""
     from rlsys.config.schema import RLJobConfig
+    from rlsys.models.directory import read_model_config
+    from rlsys.parallel.parallelize import check_layout
     from rlsys.planner.job import load_job
-    from rlsys.stages.preflight import check_layout, check_rl_batch, read_model_config
+    from rlsys.rl.update import check_update_batches
 
     model = "model.path=examples/plan/qwen2.5-32b"
     code, out, _ = plan_output(capsys, "--gpus", "64", "--gpu-memory", "80", model, "train.prompts_per_step=24")
@@ -143,7 +145,7 @@ def test_plan_recommends_a_layout_the_job_runs(capsys):
     cfg = load_job("examples/plan/rlvr.yaml", [model, "train.prompts_per_step=24", *overrides])
     assert isinstance(cfg, RLJobConfig)
     dims = check_layout(cfg.parallel, read_model_config(cfg.model.path, "model.path"))
-    check_rl_batch(cfg, dims.dp_size)  # 24 x 8 responses: a data-parallel size of 64 would not divide them
+    check_update_batches(cfg, dims.dp_size)  # 24 x 8 responses: a data-parallel size of 64 would not divide them
     assert dims.world_size == 64
 
 

@@ -129,7 +129,8 @@ def test_a_verdict_parses_by_regex_or_by_function_and_fails_otherwise(tmp_path):
 def test_bad_model_terms_and_teachers_are_refused_with_one_line(tiny_model_dir, reward_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from rlsys.stages.preflight import check_model_term, check_teacher
+    from rlsys.rewards.model_terms import check_model_term
+    from rlsys.rl.distillation import check_teacher
 
     with pytest.raises(ConfigError, match=r"reward.terms\[1\].model: a reward model has a one-logit"):
         check_model_term(RewardTerm(model=tiny_model_dir), "reward.terms[1]")

@@ -335,3 +335,12 @@ def kill_named(actors: list, names: list[str], timeout_s: float = 30.0) -> None:
             except ValueError:
                 break
             time.sleep(0.05)
+
+
+def check_training_resources(ray_cfg: RayConfig, world_size: int) -> None:
+    """The training ranks fit the cluster, each driving one GPU or none."""
+    if ray_cfg.gpus_per_worker not in (0, 1):
+        raise ConfigError(f"ray.gpus_per_worker: {ray_cfg.gpus_per_worker:g}; a training rank drives one GPU "
+                          f"(1; 0 trains on CPU): two ranks on one GPU are refused by NCCL, and engines share a "
+                          f"rank's GPU by rollout.placement: colocated")
+    check_resources(world_size, ray_cfg.cpus_per_worker, ray_cfg.gpus_per_worker, "ray.cpus_per_worker", ray_cfg)

@@ -17,8 +17,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.actors import kept_actors
-from rlsys.actors.cluster import RankPlacement, check_resources, wait_placed
+from rlsys.actors.cluster import RankPlacement, check_resources, cluster_gpus, wait_placed
 from rlsys.config.loader import ConfigError
+from rlsys.config.schema import RLJobConfig
 
 
 class EngineLayout(Protocol):
@@ -146,3 +147,36 @@ def _check_one_node_each(ranks: RankPlacement, num_engines: int, tp: int, key: s
             raise ConfigError(f"{key}.tensor_parallel_size: engine {engine}'s {tp} GPUs, those of training ranks "
                               f"{engine * tp}..{(engine + 1) * tp - 1}, span nodes; give each node a multiple "
                               f"of {tp} training ranks")
+
+
+def check_engine_resources(cfg: RLJobConfig, world_size: int) -> None:
+    """Every group of engines fits: colocated ones on the training ranks' GPUs, separate ones in the
+    cluster; a tensor-parallel engine's ranks each on a GPU of their own."""
+    for key, engines in cfg.engine_groups():
+        tp = engines.tensor_parallel_size
+        if engines.placement == "colocated":
+            check_colocated_engines(engines, world_size, cfg.ray.gpus_per_worker, key)
+            continue
+        if tp > 1 and engines.gpus_per_engine not in (0, 1):
+            raise ConfigError(f"{key}.gpus_per_engine: {engines.gpus_per_engine:g}; each of a tensor-parallel "
+                              f"engine's {tp} ranks takes a GPU of its own (1)")
+        check_resources(engines.num_engines, engines.cpus_per_engine, engines.gpus_per_engine * tp,
+                        f"{key}.cpus_per_engine", cfg.ray)
+    _check_separate_gpus(cfg, world_size)
+
+
+def _check_separate_gpus(cfg: RLJobConfig, world_size: int) -> None:
+    """Engines of their own take GPUs beside the training ranks': all of them must fit the cluster's."""
+    separate = [(key, engines) for key, engines in cfg.engine_groups()
+                if engines.placement == "separate" and engines.gpus_per_engine]
+    if not separate:
+        return
+    training = world_size * cfg.ray.gpus_per_worker
+    engines = sum(group.num_engines * group.tensor_parallel_size * group.gpus_per_engine for _, group in separate)
+    total = cluster_gpus(cfg.ray)
+    if training + engines > total:
+        key = separate[0][0]
+        raise ConfigError(f"{key}.gpus_per_engine: the training ranks take {training:g} GPUs and the separate "
+                          f"engines {engines:g} of their own, {training + engines:g} in all, but the Ray cluster has "
+                          f"{total:g}; lower {key}.num_engines or the parallel degrees, set {key}.placement: "
+                          f"colocated, or {key}.gpus_per_engine: 0 to generate on CPU")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlsys.config.loader import ConfigError
+from rlsys.config.training import TrainConfig
 from rlsys.data.examples import Example
 from rlsys.data.image_tokens import ImagePixels, image_fields
 
@@ -139,3 +141,16 @@ def on_response_tokens(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     placed = torch.zeros_like(batch["loss_mask"])
     placed[batch["loss_mask"].bool()] = values.float()
     return placed
+
+
+def check_train_batch(train: TrainConfig, dp: int) -> None:
+    """The global batch splits evenly over the data-parallel ranks (and their micro-batches)."""
+    if train.micro_batch_tokens is not None:
+        if train.global_batch_size % dp:
+            raise ConfigError(f"train.global_batch_size: {train.global_batch_size} is not divisible by the "
+                              f"data-parallel size ({dp})")
+    elif train.global_batch_size % (train.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size: {train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size ({train.micro_batch_size}) x data-parallel size ({dp})"
+        )

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rlsys.config.loader import ConfigError
+
 if TYPE_CHECKING:
     import datasets
 
@@ -92,3 +94,12 @@ def _locate_bad_row(path: str, builder: str) -> str | None:
             if not isinstance(value, dict):
                 return f"{path} row {number}: expected a JSON object, got {type(value).__name__}"
     return None
+
+
+def check_files(paths: list[str], key: str) -> None:
+    """Each of a key's files exists (one at least)."""
+    if not paths:
+        raise ConfigError(f"{key}: at least one file is required")
+    for i, path in enumerate(paths):
+        if not os.path.isfile(path):
+            raise ConfigError(f"{key}[{i}]: file not found: {path}")

@@ -16,12 +16,20 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from rlsys.config.model import LoraConfig
-from rlsys.models.vision import is_vision_language
+from rlsys.config.layout import ParallelConfig
+from rlsys.config.limits import LORA_LAYOUTS, LORA_MOE, not_built
+from rlsys.config.loader import ConfigError, first_line
+from rlsys.config.model import LoraConfig, ModelConfig
+from rlsys.models.moe import moe_family
+from rlsys.models.vision import is_vision_language, model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ADAPTER = re.compile(r"\.lora_[AB]\.default\.weight$")
 _BASE = ".base_layer."
@@ -123,3 +131,21 @@ def adapters_enabled(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
             module._disable_adapters = not enabled
+
+
+def check_lora(model: ModelConfig, parallel: ParallelConfig, model_config: PretrainedConfig) -> None:
+    """LoRA trains on data- and context-parallel layouts of dense models, on target modules the
+    model has."""
+    if not model.lora.rank:
+        return
+    for degree in ("tp", "pp", "ep"):
+        if getattr(parallel, degree) > 1:
+            raise not_built(LORA_LAYOUTS, f"parallel.{degree}: LoRA adapters (model.lora.rank) train on dp_shard, "
+                            f"dp_replicate and cp layouts; not with parallel.{degree} > 1 yet")
+    if moe_family(model_config):
+        raise not_built(LORA_MOE, f"model.lora.rank: LoRA on MoE models ({model_config.model_type}) is not built yet")
+    with torch.device("meta"):
+        try:
+            inject(model_class(model_config).from_config(model_config), model.lora)
+        except ValueError as err:
+            raise ConfigError(f"model.lora.target_modules: {first_line(err)}") from None

@@ -10,11 +10,19 @@ takes either, so the weight sync sends the module names.
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from rlsys.config.layout import ParallelConfig
+from rlsys.config.limits import MODEL_FAMILIES, VISION_LANGUAGE, not_built
+from rlsys.config.loader import ConfigError
+from rlsys.config.model import ModelConfig
 from rlsys.models.vision_compat import allow_qwen_vl_without_torchvision
+
+if TYPE_CHECKING:
+    from rlsys.config.schema import RLJobConfig
 
 IMAGES_PER_PROMPT = 4
 """The pictures a prompt may hold, by default (`rollout.engine_kwargs.limit_mm_per_prompt` sets it)."""
@@ -36,6 +44,35 @@ def is_vision_language(config) -> bool:
     """A model with a vision tower (Qwen2-VL's family: its config has a `vision_config`)."""
     return getattr(config, "vision_config", None) is not None
 
+
+def check_vision_language(config, model: ModelConfig, parallel: ParallelConfig, stage: str,
+                          rl: RLJobConfig | None = None) -> None:
+    """What a vision-language model trains with so far (docs/vision.md): Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL, the sft and rlvr stages, data and tensor parallel, every weight or LoRA adapters on the
+    language model; in RL, the single-turn or tool loop, a critic too, without a teacher, with the
+    trainer's processor settings."""
+    if not is_vision_language(config):
+        if model.freeze_vision:
+            raise ConfigError(f"model.freeze_vision: {model.path} has no vision tower")
+        return
+    if config.model_type not in VL_FAMILIES:
+        raise not_built(MODEL_FAMILIES, f"model.path: {model.path} is a vision-language model of type "
+                        f"{config.model_type!r}; training is built for {', '.join(VL_FAMILIES)} (docs/vision.md)")
+    refusals = {
+        "stage": stage not in ("sft", "rlvr"), "parallel.pp": parallel.pp > 1, "parallel.cp": parallel.cp > 1,
+        "parallel.sequence_parallel": parallel.sequence_parallel,
+    }
+    if rl is not None:
+        refusals.update({
+            "algorithm.distill": rl.algorithm.distill is not None,
+            "rollout.agent_loop": rl.rollout.agent_loop == "openai",
+            "rollout.engine_kwargs.mm_processor_kwargs": "mm_processor_kwargs" in rl.rollout.engine_kwargs,
+        })
+    for key, refused in refusals.items():
+        if refused:
+            raise not_built(VISION_LANGUAGE, f"{key}: not built yet for a vision-language model "
+                            f"({type(config).__name__}): it trains with the sft and rlvr stages on data- and "
+                            "tensor-parallel layouts, in RL with the single_turn or tool loop (docs/vision.md)")
 
 def engine_image_limits(config) -> dict:
     """vLLM's `limit_mm_per_prompt` for the model: images (videos need torchvision and are refused); none

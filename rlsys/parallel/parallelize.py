@@ -4,7 +4,9 @@ packed spans), then activation checkpointing, then FSDP2
 over the data-parallel submesh. Each step is one small function in its own
 module; FSDP comes last because it shards whatever the steps before left,
 plain tensors or tensor-parallel DTensors alike. As in torchtitan, a data-parallel
-mesh of one rank gets no FSDP where it holds plain tensors in their own dtype (`needs_fsdp`)."""
+mesh of one rank gets no FSDP where it holds plain tensors in their own dtype (`needs_fsdp`).
+A layout is checked against what is built and against the model before any rank starts
+(`check_layout`)."""
 
 from __future__ import annotations
 
@@ -13,18 +15,34 @@ import logging
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
 
 from rlsys.config.layout import ParallelConfig
+from rlsys.config.loader import ConfigError
 from rlsys.models.moe import moe_layer_indices
 from rlsys.parallel.context_parallel import apply_cp
-from rlsys.parallel.dims import ParallelDims
+from rlsys.parallel.dims import LayoutError, ParallelDims
 from rlsys.parallel.expert_parallel import apply_ep, apply_moe_tp
 from rlsys.parallel.fsdp import apply_fsdp
 from rlsys.parallel.moe_block import install_moe_blocks
+from rlsys.parallel.pipeline_stages import stages_per_rank
 from rlsys.parallel.span_attention import apply_span_attention
-from rlsys.parallel.tp import apply_tp
+from rlsys.parallel.tp import apply_tp, check_tp_family
 
 log = logging.getLogger(__name__)
+
+
+def check_layout(parallel: ParallelConfig, model_config: PretrainedConfig) -> ParallelDims:
+    """The training layout, checked against what is built so far and against the model (a
+    vision-language model's language model); a ConfigError naming the key."""
+    try:
+        dims = ParallelDims.of(parallel)
+        dims.check_model(model_config.get_text_config(), stages_per_rank(parallel))
+        if dims.tp > 1:
+            check_tp_family(model_config)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+    return dims
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, parallel: ParallelConfig,

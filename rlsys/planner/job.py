@@ -11,12 +11,16 @@ from rlsys.config.layout import ParallelConfig
 from rlsys.config.loader import ConfigError, load_config
 from rlsys.config.rollout import RolloutConfig
 from rlsys.config.schema import RLJobConfig, TrainJobConfig
+from rlsys.data.batching import check_train_batch
+from rlsys.models.directory import read_model_config
+from rlsys.models.lora import check_lora
+from rlsys.parallel.parallelize import check_layout
 from rlsys.planner.estimate import Layout, Precision, Workload
 from rlsys.planner.search import GIB, Cluster, plan, reason, table
 from rlsys.planner.shards import ModelShapes
+from rlsys.rl.algorithm_checks import check_algorithm
 from rlsys.rl.passes import old_logprobs_source
-from rlsys.stages import preflight
-from rlsys.stages.algorithm_checks import check_algorithm
+from rlsys.rl.update import check_update_batches
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,13 @@ def validator(cfg: RLJobConfig | TrainJobConfig, config) -> Callable[[ParallelCo
     """The job's own preflight checks of a candidate `parallel:` section (ConfigError if refused)."""
 
     def validate(parallel: ParallelConfig) -> None:
-        dims = preflight.check_layout(parallel, config)
-        preflight.check_lora(cfg.model, parallel, config)
+        dims = check_layout(parallel, config)
+        check_lora(cfg.model, parallel, config)
         if isinstance(cfg, RLJobConfig):
             check_algorithm(cfg.algorithm, parallel)
-            preflight.check_rl_batch(cfg, dims.dp_size)
+            check_update_batches(cfg, dims.dp_size)
         else:
-            preflight.check_train_batch(cfg.train, dims.dp_size)
+            check_train_batch(cfg.train, dims.dp_size)
 
     return validate
 
@@ -127,7 +131,7 @@ def run_plan(args: PlanArgs) -> dict:
     if args.prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens: must be > 0, got {args.prompt_tokens}")
     cfg = load_job(args.config, args.overrides, args.gpus)
-    config = preflight.read_model_config(cfg.model.path, "model.path")  # the shape is enough: no weights needed
+    config = read_model_config(cfg.model.path, "model.path")  # the shape is enough: no weights needed
     shapes = ModelShapes(config)
     kv = engine_kv(cfg.rollout, shapes, precision(cfg), args.gpu_memory_gib) if isinstance(cfg, RLJobConfig) else 0
     work = workload(cfg, args.prompt_tokens, kv)

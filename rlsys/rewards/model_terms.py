@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlsys.config.loader import ConfigError
+from rlsys.config.model import ModelConfig
 from rlsys.config.rl import JudgeConfig, RewardTerm
 from rlsys.data.examples import conversation_text
+from rlsys.models.directory import check_model_dir
 
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
 
@@ -112,3 +114,24 @@ def normalized(scores: list[float], how: str) -> list[float]:
 def model_label(term: RewardTerm) -> str:
     """reward/<label> for a model term: its name, else the model directory's name."""
     return term.name or term.model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def check_model_term(term: RewardTerm, key: str) -> None:
+    """A reward term's model: a one-logit sequence-classification (reward) model, or with `judge` a
+    causal LM; the judge's template and parser readable."""
+    if term.path:
+        raise ConfigError(f"{key}: give a model or a path, not both")
+    if term.model.startswith("stage:"):
+        raise ConfigError(f"{key}.model: {term.model!r} names a pipeline's rm stage; only a pipeline's rlvr stage "
+                          "can use it")
+    config = check_model_dir(ModelConfig(path=term.model), f"{key}.model")
+    kinds = getattr(config, "architectures", None) or ["?"]
+    if term.judge is not None:
+        if not kinds[0].endswith("ForCausalLM"):
+            raise ConfigError(f"{key}.model: a judge generates, so it must be a causal LM; {term.model} is {kinds[0]}")
+        read_template(term.judge.template, f"{key}.judge.template")
+        verdict_parser(term.judge, f"{key}.judge")
+        return
+    if not kinds[0].endswith(("ForSequenceClassification", "ForRewardModel")) or config.num_labels != 1:
+        raise ConfigError(f"{key}.model: a reward model has a one-logit sequence-classification head; {term.model} "
+                          f"is {kinds[0]} with {config.num_labels} labels (for a generative judge add {key}.judge)")

@@ -12,6 +12,16 @@ import time
 
 from rlsys.actors.rollout_worker import RolloutWorker
 from rlsys.actors.train_worker import TrainWorker
+from rlsys.config.limits import LORA_ADAPTER_SYNC_ASYNC, not_built
+from rlsys.config.model import ModelConfig
+from rlsys.config.rl import RLTrainConfig
+
+
+def check_adapter_sync(model: ModelConfig, train: RLTrainConfig) -> None:
+    """The adapters alone reach engines between steps, not while they generate (asynchronous RL)."""
+    if model.lora.syncs_adapters and train.async_mode != "off":
+        raise not_built(LORA_ADAPTER_SYNC_ASYNC, "train.async_mode: the adapter sync runs with async_mode: off; "
+                        "for asynchronous RL with LoRA set model.lora.sync: merged")
 
 
 class AdapterSync:

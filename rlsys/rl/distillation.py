@@ -5,13 +5,20 @@ teacher's most likely tokens join the batch for the loss (`rlsys.algorithms.dist
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 
 from rlsys.actors.phases import PhaseTimer
 from rlsys.actors.served_models import ServedModelWorker
 from rlsys.algorithms.distill import TOP_IDS, TOP_LOGPROBS, reverse_kl, top_k_fields
 from rlsys.algorithms.lm_loss import token_logprobs, top_k_logprobs
+from rlsys.config.loader import ConfigError
+from rlsys.config.model import ModelConfig
 from rlsys.config.rl import DistillConfig
+from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import on_response_tokens
+from rlsys.data.tokenizer import load_tokenizer
+from rlsys.models.directory import check_model_dir
+from rlsys.parallel.parallelize import check_layout
 from rlsys.rl.batch import RLBatch
 from rlsys.rl.extension import StepExtension, StepGroups
 
@@ -23,6 +30,20 @@ class Distillation(StepExtension):
         """The teacher engines' requests for this step (None: the training group holds the teacher)."""
         self.kl: torch.Tensor | None = None
         """[B, T] this step's reverse KL to the teacher of each sampled token."""
+
+    @classmethod
+    def check(cls, job: RLJobConfig, model: PretrainedConfig) -> None:
+        """The teacher reads the policy's token ids; in the training group it fits the policy's layout."""
+        distill = job.algorithm.distill
+        if distill is None:
+            return
+        teacher = check_teacher(distill.teacher, job.model.path)
+        if distill.source == "trainer":
+            try:
+                check_layout(job.parallel, teacher)
+            except ConfigError as err:
+                raise ConfigError(f"algorithm.distill.source: trainer puts the teacher in the policy's layout, "
+                                  f"which it does not fit: {err}") from None
 
     def add_inputs(self, batch: RLBatch, groups: StepGroups) -> None:
         """Ask the teacher's engines (while the trainer's passes run) for their log-prob of every response
@@ -65,3 +86,19 @@ class Distillation(StepExtension):
         sampled = [lp for s, tokens in zip(batch.segments, per_sample)
                    for lp, kept in zip(tokens.sampled, s.response_mask) if kept]
         return on_response_tokens(torch.tensor(sampled), batch.rows)
+
+
+def check_teacher(teacher: str, policy: str) -> PretrainedConfig:
+    """The distillation teacher: a causal LM whose tokenizer is the policy's (its log-probs are of
+    the policy's token ids). Returns its config."""
+    key = "algorithm.distill.teacher"
+    config = check_model_dir(ModelConfig(path=teacher), key)
+    kind = (getattr(config, "architectures", None) or ["?"])[0]
+    if not kind.endswith("ForCausalLM"):
+        raise ConfigError(f"{key}: the teacher must be a causal LM; {teacher} is {kind}")
+    ours, theirs = load_tokenizer(policy, "model.path").get_vocab(), load_tokenizer(teacher, key).get_vocab()
+    if ours != theirs:
+        differ = sum(ours.get(token) != index for token, index in theirs.items()) + len(ours.keys() - theirs.keys())
+        raise ConfigError(f"{key}: its tokenizer differs from model.path's ({len(theirs)} vs {len(ours)} tokens, "
+                          f"{differ} mapped differently); distillation compares log-probs of the same token ids")
+    return config

@@ -7,6 +7,7 @@ import torch
 
 from rlsys.actors.train_worker import TrainWorker
 from rlsys.algorithms.actor_loss import actor_loss
+from rlsys.config.loader import ConfigError
 from rlsys.config.schema import RLJobConfig
 from rlsys.data.batching import Batch, num_targets, split_rows
 from rlsys.rl.batch import RLBatch
@@ -59,3 +60,15 @@ class Update:
         if wants_rows:
             batch.sampler_logprobs = torch.cat([rows["logprobs"] for _, rows in outputs])
         return {f"actor/{k}" if k in ("grad_norm", "lr") else k: v for k, v in outputs[0][0].items()}
+
+
+def check_update_batches(cfg: RLJobConfig, dp: int) -> None:
+    """The step's prompts split into whole mini-batches, and each update's responses evenly over the
+    data-parallel ranks."""
+    prompts, mini = cfg.train.prompts_per_step, cfg.algorithm.ppo_mini_batch_size
+    if mini and prompts % mini:
+        raise ConfigError(f"algorithm.ppo_mini_batch_size: {mini} does not divide train.prompts_per_step ({prompts})")
+    responses = (mini or prompts) * cfg.rollout.n
+    if responses % dp:
+        raise ConfigError(f"train.prompts_per_step: {responses} responses per update cannot be split evenly "
+                          f"across {dp} data-parallel ranks")

@@ -9,12 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlsys.config.loader import ConfigError
 from rlsys.config.rollout import CPU_ENGINE_MEMORY_GIB
 from rlsys.host_memory import release_freed_memory
 from rlsys.models.vision import engine_image_limits
 from rlsys.rollout.vllm_compat import routing_runner_env
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from rlsys.config.rollout import RolloutConfig, ServingConfig
 
 
@@ -195,3 +198,18 @@ def cpu_thread_binding(num_threads: int, tensor_parallel_size: int) -> str:
     per_rank = max(1, min(num_threads, len(cores)) // tensor_parallel_size)
     return "|".join(",".join(str(cores[(rank * per_rank + i) % len(cores)]) for i in range(per_rank))
                     for rank in range(tensor_parallel_size))
+
+
+def check_heads_split(model_config: PretrainedConfig, degree: int, key: str) -> None:
+    """Tensor parallelism splits attention heads (and key/value heads) evenly across ranks."""
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads and degree > 1 and (heads % degree or (kv_heads % degree and degree % kv_heads)):
+        raise ConfigError(f"{key}: {degree} does not split the model's {heads} attention heads "
+                          f"({kv_heads} key/value heads) evenly")
+
+
+def check_block_size(block_size: int | None, on_gpu: bool) -> None:
+    """vLLM's CPU attention takes KV blocks of a multiple of 32 tokens."""
+    if block_size is not None and not on_gpu and block_size % 32:
+        raise ConfigError(f"rollout.block_size: {block_size} tokens; on CPU a multiple of 32")

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 from rlsys.config.layout import RayConfig
 from rlsys.config.loader import ConfigError, local_cluster_resources
@@ -123,7 +123,7 @@ def _remedy(resource: str, key: str, needed: float) -> str:
     fewer = "the parallel degrees" if key.startswith("ray.") else "rollout.num_engines"
     if resource == "GPU":
         return f"lower {key} or {fewer}" + ("" if _joins_a_cluster() else
-                                            f", or set ray.num_gpus if this machine has GPUs CUDA does not see")
+                                            ", or set ray.num_gpus if this machine has GPUs CUDA does not see")
     if _joins_a_cluster():
         return f"add nodes to the cluster, lower {key} or {fewer}"
     return (f"set ray.num_cpus={needed:g} to run them on this machine's cores, sharing them (slowly), "
@@ -174,6 +174,9 @@ class RankPlacement:
     bundles: tuple[int, ...]
     nodes: tuple[str, ...] = ()
     """The node of each rank's bundle, in rank order."""
+
+    def release(self) -> None:
+        remove_placement_group(self.group)
 
 
 def ranks_by_node(bundle_nodes: list[str]) -> list[int]:

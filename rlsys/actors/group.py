@@ -10,7 +10,11 @@ the group's `call_limit` is hung, and replaced the same way, or its call given a
 caller's (`if_hung`: a reward whose time ran out scores as failed).
 
 Every group calls its actors this way: the training ranks, the rollout engines (the asynchronous
-stream's groups in flight too), the reward workers and the served models' engines."""
+stream's groups in flight too), the reward workers and the served models' engines.
+
+A driver that builds group after group (a pipeline's stages) keeps a healthy group's actors when it
+ends, and the next group of the same role and placement takes them (`take_kept`, `reuse_kept`;
+`rlsys.actors.kept_actors`)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 
-from rlsys.actors.cluster import kill_named, shut_down
+from rlsys.actors import kept_actors
+from rlsys.actors.cluster import kill_named, log_file_of, shut_down
 from rlsys.actors.failures import CallLimit, WorkerFailure, WorkerReplacements, wait_all
 from rlsys.actors.phases import call, current_phase
 from rlsys.models.hub import size_text, weights_bytes
@@ -89,6 +94,29 @@ class ActorGroup(Generic[Worker]):
         """A wait of this group has failed (a dead, hung or erring actor)."""
         self.resent = 0
         """Calls sent again to an actor that replaced the one they went to, over the group's life."""
+        self.placement: Any = None
+        """What holds the actors' resources (a placement group's bundles), freed by `release()` once they
+        are gone; None: nothing of their own."""
+        self.keep_role: str = ""
+        self.keep_key: tuple | None = None
+        """What a group must match to take this group's actors when it ends (`take_kept`); None: they are not
+        kept."""
+
+    def take_kept(self, role: str, key: tuple | None) -> bool:
+        """Take the actors and placement an earlier group of `role` kept under `key`, if any (then
+        `reuse_kept`); else the group places and spawns its own. Under `key` this group's own actors are
+        kept in turn when it ends (None: never)."""
+        self.keep_role, self.keep_key = role, key
+        kept = kept_actors.take(role, key)
+        if kept is None:
+            return False
+        self.placement, self.actors = kept
+        return True
+
+    def reuse_kept(self, args_of: Callable[[int], tuple]) -> None:
+        """Each taken actor builds what this group asks of its index (`reuse(log_file, *args_of(index))`)."""
+        self.wait([actor.reuse.remote(log_file_of(name), *args_of(index))
+                   for index, (actor, name) in enumerate(zip(self.actors, self.names))])
 
     def start_engines(self, model_path: str) -> None:
         """Spawn one engine per name (`_spawn`) and wait until each has loaded `model_path`, saying on the
@@ -207,10 +235,20 @@ class ActorGroup(Generic[Worker]):
         return self.wait([actor.__ray_call__.remote(fn, *args) for actor in self.actors])
 
     def shutdown(self) -> None:
-        """Let the actors that still answer release what outlives a killed process, then kill them all
-        (a group that failed, whose actors may hang, gets the shorter of its time and the default)."""
+        """Hand the actors back to be kept, when keeping is on and the group is healthy (`kept_actors`);
+        else let those that still answer release what outlives a killed process, kill them all (a group
+        that failed, whose actors may hang, gets the shorter of its time and the default), and free
+        their placement."""
+        if self.keep_key is not None and not self.failed and kept_actors.hand_back(
+                self.keep_role, self.keep_key, self.placement, self._release_placement, self.actors, self.names):
+            return
         failed_s = min(self.stop_timeout_s, ActorGroup.stop_timeout_s)
         shut_down(self.actors, self.names, failed_s if self.failed else self.stop_timeout_s)
+        self._release_placement()
+
+    def _release_placement(self) -> None:
+        if self.placement is not None:
+            self.placement.release()
 
 
 def _unfinished(calls: list[Call], indices: list[int]) -> list[int]:

@@ -10,8 +10,7 @@ import logging
 
 import ray
 
-from rlsys.actors import kept_actors
-from rlsys.actors.cluster import actor_name, kill_named, log_file_of, spawn
+from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.failures import CallLimit, WorkerReplacements
 from rlsys.actors.group import ActorGroup, Call
 from rlsys.actors.reward_worker import RewardWorker
@@ -90,22 +89,20 @@ class RewardWorkers(ActorGroup[RewardWorker]):
     """Long-lived reward actors (no CPU reserved: they run between the trainer's phases); those an earlier
     pool of this role kept, where they are (`kept_actors`)."""
 
+    stop_timeout_s = 0.0
+    """Nothing outlives a worker's process: a pool that ends kills its workers at once (one may still run a
+    reward past its time)."""
+
     def __init__(self, role: str, count: int, terms: list[Term]):
         super().__init__([actor_name(role, i) for i in range(count)])
-        self.role, self.terms, self.keep_key = role, terms, ("workers", count)
-        kept = kept_actors.take(role, self.keep_key)
-        if kept is None:
-            self.actors = [self._spawn(i) for i in range(count)]
+        self.role, self.terms = role, terms
+        if self.take_kept(role, ("workers", count)):
+            self.reuse_kept(lambda _: (terms,))
         else:
-            self.actors = kept[1]
-            self.wait([actor.reuse.remote(log_file_of(name), terms) for actor, name in zip(self.actors, self.names)])
+            self.actors = [self._spawn(i) for i in range(count)]
 
     def _spawn(self, index: int):
         return spawn(ray.remote(num_cpus=0)(RewardWorker), self.role, index, self.terms)
-
-    def shutdown(self) -> None:
-        if not kept_actors.hand_back(self.role, self.keep_key, None, lambda: None, self.actors, self.names):
-            kill_named(self.actors, self.names)
 
 
 class RewardPool:

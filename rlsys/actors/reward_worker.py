@@ -46,3 +46,6 @@ class RewardWorker:
 
     def score(self, items: list[RewardInput], timeout_s: float) -> list[ScoredSample]:
         return score_items(self.terms, items, timeout_s)
+
+    def shutdown(self) -> None:
+        """Nothing of a reward worker's outlives its process."""

@@ -7,8 +7,7 @@ from dataclasses import replace
 
 import ray
 
-from rlsys.actors import kept_actors
-from rlsys.actors.cluster import actor_name, log_file_of, spawn
+from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, contiguous_shares
@@ -41,22 +40,17 @@ class RolloutGroup(ActorGroup[RolloutWorker]):
         `cpus_key`: the setting that gave the engines their CPUs, named when they do not fit."""
         super().__init__([actor_name("rollout", i) for i in range(cfg.num_engines)])
         self.cfg = cfg
-        self.keep_key = None if return_routing else engine_keep_key(cfg, train_placement, gpu_share)
-        """The placement a set of kept engines must share to serve this group (`kept_actors`); None: these
-        engines are not kept (an engine of several worker processes, or one whose routing capture, R3, set
-        up its process)."""
-        kept = kept_actors.take("rollout", self.keep_key)
-        self.placement = kept[0] if kept else place_engines(cfg, train_placement, train_cpus, gpu_share,
-                                                             "rollout engines", cpus_key)
+        keep_key = None if return_routing else engine_keep_key(cfg, train_placement, gpu_share)
+        kept = self.take_kept("rollout", keep_key)  # not engines whose routing capture (R3) set up their process
+        if not kept:
+            self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, "rollout engines", cpus_key)
         self.releases_memory = cfg.placement == "colocated" and cfg.free_memory_in_update and adapter is None
         self.spec = RolloutWorkerSpec(model_path, cfg, seed, self.placement.threads, self.releases_memory, loops, tools,
                                       tool_client, tool_schemas, adapter, fp32_head, return_routing)
         """Every engine's spec but its seed (`spec_of`)."""
         try:
             if kept:
-                self.actors = kept[1]
-                self.wait([engine.reuse.remote(log_file_of(self.names[i]), self.spec_of(i))
-                           for i, engine in enumerate(self.actors)])
+                self.reuse_kept(lambda i: (self.spec_of(i),))
             else:
                 self.start_engines(model_path)
             self.call_limit = CallLimit(cfg.timeout_s, "rollout.timeout_s")  # for calls, not for starting
@@ -103,11 +97,3 @@ class RolloutGroup(ActorGroup[RolloutWorker]):
             return sum(self.wait_replacing(calls))
         return None
 
-    def shutdown(self) -> None:
-        """Hand the engines back to be kept, when that is on and they are healthy (`kept_actors`); else
-        stop and kill them."""
-        if self.keep_key is not None and not self.failed and kept_actors.hand_back(
-                "rollout", self.keep_key, self.placement, self.placement.release, self.actors, self.names):
-            return
-        super().shutdown()
-        self.placement.release()

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import ray
 
-from rlsys.actors import kept_actors
-from rlsys.actors.cluster import actor_name, log_file_of, spawn
+from rlsys.actors.cluster import actor_name, spawn
 from rlsys.actors.engine_placement import engine_keep_key, place_engines
 from rlsys.actors.failures import CallLimit
 from rlsys.actors.group import ENGINE_STOP_S, ActorGroup, Call, Method, contiguous_shares
@@ -116,16 +115,14 @@ class ServedModelGroup(ActorGroup[ServedModelWorker]):
                  train_placement=None, train_cpus: float = 1.0, gpu_share: float = 0.0):
         """Engines rlsys/<role>/<i> serving `model_path`; `key` is the config key of their serving settings."""
         super().__init__([actor_name(role, i) for i in range(cfg.num_engines)])
-        self.keep_key = engine_keep_key(cfg, train_placement, gpu_share)
-        kept = kept_actors.take(role, self.keep_key)
-        self.placement = kept[0] if kept else place_engines(cfg, train_placement, train_cpus, gpu_share,
-                                                             f"{role} engines", f"{key}.cpus_per_engine")
+        kept = self.take_kept(role, engine_keep_key(cfg, train_placement, gpu_share))
+        if not kept:
+            self.placement = place_engines(cfg, train_placement, train_cpus, gpu_share, f"{role} engines",
+                                           f"{key}.cpus_per_engine")
         self.role, self.model_path, self.cfg, self.seed, self.pooling = role, model_path, cfg, seed, pooling
         try:
             if kept:
-                self.actors = kept[1]
-                self.wait([actor.reuse.remote(log_file_of(self.names[i]), model_path, cfg, engine_seed(seed, i),
-                                              self.placement.threads, pooling) for i, actor in enumerate(self.actors)])
+                self.reuse_kept(lambda i: (model_path, cfg, engine_seed(seed, i), self.placement.threads, pooling))
             else:
                 self.start_engines(model_path)
             self.call_limit = CallLimit(cfg.timeout_s, f"{key}.timeout_s")  # for calls, not for starting
@@ -149,13 +146,3 @@ class ServedModelGroup(ActorGroup[ServedModelWorker]):
         sent again."""
         return [value for share in self.wait_replacing(pending) for value in share]
 
-    def shutdown(self) -> None:
-        """Hand the engines back to be kept, when that is on and they are healthy (`kept_actors`); else
-        stop and kill them."""
-        if not hasattr(self, "placement"):
-            return
-        if self.keep_key is not None and not self.failed and kept_actors.hand_back(
-                self.role, self.keep_key, self.placement, self.placement.release, self.actors, self.names):
-            return
-        super().shutdown()
-        self.placement.release()

@@ -3,18 +3,16 @@ one torch.distributed job. The driver calls a method on every rank at once."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsys.actors import kept_actors
-from rlsys.actors.cluster import actor_name, check_resources, log_file_of, place_ranks, spawn
+from rlsys.actors.cluster import actor_name, check_resources, place_ranks, spawn
 from rlsys.actors.group import ActorGroup, Method
 from rlsys.actors.train_worker import RENDEZVOUS_TIMEOUT_S, Role, TrainWorker, TrainWorkerSpec
 from rlsys.config.layout import RayConfig
@@ -38,15 +36,11 @@ class TrainGroup(ActorGroup[TrainWorker]):
         """What a set of kept ranks must match to serve this group (`kept_actors`)."""
         self.dims = spec.dims
         self.on_gpu = spec.use_gpu
-        self.placement = None
         started = time.perf_counter()
         try:
-            kept = kept_actors.take("train", self.shape)
-            if kept is not None:
+            if self.take_kept("train", self.shape):
                 log.info("training group: the %d ranks the last group kept (no process starts)", world_size)
-                self.placement, self.actors = kept
-                self.wait([actor.reuse.remote(rank, spec, log_file_of(name))
-                           for rank, (actor, name) in enumerate(zip(self.actors, self.names))])
+                self.reuse_kept(lambda rank: (rank, spec))
             else:
                 log.info("training group: starting %s, each loading its shard of %s (%s)", _ranks(world_size),
                          spec.model.path, size_text(weights_bytes(spec.model.path)))
@@ -100,18 +94,6 @@ class TrainGroup(ActorGroup[TrainWorker]):
             return {}
         peaks = self.run_all(TrainWorker.gpu_memory_peaks)
         return {f"perf/max_memory_{kind}_gib": max(rank[kind] for rank in peaks) for kind in ("allocated", "reserved")}
-
-    def shutdown(self) -> None:
-        """Hand the ranks back to be kept, when that is on and they are healthy (`kept_actors`); else
-        leave the process group where the ranks still answer, then kill them all."""
-        if self.placement is None:
-            return
-        free = functools.partial(remove_placement_group, self.placement.group)
-        if not self.failed and kept_actors.hand_back("train", self.shape, self.placement, free, self.actors,
-                                                     self.names):
-            return
-        super().shutdown()
-        free()
 
 
 def _ranks(count: int) -> str:

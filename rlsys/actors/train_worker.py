@@ -140,7 +140,7 @@ class TrainWorker:
             torch.cuda.empty_cache()
         return True
 
-    def reuse(self, rank: int, spec: TrainWorkerSpec, log_file: str | None) -> None:
+    def reuse(self, log_file: str | None, rank: int, spec: TrainWorkerSpec) -> None:
         """After `release`: become rank `rank` of a new group with `spec` (then `setup`, as a new
         actor is), writing to `log_file`."""
         self.startup, self.reused = StartupClock(), True

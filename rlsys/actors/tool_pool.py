@@ -7,7 +7,9 @@ releases it. A call that raises or runs past `tools.timeout_s` answers with an e
 as a malformed call does: the model sees it, the loop counts it, the trajectory goes on. A
 worker that dies is restarted by Ray, and a call in flight when it died is sent once more to
 the restarted worker (a tool instance it held is created again there on that call); a call
-that kills its worker again answers with an error.
+that kills its worker again answers with an error. The driver holds the workers as a group
+(`ToolPool`, an `ActorGroup`); the engines call them through `ToolClient`, inside their own
+event loops, where a tool's failure is the model's observation rather than the group's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any
 
 import ray
 
-from rlsys.actors.cluster import actor_name, kill_named, spawn
-from rlsys.actors.failures import wait_all
+from rlsys.actors.cluster import actor_name, spawn
+from rlsys.actors.group import ActorGroup
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.tools.base import AgentData, ToolResult, response_text
 from rlsys.tools.registry import ToolSpec
@@ -68,6 +70,9 @@ class ToolWorker:
                 rewards.append(0.0)
         return rewards
 
+    def shutdown(self) -> None:
+        """Nothing of a tool worker's outlives its process (a sandboxed tool's runs end with their calls)."""
+
     async def _instance(self, key: str, name: str, create_kwargs: dict) -> str:
         instances = self.instances.setdefault(key, {})
         if name not in instances:
@@ -110,20 +115,20 @@ class ToolClient:
         return self.workers[zlib.crc32(key.encode()) % len(self.workers)]
 
 
-class ToolPool:
+class ToolPool(ActorGroup[ToolWorker]):
     """The driver's handle on the pool: `client()` for the engines, `shutdown()` at the end."""
+
+    stop_timeout_s = 0.0
+    """A pool that ends kills its workers at once (one may still run a tool past its time)."""
 
     def __init__(self, specs: list[ToolSpec], num_workers: int, timeout_s: float, role: str = "tool"):
         """`role` names the workers in the dashboard (rlsys/<role>/<i>)."""
-        self.names = [actor_name(role, i) for i in range(num_workers)]
+        super().__init__([actor_name(role, i) for i in range(num_workers)])
         self.timeout_s = timeout_s
         actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=1, max_concurrency=256)(ToolWorker)
-        self.workers = [spawn(actor_cls, role, i, specs) for i in range(num_workers)]
+        self.actors = [spawn(actor_cls, role, i, specs) for i in range(num_workers)]
         # A call's limit is the tool's time, not the worker's start (its process, imports, the tools' builds).
-        wait_all([worker.__ray_ready__.remote() for worker in self.workers], self.names)
+        self.wait([worker.__ray_ready__.remote() for worker in self.actors])
 
     def client(self) -> ToolClient:
-        return ToolClient(self.workers, self.timeout_s)
-
-    def shutdown(self) -> None:
-        kill_named(self.workers, self.names)
+        return ToolClient(self.actors, self.timeout_s)

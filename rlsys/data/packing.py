@@ -2,8 +2,8 @@
 prompt its samples share.
 
 A micro-batch's rows are right-padded to its longest row; RL responses vary in
-length, so on the random 22.7 M-parameter benchmark model (up to 128 new tokens)
-about half of a padded micro-batch is padding. Packing lays the rows end to end
+length, so much of a padded micro-batch can be padding (docs/performance.md
+measures how much). Packing lays the rows end to end
 into as few rows as first-fit-decreasing finds, each token keeping its position in
 its own sequence (`position_ids`) and the index of its span (`segment_ids`, from 1;
 0 is padding), from which the engine builds a block-causal attention mask: a token

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 from ray import cloudpickle
@@ -47,6 +48,16 @@ def import_user_code(path: str, key: str) -> ModuleType:
             cloudpickle.register_pickle_by_value(sys.modules[name])
     _loaded[path] = module
     return module
+
+
+def load_function(path: str, function: str, key: str) -> tuple[Callable, str]:
+    """`function` from a .py file or a package directory, and the directory to search for its imports;
+    errors name `key`.path and `key`.function."""
+    module = import_user_code(path, f"{key}.path")
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}.function: {os.path.abspath(path)} has no function {function!r}")
+    return fn, os.path.dirname(os.path.abspath(path))
 
 
 def split_entry(spec: str, default: str = "") -> tuple[str, str]:

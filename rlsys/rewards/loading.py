@@ -16,7 +16,7 @@ from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.rl import RewardTerm
 from rlsys.rewards.model_terms import check_model_term
 from rlsys.rewards.registry import RewardFn, get_reward, registered_rewards
-from rlsys.user_code import import_user_code, split_entry
+from rlsys.user_code import load_function, split_entry
 
 FIELDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCHED_FIELDS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
@@ -83,15 +83,6 @@ def eval_term(spec: str) -> RewardTerm:
 
 def term_label(term: RewardTerm) -> str:
     return term.name or f"{os.path.splitext(os.path.basename(term.path.rstrip('/')))[0]}.{term.function}"
-
-
-def load_function(path: str, function: str, key: str) -> tuple[RewardFn, str]:
-    """`function` from a .py file or a package directory, and the directory to search for its imports."""
-    module = import_user_code(path, f"{key}.path")
-    fn = getattr(module, function, None)
-    if not callable(fn):
-        raise ConfigError(f"{key}.function: {os.path.abspath(path)} has no function {function!r}")
-    return fn, os.path.dirname(os.path.abspath(path))
 
 
 def _bind(fn: RewardFn, batched: bool, kwargs: dict, key: str) -> tuple[str, ...] | None:

@@ -15,6 +15,7 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.rl import JudgeConfig, RewardTerm
 from rlsys.data.examples import conversation_text
 from rlsys.models.directory import check_model_dir
+from rlsys.user_code import load_function, split_entry
 
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
 
@@ -70,9 +71,6 @@ class VerdictError(ValueError):
 def verdict_parser(judge: JudgeConfig, key: str) -> Callable[[str], float]:
     """The judge's parser: a user function (`file.py:function`) or a regular expression."""
     if judge.parse.endswith(".py") or ".py:" in judge.parse:
-        from rlsys.rewards.loading import load_function
-        from rlsys.user_code import split_entry
-
         fn, _ = load_function(*split_entry(judge.parse, "parse"), f"{key}.parse")
         return fn
     try:

@@ -14,7 +14,7 @@ def packed_inputs(batch, share: bool, spans: bool | None = None, min_shared_frac
     input_ids: a dense block-causal mask, or span attention (`spans`; None: where the training
     ranks take it, `SharedPrefixSpans.of`). The model needs `apply_span_attention` for spans."""
     from rlsys.data.packing import MIN_SHARED_FRACTION, block_causal_mask, pack_rows
-    from rlsys.parallel.span_attention import MIN_PAIRS_SAVED_PER_TOKEN, SharedPrefixSpans
+    from rlsys.parallel.span_attention import MIN_PAIRS_SAVED_PER_TOKEN, SharedPrefixSpans, span_inputs
 
     fraction = MIN_SHARED_FRACTION if min_shared_fraction is None else min_shared_fraction
     packed = pack_rows(batch, share, fraction).batch
@@ -22,7 +22,7 @@ def packed_inputs(batch, share: bool, spans: bool | None = None, min_shared_frac
     chosen = None
     if spans is not False and bool(prefixes.any()):
         chosen = SharedPrefixSpans.of(segments, prefixes, 0 if spans else MIN_PAIRS_SAVED_PER_TOKEN)
-    attention = ({"attention_mask": None, "shared_spans": chosen} if chosen is not None
+    attention = (span_inputs(chosen, *segments.shape) if chosen is not None
                  else {"attention_mask": block_causal_mask(segments, prefixes)})
     return packed, {"position_ids": packed["position_ids"], **attention}
 

@@ -279,6 +279,38 @@ def test_span_attention_is_attention_under_the_block_causal_mask():
     assert (got - expected).abs().max() < 1e-6
 
 
+def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):
+    """A packed row attended by spans makes transformers build no [rows, 1, W, W] mask from its
+    positions; given no mask at all, it builds one (what `span_inputs`' unread view prevents)."""
+    from transformers import masking_utils
+
+    from rlsys.data.packing import pack_rows
+    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs
+
+    built = []
+    sdpa_mask = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(*args, **kwargs):
+        mask = sdpa_mask(*args, **kwargs)
+        built.append(None if mask is None else tuple(mask.shape))
+        return mask
+
+    monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recording)
+    batch = collate_rollouts([[5, 6, 7, 8]] * 4, [[9, 10], [11], [12, 13, 14], [15]], pad_id=0)
+    packed = pack_rows(batch, min_shared_fraction=0.0).batch
+    segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    apply_span_attention(model)
+    spans = SharedPrefixSpans.of(segments, prefixes, 0)
+    with torch.no_grad():
+        model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False,
+              **span_inputs(spans, *segments.shape))
+        assert built == []
+        model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False,
+              attention_mask=None, shared_spans=spans)
+    assert built == [(1, 1, segments.shape[1], segments.shape[1])]
+
+
 @pytest.mark.parametrize("attention", ["dense-mask", "spans"])
 def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir, attention):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
@@ -286,7 +318,7 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
     of the padded rows, under a dense block-causal mask and attending span by span (the
     training ranks' path: `rlsys.parallel.span_attention`)."""
     from rlsys.data.packing import block_causal_mask, pack_rows
-    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, uses_span_attention
+    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs, uses_span_attention
 
     generator = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(3, 100, (n,), generator=generator).tolist()  # noqa: E731
@@ -312,7 +344,7 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
 
     expected_grads, expected = grads_and_logprobs(batch, attention_mask=batch["attention_mask"])
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    mask = (dict(attention_mask=None, shared_spans=SharedPrefixSpans.of(segments, prefixes, 0)) if attention == "spans"
+    mask = (span_inputs(SharedPrefixSpans.of(segments, prefixes, 0), *segments.shape) if attention == "spans"
             else dict(attention_mask=block_causal_mask(segments, prefixes)))
     grads, logprobs = grads_and_logprobs(packed, attention == "spans", position_ids=packed["position_ids"], **mask)
     got = packing.unpack(logprobs)

@@ -103,6 +103,16 @@ def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torc
     return _SpanBatch(queries, real, keys, (sees | ~real[:, :, None])[:, None], queries[real])
 
 
+def span_inputs(spans: SharedPrefixSpans, rows: int, width: int) -> dict:
+    """A forward's attention inputs for attending by `spans`: the spans, and for its mask a
+    [rows, 1, width, width] view of one element. Given no mask, transformers builds a dense one from
+    the packed positions (a new sequence wherever they restart), width x width bytes a row that
+    attention by spans never reads; given a 4-D mask it builds none."""
+    device = spans.batches[0].queries.device
+    unread = torch.ones((), dtype=torch.bool, device=device).expand(rows, 1, width, width)
+    return {"attention_mask": unread, "shared_spans": spans}
+
+
 def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask, dropout: float = 0.0, scaling: float | None = None,
                    shared_spans: SharedPrefixSpans | None = None, **kwargs):

@@ -55,7 +55,7 @@ from rlsys.parallel.router_replay import (
     take_recorded,
     whole_model_routing,
 )
-from rlsys.parallel.span_attention import SharedPrefixSpans, uses_span_attention
+from rlsys.parallel.span_attention import SharedPrefixSpans, span_inputs, uses_span_attention
 from rlsys.tracking.trace import span
 from rlsys.trainer.grad_norm import clip_grad_norm
 from rlsys.trainer.loading import load_parallel_model
@@ -417,7 +417,7 @@ class RankModel:
             segments, prefixes = seq.whole["segment_ids"], seq.whole["prefix_ids"]
             spans = SharedPrefixSpans.of(segments, prefixes) if self.span_attention and bool(prefixes.any()) else None
             if spans is not None:
-                return {"attention_mask": None, "shared_spans": spans.to(self.device)}
+                return span_inputs(spans.to(self.device), *segments.shape)
             return {"attention_mask": block_causal_mask(segments.to(self.device), prefixes.to(self.device))}
         if seq.chunked:
             return {"attention_mask": None}

@@ -7,9 +7,11 @@ wide as the group's samples together costs more attention than the unshared rows
 replaces. Here each span's queries attend to its shared prompt's keys and its own, nothing
 else: the scores a span computes are the ones its tokens use, so sharing the prompt saves
 attention as it saves the projections and the MLP. Spans are gathered into batches of like
-spans (those continuing a prompt, those that do not), padded to the longest of each, and run
-through PyTorch's scaled_dot_product_attention with their own masks; the outputs are scattered
-back to the packed positions. Every token sees exactly what it sees in its own unpacked row.
+spans (those continuing a prompt, those that do not) of like lengths (`LENGTH_BUCKET`), padded to
+the longest of each, and run through PyTorch's scaled_dot_product_attention: causal without a
+mask where a span continues nothing (its padding lies after its last query), with each span's
+own [queries x keys] mask where it continues a prompt. The outputs are scattered back to the
+packed positions. Every token sees exactly what it sees in its own unpacked row.
 
 It takes SDPA's entry in transformers' attention interface (`apply_span_attention`, for a model
 whose attention is SDPA over full causal layers) and is SDPA itself for every call without
@@ -34,6 +36,11 @@ them) costs a roughly fixed amount per token, which short sequences do not win b
 docs/performance.md, "Shared prompts in the update")."""
 
 
+LENGTH_BUCKET = 1.25
+"""Spans batched together differ in length by at most this factor, so that padding a span to its
+batch's longest costs at most (1.25^2 - 1) of its own attention."""
+
+
 @dataclass
 class _SpanBatch:
     """Like spans, padded to the longest: where their queries and keys sit in the flattened
@@ -44,8 +51,9 @@ class _SpanBatch:
     """[S, Lq] bool: a real query."""
     keys: torch.Tensor
     """[S, Lk] flat position of each key: the shared prompt's, then the span's own."""
-    mask: torch.Tensor
-    """[S, 1, Lq, Lk] bool: what each query sees (a padded query sees something, to stay finite)."""
+    mask: torch.Tensor | None
+    """[S, 1, Lq, Lk] bool: what each query sees (a padded query sees something, to stay finite);
+    None where no span continues a prompt: each query sees its own span causally."""
     targets: torch.Tensor
     """[real queries]: their flat positions, in `real`'s order."""
 
@@ -58,8 +66,8 @@ class SharedPrefixSpans:
 
     def to(self, device: torch.device) -> SharedPrefixSpans:
         """The spans' index tensors on `device` (they are chosen on the host copy of the packing)."""
-        return SharedPrefixSpans([_SpanBatch(**{name: value.to(device) for name, value in vars(spans).items()})
-                                  for spans in self.batches])
+        return SharedPrefixSpans([_SpanBatch(**{name: None if value is None else value.to(device)
+                                                for name, value in vars(spans).items()}) for spans in self.batches])
 
     @classmethod
     def of(cls, segment_ids: torch.Tensor, prefix_ids: torch.Tensor,
@@ -77,14 +85,27 @@ class SharedPrefixSpans:
         continues = zeros.index_put((ids,), prefixes[real])[1:]
         span_starts, span_lengths = starts[1:], lengths[1:]
         prefix_lengths = torch.where(continues > 0, lengths[continues], 0)
-        kinds = [chosen for chosen in (continues > 0, continues == 0) if chosen.any()]
+        buckets = [bucket for kind in (continues > 0, continues == 0) for bucket in _length_buckets(span_lengths, kind)]
         keys = prefix_lengths + span_lengths
-        pairs = sum(int(chosen.sum()) * int(span_lengths[chosen].max()) * int(keys[chosen].max()) for chosen in kinds)
+        pairs = sum(len(bucket) * int(span_lengths[bucket].max()) * int(keys[bucket].max()) for bucket in buckets)
         if rows * width * width - pairs < min_pairs_saved * len(ids):
             return None
         prefix_starts = starts[continues]
-        return cls([_span_batch(span_starts[chosen], span_lengths[chosen], prefix_starts[chosen],
-                                prefix_lengths[chosen]) for chosen in kinds])
+        return cls([_span_batch(span_starts[bucket], span_lengths[bucket], prefix_starts[bucket],
+                                prefix_lengths[bucket]) for bucket in buckets])
+
+
+def _length_buckets(lengths: torch.Tensor, chosen: torch.Tensor) -> list[torch.Tensor]:
+    """The indices of the `chosen` spans, longest first, cut into runs whose longest is at most
+    `LENGTH_BUCKET` times their shortest."""
+    order = torch.nonzero(chosen).flatten()
+    order = order[torch.argsort(lengths[order], descending=True, stable=True)].tolist()
+    buckets: list[list[int]] = []
+    for index in order:
+        if not buckets or int(lengths[buckets[-1][0]]) > LENGTH_BUCKET * int(lengths[index]):
+            buckets.append([])
+        buckets[-1].append(index)
+    return [torch.tensor(bucket, dtype=torch.long, device=lengths.device) for bucket in buckets]
 
 
 def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
@@ -98,8 +119,10 @@ def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torc
     # a padded key reads the span's first token (masked out): past its end may lie past the batch's
     keys = torch.where(in_prefix, prefix_starts[:, None] + key[None], starts[:, None] + own.clamp(min=0))
     keys = torch.where(key_real, keys, starts[:, None])
-    sees = key_real[:, None, :] & (in_prefix[:, None, :] | (own[:, None, :] <= query[None, :, None]))
     queries = torch.where(real, starts[:, None] + query[None], 0)
+    if not bool(prefix_lengths.any()):  # causal over each span's own keys, its padding after them
+        return _SpanBatch(queries, real, keys, None, queries[real])
+    sees = key_real[:, None, :] & (in_prefix[:, None, :] | (own[:, None, :] <= query[None, :, None]))
     return _SpanBatch(queries, real, keys, (sees | ~real[:, :, None])[:, None], queries[real])
 
 
@@ -136,8 +159,8 @@ def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         count, width = spans.queries.shape
         q = flat_q[spans.queries.flatten()].view(count, width, heads, dim).transpose(1, 2)
         k, v = (x[spans.keys.flatten()].view(count, -1, kv_heads, dim).transpose(1, 2) for x in (flat_k, flat_v))
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=spans.mask, scale=scaling,
-                                                  dropout_p=dropout if module.training else 0.0,
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=spans.mask, is_causal=spans.mask is None,
+                                                  scale=scaling, dropout_p=dropout if module.training else 0.0,
                                                   enable_gqa=kv_heads != heads)
         out = out.index_copy(0, spans.targets, attended.transpose(1, 2)[spans.real])
     return out.view(batch, length, heads, dim)

@@ -108,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--widths", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--sequences", type=int, default=8, help="sequences packed into a row")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-gib", type=float, default=16.0, help="each arm's address-space cap")
@@ -125,7 +126,8 @@ def main() -> None:
     print("|---|---|" + "---|" * (len(ARMS) + 2))
     for model_name in args.models:
         for width in args.widths:
-            results = {arm: measure(model_name, width, arm, args) for arm in ARMS}
+            results = {arm: measure(model_name, width, arm, args) if arm in args.arms else {"error": "not run"}
+                       for arm in ARMS}
             floor = results["floor"].get("seconds")
             ratios = [f"{results[arm]['seconds'] / floor:.2f}" if floor and "seconds" in results[arm] else "-"
                       for arm in ("dense mask", "spans")]

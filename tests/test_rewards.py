@@ -169,3 +169,15 @@ def test_a_name_takes_one_definition_however_often_it_is_imported():
     registry.register("arith", namespace["reward"])
     with pytest.raises(ValueError, match="reward 'arith' is already registered"):
         registry.register("arith", lambda *args: 0.0)
+
+
+def test_a_reward_worker_imports_neither_torch_nor_transformers():
+    """A reward actor imports its worker module and what scoring needs, no more: each of a pool's
+    workers would otherwise pay torch's and transformers' start-up and memory."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, rlsys.actors.reward_worker; "
+             "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"

@@ -14,7 +14,6 @@ from typing import Any
 
 from rlsys.config.loader import ConfigError, first_line
 from rlsys.config.rl import RewardTerm
-from rlsys.rewards.model_terms import check_model_term
 from rlsys.rewards.registry import RewardFn, get_reward, registered_rewards
 from rlsys.user_code import load_function, split_entry
 
@@ -108,30 +107,3 @@ def _bind(fn: RewardFn, batched: bool, kwargs: dict, key: str) -> tuple[str, ...
         raise ConfigError(f"{key}: {getattr(fn, '__name__', fn)}{signature} cannot be called with "
                           f"({shown}){' and ' + ', '.join(kwargs) if kwargs else ''}: {err}") from None
     return keywords or None
-
-
-def check_terms(terms: list[RewardTerm], distilled: bool) -> None:
-    """Every reward term resolves: a registered name, a user's file or a reward model or judge; none
-    at all only when a teacher's distillation gives the rewards."""
-    if not terms and not distilled:
-        raise ConfigError(f"reward.terms: empty; name at least one reward (registered: "
-                          f"{', '.join(registered_rewards())}), give a path or a model, or set algorithm.distill")
-    for i, term in enumerate(terms):
-        if term.model:
-            check_model_term(term, f"reward.terms[{i}]")
-        elif not term.name and not term.path:
-            raise ConfigError(f"reward.terms[{i}]: give a registered name, a path or a model")
-        else:
-            resolve_term(term, f"reward.terms[{i}]")
-
-
-def check_eval_reward(spec: str) -> None:
-    """`eval.reward`: a registered reward, or a user's file[:function]."""
-    if not spec:
-        raise ConfigError(f"eval.reward: empty; name the reward that judges a response (registered: "
-                          f"{', '.join(registered_rewards())}) or give path/to/file.py[:function]")
-    term = eval_term(spec)
-    if term.name and term.name not in registered_rewards():
-        raise ConfigError(f"eval.reward: unknown reward {spec!r}; registered: "
-                          f"{', '.join(registered_rewards())} (or give path/to/file.py[:function])")
-    resolve_term(term, "eval.reward")

@@ -30,7 +30,7 @@ from rlsys.models.lora import check_lora
 from rlsys.models.vision import check_vision_language
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.parallelize import check_layout
-from rlsys.rewards.loading import check_eval_reward, check_terms
+from rlsys.rewards.checks import check_eval_reward, check_terms
 from rlsys.rl.adapter_sync import check_adapter_sync
 from rlsys.rl.algorithm_checks import check_algorithm, check_algorithm_against_job
 from rlsys.rl.features import check_features

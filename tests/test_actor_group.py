@@ -59,6 +59,7 @@ def test_a_dead_actors_calls_and_those_in_flight_on_it_go_to_its_replacement(ray
         assert group.resent == 2 and group.replacements.used == 1
         assert group.run_all(Sleeper.pid)[0] != first_pid
         assert group.wait_replacing([also]) == ["c"]  # went to the replacement, not lost with the dead actor
+        assert not group.failed  # every failure replaced: a healthy group, kept when it ends
     finally:
         group.shutdown()
 
@@ -78,13 +79,13 @@ def test_a_call_past_its_limit_takes_the_callers_result_and_its_actor_is_replace
         assert time.monotonic() - started < 30  # both hung calls end at the one limit, not one limit each
         after = group.run_all(Sleeper.pid)
         assert after[0] == pids[0] and after[1] != pids[1] and after[2] != pids[2]
-        assert group.replacements.used == 0
+        assert group.replacements.used == 0 and not group.failed
     finally:
         group.shutdown()
 
 
 def test_the_first_calls_to_finish_and_a_wait_past_its_time(ray_cluster):
-    from rlsys.actors.failures import WorkerFailure
+    from rlsys.actors.failures import CallLimit, WorkerFailure
 
     group = sleepers(2, limit=0)
     try:
@@ -92,6 +93,9 @@ def test_the_first_calls_to_finish_and_a_wait_past_its_time(ray_cluster):
         assert group.first_done([slow, fast], 1, timeout_s=60.0) == [fast]
         with pytest.raises(WorkerFailure, match=r"sleeper worker 0 .* returned no result within 1 s"):
             group.first_done([slow, fast], 2, timeout_s=1.0)
+        with pytest.raises(WorkerFailure):
+            group.wait_replacing([slow], limit=CallLimit(1.0, "test.timeout_s"))  # hung, and no replacement allowed
+        assert group.failed  # not handed back to be kept
         with pytest.raises(TypeError, match="name the worker's method itself"):
             group.submit(0, "nap", 0.0, "x")
     finally:

@@ -160,13 +160,16 @@ class ActorGroup(Generic[Worker]):
         that replaces it (`replace_dead`), and so is every call of `in_flight` that went to it; the
         others' results are kept. `limit` replaces the group's `call_limit`; with `if_hung`, a call past
         it has `if_hung(call)` for its result instead, and its actor is replaced without counting
-        against the run's replacements (the call's work hung, not the actor)."""
+        against the run's replacements (the call's work hung, not the actor). A group whose every
+        failure here was replaced is as healthy as before: it may still be kept when it ends."""
         results: dict[int, Any] = {}
+        failed_before = self.failed
         while True:
             waiting = [i for i in range(len(calls)) if i not in results]
             try:
                 results.update(zip(waiting, self.wait([calls[i].ref for i in waiting],
                                                       [calls[i].index for i in waiting], limit=limit)))
+                self.failed = failed_before
                 return [results[i] for i in range(len(calls))]
             except WorkerFailure as failure:
                 if failure.hung and if_hung is not None:

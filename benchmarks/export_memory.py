@@ -52,8 +52,8 @@ def export_once(model_dir: str, dtype: str, out_dir: str, results) -> None:
 
 
 def main() -> None:
+    from random_model import RANDOM22M
     from sync import QWEN25_05B  # the benchmarks' own shapes (imported here: not in each case's process)
-    from vs_trl import RANDOM22M
 
     shapes = {"22.7M": RANDOM22M, "qwen2.5-0.5b": QWEN25_05B}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

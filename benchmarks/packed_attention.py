@@ -7,12 +7,15 @@ so attention's share of the work shows), three ways:
 - spans: the packed row attended span by span (`rlsys.parallel.span_attention`);
 - floor: each sequence a row of its own, causal, no mask: the work the sequences need.
 
-Each (model, width, arm) runs in a process of its own, its address space capped at
-`--memory-gib`, and reports the median seconds of `--repeats` passes and its peak resident memory
-above the loaded model; an arm that does not fit says so. Models: the random 22.7 M-parameter
-Qwen2 of the other benchmarks, and SmolLM2-135M cut to its first 4 decoder layers.
+Each (model, width, arm) runs in a process of its own and reports the median seconds of
+`--repeats` passes and its peak memory above the loaded model: on CPU the resident memory, the
+process's address space capped at `--memory-gib`; on CUDA (`--device cuda`, bf16, where SDPA runs
+its flash kernel for causal rows without a mask) the allocator's peak. An arm that does not fit says
+so. Models: the random 22.7 M-parameter Qwen2 of the other benchmarks, and SmolLM2-135M cut to its
+first 4 decoder layers.
 
     .venv/bin/python benchmarks/packed_attention.py --widths 2048 8192
+    python benchmarks/packed_attention.py --device cuda --widths 8192 32768   # a GPU machine
 """
 
 from __future__ import annotations
@@ -32,21 +35,22 @@ ARMS = ("dense mask", "spans", "floor")
 MODELS = {"random22m": "runs/bench/random22m-v103", "smollm2-4layers": "runs/smollm/model"}
 
 
-def decoder(model_name: str):
-    """The model's decoder (no LM head), fp32, in training mode."""
+def decoder(model_name: str, device: str):
+    """The model's decoder (no LM head) on `device`, in training mode: fp32 on CPU, bf16 on CUDA."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlsys.parallel.span_attention import apply_span_attention
 
     path = MODELS[model_name]
     if model_name == "random22m":
-        from vs_trl import ensure_random_model
+        from random_model import ensure_random_model
 
         ensure_random_model(path)
     config = AutoConfig.from_pretrained(path)
     if model_name.startswith("smollm2"):
         config.num_hidden_layers = 4
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
     apply_span_attention(model)
     return model.model.train(), config.vocab_size
 
@@ -70,29 +74,38 @@ def arm_inputs(arm: str, width: int, sequences: int, vocab: int) -> dict:
     return {**packed, **span_inputs(spans, 1, width)}
 
 
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_mib(device: str) -> float:
+    """This process's peak memory so far: resident on CPU, allocated on CUDA."""
+    if device == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_one(model_name: str, width: int, arm: str, sequences: int, repeats: int) -> dict:
-    """One arm in this process: median seconds of `repeats` forward and backward passes, and the
-    peak resident memory they added to the loaded model's."""
-    model, vocab = decoder(model_name)
-    loaded = peak_mib()
-    inputs = arm_inputs(arm, width, sequences, vocab)
-    times = []
-    for _ in range(repeats):
+def run_one(model_name: str, width: int, arm: str, args) -> dict:
+    """One arm in this process: median seconds of `--repeats` forward and backward passes (after one
+    unmeasured pass on CUDA), and the peak memory they added to the loaded model's."""
+    model, vocab = decoder(model_name, args.device)
+    loaded = peak_mib(args.device)
+    inputs = {key: value.to(args.device) for key, value in arm_inputs(arm, width, args.sequences, vocab).items()}
+
+    def step() -> float:
         started = time.perf_counter()
         model(use_cache=False, **inputs).last_hidden_state.float().mean().backward()
-        times.append(time.perf_counter() - started)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
-    return {"seconds": statistics.median(times), "peak_mib": peak_mib() - loaded}
+        return time.perf_counter() - started
+
+    if args.device != "cpu":
+        step()  # kernels chosen and loaded
+    times = [step() for _ in range(args.repeats)]
+    return {"seconds": statistics.median(times), "peak_mib": peak_mib(args.device) - loaded}
 
 
 def measure(model_name: str, width: int, arm: str, args) -> dict:
-    """`run_one` in a child process capped at --memory-gib; {"error": why} where it does not fit."""
+    """`run_one` in a child process (capped at --memory-gib on CPU); {"error": why} where it does not fit."""
     command = [sys.executable, __file__, "--one", model_name, str(width), arm, "--sequences", str(args.sequences),
-               "--repeats", str(args.repeats), "--memory-gib", str(args.memory_gib)]
+               "--repeats", str(args.repeats), "--memory-gib", str(args.memory_gib), "--device", args.device]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         out_of_memory = "MemoryError" in result.stderr or "memory" in result.stderr.lower() or result.returncode < 0
@@ -111,17 +124,21 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--sequences", type=int, default=8, help="sequences packed into a row")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--memory-gib", type=float, default=16.0, help="each arm's address-space cap")
+    parser.add_argument("--memory-gib", type=float, default=16.0, help="each arm's address-space cap on CPU")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "WIDTH", "ARM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        cap = int(args.memory_gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        if args.device == "cpu":  # CUDA reserves address space far beyond what it uses
+            cap = int(args.memory_gib * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
         model_name, width, arm = args.one
-        print(json.dumps(run_one(model_name, int(width), arm, args.sequences, args.repeats)))
+        print(json.dumps(run_one(model_name, int(width), arm, args)))
         return
-    print(f"{args.sequences} sequences a row, {torch.get_num_threads()} threads, medians of {args.repeats}; "
-          f"forward and backward seconds, peak memory above the loaded model ({args.memory_gib:g} GiB cap)")
+    where = (f"CPU, {torch.get_num_threads()} threads, fp32, {args.memory_gib:g} GiB cap" if args.device == "cpu"
+             else f"{torch.cuda.get_device_name()}, bf16")
+    print(f"[packed_attention] {args.sequences} sequences a row, {where}, medians of {args.repeats}; "
+          f"forward and backward seconds, peak memory above the loaded model")
     print("| model | row width | " + " | ".join(ARMS) + " | dense / floor | spans / floor |")
     print("|---|---|" + "---|" * (len(ARMS) + 2))
     for model_name in args.models:

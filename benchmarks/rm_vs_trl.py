@@ -50,7 +50,8 @@ def trl_rm(args, out: str) -> float:
 
     started = time.time()
     rows = [json.loads(line) for line in open(args.pairs)]
-    data = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
+    data = datasets.Dataset.from_list([{"prompt": r["prompt"],
+                                        "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                         "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)

@@ -16,8 +16,8 @@ import argparse
 import statistics
 
 import torch
+from random_model import ensure_random_model
 from update_pass import forward_backward_s, packed_inputs
-from vs_trl import ensure_random_model
 
 RATIOS = ((1, 4), (1, 1), (4, 1))
 

@@ -44,10 +44,10 @@ def sync_times(cfg: RLJobConfig, repeats: int, release: bool) -> tuple[list[floa
     from rlsys.actors.rollout_group import RolloutGroup
     from rlsys.actors.train_group import TrainGroup
     from rlsys.actors.train_worker import build_worker_spec
-    from rlsys.rollout.adapters import AdapterSpec
-    from rlsys.rollout.vllm_engine import synced_weight_dtype
     from rlsys.rl.adapter_sync import AdapterSync
     from rlsys.rl.weight_sync import WeightSync
+    from rlsys.rollout.adapters import AdapterSpec
+    from rlsys.rollout.vllm_engine import synced_weight_dtype
 
     ensure_ray(cfg.ray)
     train_gpus, engine_gpus = gpu_shares(cfg.ray.gpus_per_worker, int(cfg.rollout.placement == "colocated"))

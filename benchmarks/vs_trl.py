@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from random_model import ensure_random_model
 from rlvr_bench import bare_vllm_generate, bench_config, rlsys_steps
 from update_pass import forward_backward_s, packed_inputs
 
@@ -61,9 +62,6 @@ WORKLOADS = {
                        test="runs/smollm/data/test.parquet", lr=1e-5, steps=20,
                        overrides=("rollout.block_size=32", "rollout.engine_memory_gib=0.5")),
 }
-RANDOM22M = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=2, max_position_embeddings=512)
-
 
 @dataclass
 class Result:
@@ -169,16 +167,6 @@ def held_out_accuracy(args, model_dir: str, name: str) -> float:
         f"output_dir={os.path.join(args.out, name)}", f"model.path={model_dir}", f"eval.files=[{args.test}]",
         f"eval.reward={args.reward}", f"eval.max_new_tokens={args.max_new_tokens}", "ray.include_dashboard=false"])
     return run_eval(cfg)["accuracy"]
-
-
-def ensure_random_model(path: str) -> None:
-    """The vocabulary is exactly the tokenizer's. With 128 ids for 103 tokens, HF generate's
-    responses averaged 84 tokens and vLLM's 72 (both stop at a sampled end token): not the
-    same work. With 103 ids both generate the same number of tokens."""
-    from rlsys.models.tiny import TinyModelSpec, build_tokenizer, write_tiny_model
-
-    if not os.path.isdir(path):
-        write_tiny_model(path, TinyModelSpec(**RANDOM22M, vocab_size=len(build_tokenizer())))
 
 
 def main() -> None:

@@ -23,8 +23,8 @@
 # then the training engine (fp32 and bf16 parity with one HF process, offload, CUDA IPC reads, throughput;
 # scripts/gpu_check.py), the memory of a 0.5B-shaped rank with and without offload, rank 0 of 7B layouts
 # at full size beside the planner's estimate, and the pretrain stage through Ray,
-# resumed from its checkpoint. Each check's log goes to $OUT (the device tool) or a temporary
-# directory; each check prints its seconds. GPU_CHECKS="rl_fp32 grpo_05b" runs only the checks it names.
+# resumed from its checkpoint, and packed attention at 8k and 32k tokens. Each check's log goes to $OUT
+# (the device tool) or a temporary directory; each check prints its seconds. GPU_CHECKS="rl_fp32 grpo_05b" runs only the checks it names.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 carry="$repo/.gpu_carry"
@@ -96,7 +96,7 @@ check() {  # check NAME COMMAND...: run it, its output into $logs/NAME.log, its 
   [ $rc = 0 ] || status=1
   {
     echo "[gpu_check] $name: $([ $rc = 0 ] && echo ok || echo "FAIL (exit $rc)") in $((SECONDS - started)) s"
-    grep -a -E "^\[|^  |Error|error:" "$logs/$name.log" | grep -v "^\[gpu_check\]" | tail -n "${SHOW_LINES:-8}"
+    grep -a -E "^\[|^  |^\||Error|error:" "$logs/$name.log" | grep -v "^\[gpu_check\]" | tail -n "${SHOW_LINES:-8}"
   } | tee -a "$results"
 }
 
@@ -247,5 +247,9 @@ if [ "$gpus" = 1 ]; then  # a 0.5B-shaped model (Qwen2.5-0.5B's config, random i
   SHOW_LINES=12 check full_7b "$py" benchmarks/plan_full_size.py --model examples/plan/qwen2.5-7b --device cuda \
     --rows 4 --seq-len 1024 --layout dp_shard=64 --layout dp_shard=64,activation_checkpointing=1 \
     --layout dp_shard=16,tp=4 --layout dp_shard=16,tp=4,sequence_parallel=1,loss_parallel=1
+  # one packed row of 8 sequences at 8k and 32k tokens, bf16: the dense block-causal mask, span by span
+  # (SDPA's flash kernel, causal without a mask), and each sequence a row of its own
+  SHOW_LINES=8 check packed_attention "$py" benchmarks/packed_attention.py --device cuda --models random22m \
+    --widths 8192 32768
 fi
 exit $status

@@ -1,5 +1,5 @@
 """On-policy distillation on the arithmetic task, against GRPO at equal training time. The student
-is the example's SFT stage on the right answers (`sft_train.jsonl`) cut short (300 of its 700 steps:
+is the example's SFT stage on the right answers (`sft_train.jsonl`) cut short (300 of its 1,500 steps:
 a model with errors left, as examples/arith/reward_model.py trains), the teacher the main job's final
 model. From the student's
 checkpoint three runs train: GRPO on the verifier alone, and GRPO plus distillation from the

@@ -78,7 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default="runs/arith/rlvr/hf_model")
     parser.add_argument("--out", default="runs/arith/distill")
-    parser.add_argument("--student-steps", type=int, default=300, help="the student's SFT steps (the example's: 700)")
+    parser.add_argument("--student-steps", type=int, default=300, help="the student's SFT steps (the example's: 1500)")
     parser.add_argument("--rl-steps", type=int, default=100, help="the distillation runs' steps (GRPO: twice)")
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--coef", type=float, default=1.0)

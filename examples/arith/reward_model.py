@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/arith/reward_model")
     parser.add_argument("--rm-steps", type=int, default=3000)
     parser.add_argument("--rm-lr", type=float, default=3e-4)
-    parser.add_argument("--student-steps", type=int, default=300, help="the student's SFT steps (the example's: 700)")
+    parser.add_argument("--student-steps", type=int, default=300, help="the student's SFT steps (the example's: 1500)")
     parser.add_argument("--rl-steps", type=int, default=150)
     args = parser.parse_args()
 

@@ -124,3 +124,15 @@ def test_a_request_the_engine_refuses_fails_its_sample_alone(worker, tokenizer):
     assert [t.prompt_index for t in refused] == [3, 3] and {t.dropped for t in refused} == {"rejected"}
     assert all(t.response_ids == [] for t in refused)
     assert [t.response_ids for t in beside if not t.dropped] == [t.response_ids for t in alone]
+
+
+def test_greedy_samples_of_one_prompt_are_each_served(worker, tokenizer):
+    """Samples of one prompt at temperature 0 with consecutive seeds (a group sampled greedily, or two
+    samples whose rewritten histories ask the same greedy summary) go to vLLM one request each: it
+    refuses a greedy request of more than one sample, which would drop both."""
+    prompts = [(0, tokenizer("3+4=")["input_ids"])]
+    greedy = Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, max_response_tokens=6)
+    trajectories = asyncio.run(worker.rollout([(0, prompts[0][1], {})], "single_turn", 2, greedy, 5)).unpack(
+        dict(prompts))
+    assert [t.dropped for t in trajectories] == [trajectories[0].dropped] * 2 and not trajectories[0].dropped
+    assert trajectories[0].response_ids and trajectories[0].response_ids == trajectories[1].response_ids

@@ -231,7 +231,11 @@ class RequestEngine:
         self.schedule.added(due)
         for request, futures in _runs(submitted):
             request_id = f"rlsys-{next(self._ids)}"
-            params = msgspec.structs.replace(request.params, n=len(futures))
+            try:  # vLLM checks the parameters as they are built: a refusal is this request's alone
+                params = msgspec.structs.replace(request.params, n=len(futures))
+            except Exception as err:
+                self._reject(request_id, futures, len(request.prompt_ids), err)
+                continue
             # the finished request only, as LLM.generate asks; a streamed one after every step
             params.output_kind = RequestOutputKind.CUMULATIVE if request.on_tokens else RequestOutputKind.FINAL_ONLY
             if request.on_tokens:
@@ -268,9 +272,14 @@ class RequestEngine:
         return taken
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""Below this temperature vLLM decodes greedily, and refuses a request of more than one sample."""
+
+
 def _runs(submitted: list[tuple[Request, asyncio.Future]]) -> list[tuple[Request, list[asyncio.Future]]]:
     """Consecutive requests with the same prompt, images and parameters but for seeds first, first + 1, ...
-    (none streamed)."""
+    (none streamed, none greedy: two samples of one group whose histories a harness rewrote alike may ask
+    the same greedy summary)."""
     runs: list[tuple[Request, list[asyncio.Future]]] = []
     for request, future in submitted:
         if runs and _continues(runs[-1], request):
@@ -284,7 +293,8 @@ def _continues(run: tuple[Request, list[asyncio.Future]], request: Request) -> b
     first, futures = run
     params, run_params = request.params, first.params
     if params.seed is None or run_params.seed is None or params.n != 1 or request.prompt_ids != first.prompt_ids \
-            or request.images is not first.images or request.on_tokens or first.on_tokens:
+            or request.images is not first.images or request.on_tokens or first.on_tokens \
+            or params.temperature < GREEDY_TEMPERATURE:
         return False
     return params.seed == run_params.seed + len(futures) and msgspec.structs.replace(params, seed=run_params.seed) \
         == run_params

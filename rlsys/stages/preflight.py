@@ -3,7 +3,7 @@ directory (`rlsys.models.directory`), a vision-language model's limits and LoRA'
 the layout (`rlsys.parallel.parallelize.check_layout`), the engines' shape (`rlsys.rollout.vllm_engine`),
 data files and batch arithmetic (`rlsys.data`), the algorithm and each RL feature
 (`rlsys.rl.algorithm_checks`, `rlsys.rl.features`), the update's batches, the adapter sync, reward
-terms (`rlsys.rewards.loading`) and the cluster's resources (`rlsys.actors`); a stage's list reads
+terms (`rlsys.rewards.checks`) and the cluster's resources (`rlsys.actors`); a stage's list reads
 as what the stage needs. The models named by Hub ids are fetched first and the keys left for the
 cluster to size filled (`cluster_defaults`; a cluster joined through RAY_ADDRESS is connected to
 for its GPUs).

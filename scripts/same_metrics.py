@@ -4,8 +4,9 @@ the timings equal to 1e-6 (relative above 1), the steps and keys identical.
 
     .venv/bin/python scripts/same_metrics.py --ref 048dd53 [--only grpo dapo ...] [--reuse]
 
-Every case is the arithmetic example's GRPO stage (examples/arith/rlvr.yaml, on the tiny model of
-`--model`) with a feature's keys set, or a calculator-task config; `--reuse` keeps the reference
+A case is the arithmetic example's GRPO stage (examples/arith/rlvr.yaml, on the tiny model of
+`--model`) with a feature's keys set, or another example's RL config (the calculator's, the real
+model's, the vision-language model's) on its own model; `--reuse` keeps the reference
 commit's finished runs (they only need making once); `--report` compares the runs on disk. Prints a
 table, one line a case.
 """
@@ -23,29 +24,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["train.steps=3", "train.prompts_per_step=8", "rollout.n=4", "train.val_every=0", "train.save_every=0",
          "tracking.backends=[jsonl]", "tracking.trace=false", "tracking.log_samples_every=0"]
 ARITH = "examples/arith/rlvr.yaml"
-CASES: dict[str, tuple[str, list[str]]] = {
-    "grpo": (ARITH, []),
-    "lora": ("examples/arith/rlvr_lora.yaml", []),
-    "dapo": (ARITH, ["algorithm.filter_groups=true", "algorithm.max_sampling_rounds=3",
-                     "reward.overlong_buffer_len=2", "rollout.max_new_tokens=6"]),
-    "remax": (ARITH, ["algorithm.adv_estimator=remax"]),
-    "ppo_gae": (ARITH, ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.ppo_epochs=2",
-                        "algorithm.ppo_mini_batch_size=4"]),
-    "kl": (ARITH, ["algorithm.kl_coef=0.01", "algorithm.use_kl_in_reward=true"]),
-    "otb": (ARITH, ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.rollout_correction.rollout_is=token"]),
-    "rollout_correction": (ARITH, ["algorithm.rollout_correction.rollout_is=sequence",
-                                   "algorithm.rollout_correction.rollout_is_batch_normalize=true",
-                                   "algorithm.rollout_correction.rollout_rs=token"]),
-    "distill_top_k": (ARITH, ["algorithm.distill.teacher={teacher}", "algorithm.distill.top_k=4",
-                              "algorithm.distill.source=trainer"]),
-    "distill_penalty": (ARITH, ["algorithm.distill.teacher={teacher}", "algorithm.distill.mode=penalty",
-                                "algorithm.distill.serving.engine_memory_gib=0.1"]),
-    "async_one_step": (ARITH, ["train.async_mode=one_step", "rollout.placement=separate", "ray.cpus_per_worker=1"]),
-    "tools": ("examples/calc/rlvr_tools.yaml", []),
-    "openai": ("examples/calc/rlvr_openai.yaml", []),
-    "compact": ("examples/calc/rlvr_compact.yaml", []),
-    "r2_moe": (ARITH, ["algorithm.router_replay=r2", "parallel.dp_shard=2", "parallel.ep=2"]),
+CASES: dict[str, tuple[str, str, list[str]]] = {
+    # name: (config, the model it starts from (a --flag below), its keys)
+    "grpo": (ARITH, "model", []),
+    "lora": ("examples/arith/rlvr_lora.yaml", "model", []),
+    "dapo": (ARITH, "model", ["algorithm.filter_groups=true", "algorithm.max_sampling_rounds=3",
+                              "reward.overlong_buffer_len=2", "rollout.max_new_tokens=6"]),
+    "remax": (ARITH, "model", ["algorithm.adv_estimator=remax"]),
+    "ppo_gae": (ARITH, "model", ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.ppo_epochs=2",
+                                 "algorithm.ppo_mini_batch_size=4"]),
+    "kl": (ARITH, "model", ["algorithm.kl_coef=0.01", "algorithm.use_kl_in_reward=true"]),
+    "otb": (ARITH, "model", ["algorithm.adv_estimator=optimal_token_baseline",
+                             "algorithm.rollout_correction.rollout_is=token"]),
+    "rollout_correction": (ARITH, "model", ["algorithm.rollout_correction.rollout_is=sequence",
+                                            "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+                                            "algorithm.rollout_correction.rollout_rs=token"]),
+    "distill_top_k": (ARITH, "model", ["algorithm.distill.teacher={teacher}", "algorithm.distill.top_k=4",
+                                       "algorithm.distill.source=trainer"]),
+    "distill_penalty": (ARITH, "model", ["algorithm.distill.teacher={teacher}", "algorithm.distill.mode=penalty",
+                                         "algorithm.distill.serving.engine_memory_gib=0.1"]),
+    "async_one_step": (ARITH, "model", ["train.async_mode=one_step", "rollout.placement=separate",
+                                        "ray.cpus_per_worker=1"]),
+    "r2_moe": (ARITH, "moe_model", ["algorithm.router_replay=r2", "parallel.dp_shard=2", "parallel.ep=2"]),
+    "tools": ("examples/calc/rlvr_tools.yaml", "calc_model", []),
+    "openai": ("examples/calc/rlvr_openai.yaml", "calc_model", []),
+    "compact": ("examples/calc/rlvr_compact.yaml", "calc_model", []),
+    "no_tools": ("examples/calc/rlvr_no_tools.yaml", "calc_model", []),
+    "smollm": ("examples/smollm/rlvr.yaml", "smollm_model", []),
+    "smollm_lora": ("examples/smollm/rlvr.yaml", "smollm_model", ["model.lora.rank=16", "model.lora.alpha=32",
+                                                                  "optim.lr=1.0e-4"]),
+    "vlm": ("examples/vlm/rlvr.yaml", "vlm_model", []),
+    "vlm_lora": ("examples/vlm/rlvr_lora.yaml", "vlm_model", []),
 }
+MODEL_FLAGS = ("model", "teacher", "calc_model", "moe_model", "smollm_model", "vlm_model")
 MACHINE = ("time/", "memory/", "perf/", "startup/", "throughput/", "rollout/freed_gib")
 """Keys that measure the machine, not the algorithm: these prefixes, and any seconds (`sync/time_s`)."""
 
@@ -56,20 +67,19 @@ def measures_machine(key: str) -> bool:
 
 
 def run_case(tree: str, out: str, name: str, models: dict[str, str]) -> str:
-    """Run case `name` in checkout `tree` into `out/name` (`models`: the paths of --model, --teacher,
-    --calc-model, --moe-model); returns its metrics.jsonl."""
-    config, keys = CASES[name]
+    """Run case `name` in checkout `tree` into `out/name` (`models`: the paths of the model flags);
+    returns its metrics.jsonl."""
+    config, model, keys = CASES[name]
     run_dir = os.path.join(out, name)
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    policy = models["calc_model"] if config.startswith("examples/calc") else \
-        models["moe_model"] if name.endswith("_moe") else models["model"]
+    policy = models[model]
     overrides = [key.format(teacher=models["teacher"]) for key in keys]
     command = [sys.executable, "-m", "rlsys.run", "rlvr", "--config", config, *SMALL, *overrides,
                f"model.path={policy}", f"output_dir={run_dir}"]
     if config.startswith("examples/arith"):
         command.append(f"data.train_files=[{os.path.join(ROOT, 'runs/arith/data/rl_train.parquet')}]")
     if not os.path.isdir(policy):
-        raise SystemExit(f"same_metrics: case {name}: no model at {policy} (see --model, --calc-model)")
+        raise SystemExit(f"same_metrics: case {name}: no model at {policy} (see --{model.replace('_', '-')})")
     result = subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True,
                             text=True)
     if result.returncode != 0:
@@ -121,13 +131,15 @@ def main() -> None:
     parser.add_argument("--teacher", default="runs/arith-spread/seed0-threads1/rlvr/hf_model")
     parser.add_argument("--calc-model", default="runs/calc/sft/hf_model")
     parser.add_argument("--moe-model", default="runs/moe/tiny-moe-init", help="examples/moe/prepare.py's")
+    parser.add_argument("--smollm-model", default="runs/smollm/model", help="examples/smollm/prepare.py's")
+    parser.add_argument("--vlm-model", default="runs/vlm/sft/hf_model", help="examples/vlm/sft.yaml's")
     parser.add_argument("--reuse", action="store_true", help="keep the reference commit's finished runs")
     parser.add_argument("--report", action="store_true", help="compare the runs on disk, running none")
     args = parser.parse_args()
     ref = subprocess.run(["git", "rev-parse", "--short", args.ref], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout.strip()
     trees = {"here": ROOT, ref: ROOT if args.report else worktree(ref, os.path.join("/tmp", f"rlsys-ref-{ref}"))}
-    paths = {k: os.path.abspath(getattr(args, k)) for k in ("model", "teacher", "calc_model", "moe_model")}
+    paths = {k: os.path.abspath(getattr(args, k)) for k in MODEL_FLAGS}
     print("| case | numbers compared | largest difference | verdict |\n|---|---|---|---|")
     failed = False
     for name in args.only:

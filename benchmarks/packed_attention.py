@@ -3,8 +3,13 @@ end to end into one row of W tokens (2k, 8k, 32k), the decoder's forward and bac
 so attention's share of the work shows), three ways:
 
 - dense mask: the packed row under a [1, 1, W, W] block-causal mask (`block_causal_mask`), as
-  the update attends a packed row wherever it does not attend by spans;
-- spans: the packed row attended span by span (`rlsys.parallel.span_attention`);
+  packed rows attended before they attended by spans, and as VeRL-style packing without varlen
+  kernels would;
+- spans: the packed row attended span by span (`rlsys.parallel.span_attention`), as the update
+  attends every packed row;
+- flex: the packed row through transformers' FlexAttention (`attn_implementation="flex_attention"`),
+  which reads the packing from the restarting positions and builds a block mask of the documents:
+  torchtitan's way (on CUDA; PyTorch has no FlexAttention backward on CPU);
 - floor: each sequence a row of its own, causal, no mask: the work the sequences need.
 
 Each (model, width, arm) runs in a process of its own and reports the median seconds of
@@ -31,11 +36,11 @@ import time
 
 import torch
 
-ARMS = ("dense mask", "spans", "floor")
+ARMS = ("dense mask", "spans", "flex", "floor")
 MODELS = {"random22m": "runs/bench/random22m-v103", "smollm2-4layers": "runs/smollm/model"}
 
 
-def decoder(model_name: str, device: str):
+def decoder(model_name: str, device: str, attention: str = "sdpa"):
     """The model's decoder (no LM head) on `device`, in training mode: fp32 on CPU, bf16 on CUDA."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -50,14 +55,15 @@ def decoder(model_name: str, device: str):
     if model_name.startswith("smollm2"):
         config.num_hidden_layers = 4
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                 attn_implementation=attention).to(device)
     apply_span_attention(model)
     return model.model.train(), config.vocab_size
 
 
 def arm_inputs(arm: str, width: int, sequences: int, vocab: int) -> dict:
     """The forward's inputs: `sequences` random sequences of width // sequences tokens, packed into
-    one row (dense mask, spans) or one per row (floor)."""
+    one row (dense mask, spans, flex) or one per row (floor)."""
     from rlsys.data.packing import block_causal_mask
     from rlsys.parallel.span_attention import SharedPrefixSpans, span_inputs
 
@@ -70,7 +76,9 @@ def arm_inputs(arm: str, width: int, sequences: int, vocab: int) -> dict:
     packed = {"input_ids": ids.reshape(1, width), "position_ids": positions.repeat(sequences)[None]}
     if arm == "dense mask":
         return {**packed, "attention_mask": block_causal_mask(segments, torch.zeros_like(segments))}
-    spans = SharedPrefixSpans.of(segments, torch.zeros_like(segments), min_pairs_saved=0)
+    if arm == "flex":
+        return packed
+    spans = SharedPrefixSpans.of(segments)
     return {**packed, **span_inputs(spans, 1, width)}
 
 
@@ -84,7 +92,7 @@ def peak_mib(device: str) -> float:
 def run_one(model_name: str, width: int, arm: str, args) -> dict:
     """One arm in this process: median seconds of `--repeats` forward and backward passes (after one
     unmeasured pass on CUDA), and the peak memory they added to the loaded model's."""
-    model, vocab = decoder(model_name, args.device)
+    model, vocab = decoder(model_name, args.device, "flex_attention" if arm == "flex" else "sdpa")
     loaded = peak_mib(args.device)
     inputs = {key: value.to(args.device) for key, value in arm_inputs(arm, width, args.sequences, vocab).items()}
 
@@ -139,15 +147,17 @@ def main() -> None:
              else f"{torch.cuda.get_device_name()}, bf16")
     print(f"[packed_attention] {args.sequences} sequences a row, {where}, medians of {args.repeats}; "
           f"forward and backward seconds, peak memory above the loaded model")
-    print("| model | row width | " + " | ".join(ARMS) + " | dense / floor | spans / floor |")
-    print("|---|---|" + "---|" * (len(ARMS) + 2))
+    packed_arms = ARMS[:-1]
+    print("| model | row width | " + " | ".join(ARMS) + " | " + " | ".join(f"{arm} / floor" for arm in packed_arms)
+          + " |")
+    print("|---|---|" + "---|" * (len(ARMS) + len(packed_arms)))
     for model_name in args.models:
         for width in args.widths:
             results = {arm: measure(model_name, width, arm, args) if arm in args.arms else {"error": "not run"}
                        for arm in ARMS}
             floor = results["floor"].get("seconds")
             ratios = [f"{results[arm]['seconds'] / floor:.2f}" if floor and "seconds" in results[arm] else "-"
-                      for arm in ("dense mask", "spans")]
+                      for arm in packed_arms]
             print(f"| {model_name} | {width} | " + " | ".join(cell(results[arm]) for arm in ARMS) + " | "
                   + " | ".join(ratios) + " |", flush=True)
 

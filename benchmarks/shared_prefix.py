@@ -43,33 +43,29 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from rlsys.data.packing import MIN_SHARED_FRACTION, pack_rows
     from rlsys.parallel.span_attention import apply_span_attention
 
     if args.model.endswith("random22m-v103"):
         ensure_random_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     apply_span_attention(model)
-    modes = {"unshared": (False, False), "shared, dense mask": (True, False), "shared, span attention": (True, True)}
+    modes = {"unshared": (False, True), "shared, dense mask": (True, False), "shared, span attention": (True, True)}
     print(f"{args.model}: {args.groups} groups x {args.n} samples of {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads; forward/backward seconds (packed tokens)")
-    print("| prompt + response | " + " | ".join(modes) + " | unshared / span attention "
-          f"| shared by default (saves >= {MIN_SHARED_FRACTION:.0%} of the tokens) |")
-    print("|---|" + "---|" * (len(modes) + 2))
+    print("| prompt + response | " + " | ".join(modes) + " | unshared / span attention |")
+    print("|---|" + "---|" * (len(modes) + 1))
     for prompt_part, response_part in RATIOS:
         prompt_len = args.tokens * prompt_part // (prompt_part + response_part)
         batch = group_batch(prompt_len, args.tokens - prompt_len, args.groups, args.n, model.config.vocab_size, 0)
-        inputs = [packed_inputs(batch, share, spans, min_shared_fraction=0.0) for share, spans in modes.values()]
+        inputs = [packed_inputs(batch, share, spans) for share, spans in modes.values()]
         seconds = [[] for _ in modes]
         for _ in range(args.repeats):
             for times, (packed, forward) in zip(seconds, inputs):
                 times.append(forward_backward_s(model, packed, **forward))
         medians = [statistics.median(times) for times in seconds]
-        shared = pack_rows(batch, True, MIN_SHARED_FRACTION).shared_length
-        by_default = bool(shared.any())
         cells = " | ".join(f"{s:.3f} ({packed['attention_mask'].sum()})" for s, (packed, _) in zip(medians, inputs))
-        print(f"| {prompt_len} + {args.tokens - prompt_len} | {cells} | **{medians[0] / medians[-1]:.2f}** "
-              f"| {'yes' if by_default else 'no'} |", flush=True)
+        print(f"| {prompt_len} + {args.tokens - prompt_len} | {cells} | **{medians[0] / medians[-1]:.2f}** |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -7,22 +7,16 @@ import statistics
 import time
 
 
-def packed_inputs(batch, share: bool, spans: bool | None = None, min_shared_fraction: float | None = None
-                  ) -> tuple[dict, dict]:
-    """`batch` packed (each group's prompt once if `share`, where it removes `min_shared_fraction`
-    of the group's tokens: the training ranks' bar unless given), and its forward's inputs besides
-    input_ids: a dense block-causal mask, or span attention (`spans`; None: where the training
-    ranks take it, `SharedPrefixSpans.of`). The model needs `apply_span_attention` for spans."""
-    from rlsys.data.packing import MIN_SHARED_FRACTION, block_causal_mask, pack_rows
-    from rlsys.parallel.span_attention import MIN_PAIRS_SAVED_PER_TOKEN, SharedPrefixSpans, span_inputs
+def packed_inputs(batch, share: bool, spans: bool = True) -> tuple[dict, dict]:
+    """`batch` packed (each group's prompt once if `share`), and its forward's inputs besides
+    input_ids: attention by spans as the training ranks run it (the model needs
+    `apply_span_attention`), or (`spans=False`) a dense block-causal mask over each row's width."""
+    from rlsys.data.packing import block_causal_mask, pack_rows
+    from rlsys.parallel.span_attention import SharedPrefixSpans, span_inputs
 
-    fraction = MIN_SHARED_FRACTION if min_shared_fraction is None else min_shared_fraction
-    packed = pack_rows(batch, share, fraction).batch
+    packed = pack_rows(batch, share).batch
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    chosen = None
-    if spans is not False and bool(prefixes.any()):
-        chosen = SharedPrefixSpans.of(segments, prefixes, 0 if spans else MIN_PAIRS_SAVED_PER_TOKEN)
-    attention = (span_inputs(chosen, *segments.shape) if chosen is not None
+    attention = (span_inputs(SharedPrefixSpans.of(segments, prefixes), *segments.shape) if spans
                  else {"attention_mask": block_causal_mask(segments, prefixes)})
     return packed, {"position_ids": packed["position_ids"], **attention}
 

@@ -217,8 +217,9 @@ def test_token_budget_cuts_consecutive_rows_and_splits_the_heaviest():
 
 def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
     """Rows of 2 to 12 tokens packed end to end: fewer rows, every token's position and log-prob
-    as in its own padded row, and no label across two sequences is a target."""
-    from rlsys.data.packing import block_causal_mask, pack_rows
+    as in its own padded row (attending span by span), and no label across two sequences is a target."""
+    from rlsys.data.packing import pack_rows
+    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs
 
     generator = torch.Generator().manual_seed(0)
     lengths = [12, 3, 7, 2, 9, 5, 4, 11]
@@ -231,11 +232,13 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
     assert int(packed["loss_mask"][:, 1:].sum()) == int(batch["loss_mask"][:, 1:].sum())
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    apply_span_attention(model)
+    spans = SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"])
     with torch.no_grad():
         whole = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         expected = torch.nn.functional.pad(logprobs_of_labels(whole, batch["input_ids"]), (1, 0))
-        logits = model(input_ids=packed["input_ids"], attention_mask=block_causal_mask(packed["segment_ids"]),
-                       position_ids=packed["position_ids"]).logits
+        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                       **span_inputs(spans, *packed["segment_ids"].shape)).logits
         got = packing.unpack(torch.nn.functional.pad(logprobs_of_labels(logits, packed["input_ids"]), (1, 0)))
     real = batch["attention_mask"].bool()
     real[:, 0] = False
@@ -243,19 +246,18 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
     assert (got[~real] == 0).all()
 
 
-def test_shared_prompts_attend_by_spans_only_where_they_score_far_fewer_pairs():
-    """8 samples of an 80-token prompt with 80-token answers: one row of 727 columns, whose dense
-    mask scores 528,529 pairs, against 110,241 attending by spans (575 fewer a token): spans.
-    With 3-token answers to a 30-token prompt the row is 61 wide (3,721 pairs) and its spans would
-    score 1,897 (30 fewer a token): the dense mask."""
+def test_every_group_that_repeats_a_prompt_shares_it():
+    """8 samples of a 30-token prompt with 3-token answers share it (one row of 29 + 8 x 4 columns),
+    as do 2 samples of a 2-token prompt; a one-token prompt, or a prompt no other row repeats, is
+    not shared."""
     from rlsys.data.packing import pack_rows
-    from rlsys.parallel.span_attention import SharedPrefixSpans
 
-    for prompt, answer, spans in [(80, 80, True), (30, 3, False)]:
-        batch = collate_rollouts([list(range(3, 3 + prompt))] * 8, [[7] * answer] * 8, pad_id=0)
-        packed = pack_rows(batch).batch
-        assert packed["input_ids"].shape[1] == prompt - 1 + 8 * (answer + 1)
-        assert (SharedPrefixSpans.of(packed["segment_ids"], packed["prefix_ids"]) is not None) == spans
+    for prompt, samples, answer, shared in [(30, 8, 3, True), (2, 2, 5, True), (1, 4, 3, False), (12, 1, 3, False)]:
+        batch = collate_rollouts([list(range(3, 3 + prompt))] * samples, [[7] * answer] * samples, pad_id=0)
+        packing = pack_rows(batch)
+        assert bool(packing.shared_length.any()) == shared
+        tokens = int(packing.batch["attention_mask"].sum())
+        assert tokens == samples * (prompt + answer) - (samples - 1) * (prompt - 1) * shared
 
 
 def test_span_attention_is_attention_under_the_block_causal_mask():
@@ -269,7 +271,7 @@ def test_span_attention_is_attention_under_the_block_causal_mask():
     # then a prompt and its 3-token answer
     segments = torch.tensor([[1] * 4 + [2] * 10 + [3] * 2, [4] * 9 + [5] * 4 + [6] * 3])
     prefixes = torch.tensor([[0] * 4 + [1] * 12, [0] * 13 + [5] * 3])
-    spans = SharedPrefixSpans.of(segments, prefixes, min_pairs_saved=float("-inf"))
+    spans = SharedPrefixSpans.of(segments, prefixes)
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 4, 16, 8, generator=generator)
     key, value = (torch.randn(2, 2, 16, 8, generator=generator) for _ in range(2))
@@ -297,11 +299,11 @@ def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):
 
     monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recording)
     batch = collate_rollouts([[5, 6, 7, 8]] * 4, [[9, 10], [11], [12, 13, 14], [15]], pad_id=0)
-    packed = pack_rows(batch, min_shared_fraction=0.0).batch
+    packed = pack_rows(batch).batch
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     apply_span_attention(model)
-    spans = SharedPrefixSpans.of(segments, prefixes, 0)
+    spans = SharedPrefixSpans.of(segments, prefixes)
     with torch.no_grad():
         model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False,
               **span_inputs(spans, *segments.shape))
@@ -311,13 +313,11 @@ def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):
     assert built == [(1, 1, segments.shape[1], segments.shape[1])]
 
 
-@pytest.mark.parametrize("attention", ["dense-mask", "spans"])
-def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir, attention):
+def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
     is packed once, yet every token's log-prob and the gradient of a token-level loss are those
-    of the padded rows, under a dense block-causal mask and attending span by span (the
-    training ranks' path: `rlsys.parallel.span_attention`)."""
-    from rlsys.data.packing import block_causal_mask, pack_rows
+    of the padded rows, attending span by span (`rlsys.parallel.span_attention`)."""
+    from rlsys.data.packing import pack_rows
     from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs, uses_span_attention
 
     generator = torch.Generator().manual_seed(1)
@@ -344,9 +344,8 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
 
     expected_grads, expected = grads_and_logprobs(batch, attention_mask=batch["attention_mask"])
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    mask = (span_inputs(SharedPrefixSpans.of(segments, prefixes, 0), *segments.shape) if attention == "spans"
-            else dict(attention_mask=block_causal_mask(segments, prefixes)))
-    grads, logprobs = grads_and_logprobs(packed, attention == "spans", position_ids=packed["position_ids"], **mask)
+    grads, logprobs = grads_and_logprobs(packed, True, position_ids=packed["position_ids"],
+                                         **span_inputs(SharedPrefixSpans.of(segments, prefixes), *segments.shape))
     got = packing.unpack(logprobs)
     real = batch["attention_mask"].bool()
     real[:, 0] = False

@@ -4,10 +4,9 @@ gives the same rank, and the same again when it recomputes its activations."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
+from one_rank import one_rank_results
 
 # the quick tier (scripts/test.sh --quick); one xdist worker runs these ranks of 5-20 s each among the
 # groups, not among the single tests that fill in at the end
@@ -65,23 +64,8 @@ def tied_model_dir(tmp_path_factory) -> str:
     return write_tiny_model(str(tmp_path_factory.mktemp("tied")), spec)
 
 
-def _one_rank_results(target, model_dir: str, store: str):
-    """What `target(model_dir, store, conn)`, run as a rank of one in a process of its own, sends."""
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    rank = context.Process(target=target, args=(model_dir, store, child_conn), daemon=True)
-    rank.start()
-    try:
-        while rank.is_alive() and not conn.poll(1):
-            pass
-        assert conn.poll(), "the rank died before sending its results"
-        return conn.recv()
-    finally:
-        rank.join(timeout=30)
-
-
 def test_one_cpu_rank_trains_its_own_parameters_with_fsdps_gradients(tied_model_dir, tmp_path):
-    results = _one_rank_results(_one_rank_steps, tied_model_dir, str(tmp_path / "store"))
+    results = one_rank_results(_one_rank_steps, tied_model_dir, str(tmp_path / "store"))
     plain, fsdp, recomputed = results["plain"], results["fsdp"], results["recomputed"]
     assert (plain["fsdp"], plain["dtensors"]) == (False, False) and (fsdp["fsdp"], fsdp["dtensors"]) == (True, True)
     assert plain["tied"] and fsdp["tied"] and recomputed["tied"]
@@ -131,7 +115,7 @@ def _head_outputs(model_dir: str, store: str, conn) -> None:
 
 
 def test_fp32_lm_head_multiplies_the_bf16_operands_in_fp32(tied_model_dir, tmp_path):
-    results = _one_rank_results(_head_outputs, tied_model_dir, str(tmp_path / "store"))
+    results = one_rank_results(_head_outputs, tied_model_dir, str(tmp_path / "store"))
     rounded, fp32 = results[False], results[True]
     assert rounded["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.bfloat16)
     assert fp32["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.float32)  # FSDP's cast weight, fp32 logits
@@ -183,7 +167,7 @@ def _offloaded_steps(model_dir: str, store: str, conn) -> None:
 def test_offload_gives_the_same_steps(tied_model_dir, tmp_path):
     """`parallel.offload` (FSDP2's CPUOffloadPolicy, a unit per block; the optimizer steps on the host)
     trains exactly as FSDP2 without it: each step's gradients and parameters within 1e-6."""
-    results = _one_rank_results(_offloaded_steps, tied_model_dir, str(tmp_path / "store"))
+    results = one_rank_results(_offloaded_steps, tied_model_dir, str(tmp_path / "store"))
     kept, offloaded = results[False], results[True]
     assert offloaded["units"] == 3 and all(offloaded["offloaded"])  # two decoder blocks and the root
     assert not any(kept["offloaded"])
@@ -229,7 +213,7 @@ def test_random_init_draws_from_the_seed_without_weights(tied_model_dir, tmp_pat
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     shutil.copy(f"{tied_model_dir}/config.json", config_only)
-    first, again, other = _one_rank_results(_random_init_draws, str(config_only), str(tmp_path / "store"))
+    first, again, other = one_rank_results(_random_init_draws, str(config_only), str(tmp_path / "store"))
     assert first.keys() == again.keys() == other.keys()
     for name, value in first.items():
         assert (value == again[name]).all(), name

@@ -6,8 +6,7 @@ length, so much of a padded micro-batch can be padding (docs/performance.md
 measures how much). Packing lays the rows end to end
 into as few rows as first-fit-decreasing finds, each token keeping its position in
 its own sequence (`position_ids`) and the index of its span (`segment_ids`, from 1;
-0 is padding), from which the engine builds a block-causal attention mask: a token
-attends only to its own span.
+0 is padding): a token attends only to its own span.
 
 A GRPO group's samples repeat one prompt, so rows whose prompts (the tokens before
 their first loss token) are the same token for token may share one copy of it
@@ -16,13 +15,9 @@ sample's last prompt token and response, whose tokens also attend to the shared 
 (`prefix_ids`). Every token sees what it saw in its own row, so activations are the
 same and the shared span's gradient is the sum of the copies' gradients; repeating the
 last prompt token keeps each response's first label next to the logits that predict
-it. The training ranks attend such a batch span by span where that scores far fewer
-pairs than a dense block-causal mask (`rlsys.parallel.span_attention`). A group shares
-only where that removes at least `MIN_SHARED_FRACTION` of its tokens: under a dense mask
-a shared group is one row as wide as all its samples, whose every pair of columns the
-mask scores, so a short prompt before long responses can save less than the wider rows
-cost (docs/performance.md, "Shared prompts in the update"; the guard does not know
-beforehand which attention the batch will take).
+it. Every group whose samples repeat a prompt of two tokens or more shares it. The
+training ranks attend a packed batch span by span (`rlsys.parallel.span_attention`): each
+span scores its own pairs and its shared prompt's, never the row's whole width.
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed
@@ -37,9 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.data.batching import Batch
-
-MIN_SHARED_FRACTION = 0.25
-"""Share a group's prompt only if that drops at least this fraction of the group's tokens."""
 
 
 @dataclass
@@ -82,12 +74,12 @@ class _Span:
     """Also attends to its unit's first span: the prompt it shares."""
 
 
-def pack_rows(batch: Batch, share_prompts: bool = True, min_shared_fraction: float = MIN_SHARED_FRACTION) -> Packing:
+def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
-    wide as the batch, or as its widest shared group; a group shares its prompt where that drops
-    at least `min_shared_fraction` of its tokens."""
+    wide as the batch, or as its widest shared group (`share_prompts`: rows with the same prompt
+    lay it out once)."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    units, prompt_row, shared_length = _units(batch, lengths, share_prompts, min_shared_fraction)
+    units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
     unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
     width = max(batch["attention_mask"].shape[1], *unit_lengths)
     placement = _first_fit_decreasing(unit_lengths, width)
@@ -134,13 +126,13 @@ def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> t
     return torch.tensor(entries, dtype=torch.long).T
 
 
-def _units(batch: Batch, lengths: list[int], share_prompts: bool, min_shared_fraction: float):
+def _units(batch: Batch, lengths: list[int], share_prompts: bool):
     """The spans packed together, each unit into one row: a row on its own, or a group's
     shared prompt followed by its samples. Also each row's `prompt_row` and `shared_length`."""
     rows = len(lengths)
     prompt_row, shared_length = list(range(rows)), [0] * rows
     units, alone = [], set(range(rows))
-    for members, prompt in _prompt_groups(batch, lengths, min_shared_fraction) if share_prompts else []:
+    for members, prompt in _prompt_groups(batch) if share_prompts else []:
         first = members[0]
         units.append([_Span(first, 0, prompt - 1)] + [_Span(r, prompt - 1, lengths[r], True) for r in members])
         for r in members:
@@ -150,9 +142,9 @@ def _units(batch: Batch, lengths: list[int], share_prompts: bool, min_shared_fra
     return units, prompt_row, shared_length
 
 
-def _prompt_groups(batch: Batch, lengths: list[int], min_shared_fraction: float) -> list[tuple[list[int], int]]:
-    """(rows, prompt length) of each set of rows with the same prompt (the tokens before the
-    first loss token) worth sharing."""
+def _prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
+    """(rows, prompt length) of each set of two or more rows with the same prompt (the tokens
+    before the first loss token, two or more of them)."""
     if "loss_mask" not in batch:
         return []
     has_target = batch["loss_mask"].bool()
@@ -161,12 +153,7 @@ def _prompt_groups(batch: Batch, lengths: list[int], min_shared_fraction: float)
     for row, (ids, prompt) in enumerate(zip(batch["input_ids"].tolist(), prompt_lengths)):
         if prompt >= 2:
             groups.setdefault(tuple(ids[:prompt]), []).append(row)
-    worth = []
-    for prompt_ids, members in groups.items():
-        saved = (len(members) - 1) * (len(prompt_ids) - 1)
-        if len(members) > 1 and saved >= min_shared_fraction * sum(lengths[r] for r in members):
-            worth.append((members, len(prompt_ids)))
-    return worth
+    return [(members, len(prompt_ids)) for prompt_ids, members in groups.items() if len(members) > 1]
 
 
 def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int]]:

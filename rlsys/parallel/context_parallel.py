@@ -7,9 +7,9 @@ It needs no attention kernel support, so it runs on CPU (PyTorch's ring attentio
 no CPU kernels). It is registered with transformers' AttentionInterface under
 "ulysses" and selected per model; causal attention over the gathered sequence needs no
 padding mask because batches are right-padded. A packed micro-batch (`rlsys.data.packing`)
-brings its block-causal mask over the whole sequence, or the spans of its shared prompts
-(`rlsys.parallel.span_attention`), which the gathered heads attend by. Which tokens a rank
-holds, and how its per-token outputs are put back in order: `rlsys.parallel.rank_sequence`.
+brings its spans over the whole sequence (`rlsys.parallel.span_attention`), which the gathered
+heads attend by. Which tokens a rank holds, and how its per-token outputs are put back in order:
+`rlsys.parallel.rank_sequence`.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       shared_spans: SharedPrefixSpans | None = None, **kwargs):
-    """[B, heads, T/cp, D] per rank in, [B, T/cp, heads, D] out, as HF attention functions.
-    `attention_mask`: None (causal), or a packed micro-batch's [B, 1, T, T] over the whole
-    sequence; `shared_spans`: its spans over the whole sequence."""
+    """[B, heads, T/cp, D] per rank in, [B, T/cp, heads, D] out, as HF attention functions:
+    causal over the gathered sequence (`attention_mask` None), or by a packed micro-batch's
+    `shared_spans` over the whole sequence (its `attention_mask` then an unread placeholder)."""
     group = module.cp_group
     query, key, value = (_seq_to_heads(t, group) for t in (query, key, value))
     dropout = dropout if module.training else 0.0

@@ -93,7 +93,8 @@ class RankModel:
         self.vision = vision_tower(self.parts[0]) is not None
         """A vision-language model: its batches may carry pictures (`rlsys.data.image_tokens`)."""
         self.span_attention = uses_span_attention(self.parts[0])
-        """Packed spans that share a prompt attend span by span (`rlsys.parallel.span_attention`)."""
+        """Packed rows attend span by span (`rlsys.parallel.span_attention`); a model that cannot is
+        not packed."""
         self.moe_blocks = [block for part in self.parts for block in moe_blocks(part)]
         self.router = self._router_balance()
         # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
@@ -352,11 +353,12 @@ class RankModel:
 
     def _packs(self, loss_fn: LossFn) -> bool:
         """Pack sequences (`rlsys.data.packing`) outside a pipeline (whose schedule fixes every
-        micro-batch's shape), and not a vision-language model's (whose rotary positions its
-        forward derives per row). A loss that is not token-level reads the packed forward's
-        logits laid back out as its rows: whole rows, so not under context parallel."""
+        micro-batch's shape), for a model that attends by spans (not a vision-language model,
+        whose rotary positions its forward derives per row, nor sliding windows). A loss that is
+        not token-level reads the packed forward's logits laid back out as its rows: whole rows,
+        so not under context parallel."""
         dims = self.spec.dims
-        return (self.spec.parallel.pack_sequences and dims.pp == 1 and not self.vision
+        return (self.spec.parallel.pack_sequences and dims.pp == 1 and self.span_attention and not self.vision
                 and (dims.cp == 1 or is_token_level(loss_fn)))
 
     def _rank_sequence(self, batch: Batch) -> RankSequence:
@@ -406,23 +408,24 @@ class RankModel:
         return weights
 
     def _attention_inputs(self, seq: RankSequence) -> dict:
-        """The padding mask; over packed sequences block-causal, or their spans where some share a
-        prompt and the spans score far fewer pairs (`rlsys.parallel.span_attention`), both over
-        the whole sequence that context parallel's attention gathers from the ranks' chunks, and
-        chosen on the host copy of the packing (no device sync); none for unpacked rows under
-        context parallel, whose attention is causal over the gathered right-padded sequence;
-        prepared at full length under sequence parallel, where HF would build it at the split
-        length."""
+        """A packed micro-batch's spans (`rlsys.parallel.span_attention`) over the whole sequence
+        that context parallel's attention gathers from the ranks' chunks, built from the host copy
+        of the packing (no device sync); nothing for unpacked rows under context parallel, whose
+        attention is causal over the gathered right-padded sequence; else the padding mask, but
+        under sequence parallel, where HF would build the mask at the split length, each row's
+        span (a causal mask at full length for a model that does not attend by spans)."""
         if "segment_ids" in seq.whole:
-            segments, prefixes = seq.whole["segment_ids"], seq.whole["prefix_ids"]
-            spans = SharedPrefixSpans.of(segments, prefixes) if self.span_attention and bool(prefixes.any()) else None
-            if spans is not None:
-                return span_inputs(spans.to(self.device), *segments.shape)
-            return {"attention_mask": block_causal_mask(segments.to(self.device), prefixes.to(self.device))}
+            segments = seq.whole["segment_ids"]
+            spans = SharedPrefixSpans.of(segments, seq.whole["prefix_ids"])
+            return span_inputs(spans.to(self.device), *segments.shape)
         if seq.chunked:
             return {"attention_mask": None}
-        mask = seq.fields["attention_mask"].to(self.device)
-        return {"attention_mask": block_causal_mask(mask) if self.sequence_multiple > 1 else mask}
+        mask = seq.fields["attention_mask"]
+        if self.sequence_multiple == 1:
+            return {"attention_mask": mask.to(self.device)}
+        if self.span_attention:
+            return span_inputs(SharedPrefixSpans.of_rows(mask).to(self.device), *mask.shape)
+        return {"attention_mask": block_causal_mask(mask.to(self.device))}
 
     def _loss_context(self):
         return loss_parallel() if self.spec.parallel.loss_parallel else contextlib.nullcontext()

@@ -147,14 +147,15 @@ def main() -> None:
              else f"{torch.cuda.get_device_name()}, bf16")
     print(f"[packed_attention] {args.sequences} sequences a row, {where}, medians of {args.repeats}; "
           f"forward and backward seconds, peak memory above the loaded model")
+    arms = [arm for arm in args.arms if not (arm == "flex" and args.device == "cpu")]  # PyTorch: forward only
     packed_arms = ARMS[:-1]
     print("| model | row width | " + " | ".join(ARMS) + " | " + " | ".join(f"{arm} / floor" for arm in packed_arms)
           + " |")
     print("|---|---|" + "---|" * (len(ARMS) + len(packed_arms)))
     for model_name in args.models:
         for width in args.widths:
-            results = {arm: measure(model_name, width, arm, args) if arm in args.arms else {"error": "not run"}
-                       for arm in ARMS}
+            results = {arm: measure(model_name, width, arm, args) if arm in arms
+                       else {"error": "no backward on CPU" if arm in args.arms else "not run"} for arm in ARMS}
             floor = results["floor"].get("seconds")
             ratios = [f"{results[arm]['seconds'] / floor:.2f}" if floor and "seconds" in results[arm] else "-"
                       for arm in packed_arms]

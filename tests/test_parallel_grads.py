@@ -43,6 +43,9 @@ LAYOUTS = {  # name: overrides; by world size, so that a layout's group takes th
     "fsdp2": ["parallel.dp_shard=2"],
     "tp2-sp-lp": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                   "parallel.loss_parallel=true"],
+    # unpacked rows under sequence parallel: each row a span of its own (`SharedPrefixSpans.of_rows`)
+    "tp2-sp-unpacked": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                        "parallel.pack_sequences=false"],
     "pp2-gpipe": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "pp2-1f1b": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp2-interleaved": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],

@@ -6,7 +6,7 @@ so attention's share of the work shows), three ways:
   packed rows attended before they attended by spans, and as VeRL-style packing without varlen
   kernels would;
 - spans: the packed row attended span by span (`rlsys.parallel.span_attention`), as the update
-  attends every packed row;
+  attends every packed row (on CUDA in bf16: PyTorch's flash variable-length kernel);
 - flex: the packed row through transformers' FlexAttention (`attn_implementation="flex_attention"`),
   which reads the packing from the restarting positions and builds a block mask of the documents:
   torchtitan's way (on CUDA; PyTorch has no FlexAttention backward on CPU);

@@ -248,7 +248,7 @@ if [ "$gpus" = 1 ]; then  # a 0.5B-shaped model (Qwen2.5-0.5B's config, random i
     --rows 4 --seq-len 1024 --layout dp_shard=64 --layout dp_shard=64,activation_checkpointing=1 \
     --layout dp_shard=16,tp=4 --layout dp_shard=16,tp=4,sequence_parallel=1,loss_parallel=1
   # one packed row of 8 sequences at 8k and 32k tokens, bf16: the dense block-causal mask, span by span
-  # (SDPA's flash kernel, causal without a mask), transformers' FlexAttention (compiled in the warm-up
+  # (PyTorch's flash variable-length kernel), transformers' FlexAttention (compiled in the warm-up
   # pass), and each sequence a row of its own
   SHOW_LINES=8 check packed_attention "$py" benchmarks/packed_attention.py --device cuda --models random22m \
     --widths 8192 32768

@@ -260,12 +260,38 @@ def test_every_group_that_repeats_a_prompt_shares_it():
         assert tokens == samples * (prompt + answer) - (samples - 1) * (prompt - 1) * shared
 
 
-def test_span_attention_is_attention_under_the_block_causal_mask():
+def flash_varlen_reference(query, key, value, query_offsets, key_offsets, longest_queries, longest_keys, *,
+                           scale=None, window_size=(-1, -1), enable_gqa=False):
+    """Flash attention's variable-length kernel as its documentation states it, on CPU: sequence i's
+    queries (query_offsets[i]:query_offsets[i + 1]) attend its keys; causal (window (-1, 0)) with the
+    diagonal ending at the last key, so queries shorter than their keys see every earlier key."""
+    assert window_size == (-1, 0) and query_offsets.dtype == key_offsets.dtype == torch.int32
+    lengths, key_lengths = query_offsets.diff(), key_offsets.diff()
+    assert (longest_queries, longest_keys) == (int(lengths.max()), int(key_lengths.max()))
+    outs = []
+    for i in range(len(lengths)):
+        q, k, v = (x[offsets[i]:offsets[i + 1]].transpose(0, 1) for x, offsets in
+                   ((query, query_offsets), (key, key_offsets), (value, key_offsets)))
+        sees = torch.arange(k.shape[1])[None] <= torch.arange(q.shape[1])[:, None] + (k.shape[1] - q.shape[1])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=sees, scale=scale, enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen"])
+def test_span_attention_is_attention_under_the_block_causal_mask(kernel, monkeypatch):
     """Spans of any lengths in any order, the packed rows' last span shorter than the longest
     response (whose keys the shorter ones are padded to): each token's attention output is the
-    dense block-causal mask's, with grouped key/value heads."""
+    dense block-causal mask's, with grouped key/value heads, by batches of like spans through SDPA
+    and all at once through a variable-length kernel (a GPU's flash kernel; here its reference)."""
     from rlsys.data.packing import block_causal_mask
+    from rlsys.parallel import span_attention
     from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans
+
+    calls = []
+    if kernel == "varlen":
+        monkeypatch.setattr(span_attention, "varlen_kernel",
+                            lambda query: calls.append(query) or flash_varlen_reference)
 
     # row 0: a prompt (segment 1), a 10-token and a 2-token answer to it; row 1: a lone sequence,
     # then a prompt and its 3-token answer
@@ -279,6 +305,7 @@ def test_span_attention_is_attention_under_the_block_causal_mask():
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=block_causal_mask(segments, prefixes), enable_gqa=True).transpose(1, 2)
     assert (got - expected).abs().max() < 1e-6
+    assert len(calls) == (kernel == "varlen")
 
 
 def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):

@@ -10,8 +10,10 @@ scores a span computes are the ones its tokens use. Spans are gathered into batc
 spans (those continuing a prompt, those that do not) of like lengths (`LENGTH_BUCKET`), padded to
 the longest of each, and run through PyTorch's scaled_dot_product_attention: causal without a
 mask where a span continues nothing (its padding lies after its last query), with each span's
-own [queries x keys] mask where it continues a prompt. The outputs are scattered back to the
-packed positions. Every token sees exactly what it sees in its own unpacked row.
+own [queries x keys] mask where it continues a prompt. On a GPU in half precision every span
+goes instead through PyTorch's flash variable-length kernel in one call, unpadded (`varlen_kernel`).
+The outputs are scattered back to the packed positions. Every token sees exactly what it sees in
+its own unpacked row.
 
 It takes SDPA's entry in transformers' attention interface (`apply_span_attention`, for a model
 whose attention is SDPA over full causal layers) and is SDPA itself for every call without
@@ -55,18 +57,37 @@ class _SpanBatch:
     """[real queries]: their flat positions, in `picked`'s order."""
 
 
-class SharedPrefixSpans:
-    """The spans of a packed micro-batch, grouped into `_SpanBatch`es (`of`)."""
+@dataclass
+class _Varlen:
+    """Every span at once, for a variable-length attention kernel: the real queries span by span,
+    and each span's keys (its shared prompt's, then its own) laid end to end."""
+    queries: torch.Tensor
+    """[real queries]: their flat positions, span by span."""
+    keys: torch.Tensor
+    """[keys]: the flat position of each span's keys, span by span."""
+    query_offsets: torch.Tensor
+    """[spans + 1] int32: where each span's queries start in `queries` (cumulative lengths)."""
+    key_offsets: torch.Tensor
+    """[spans + 1] int32: where each span's keys start in `keys`."""
+    longest_queries: int
+    longest_keys: int
 
-    def __init__(self, batches: list[_SpanBatch]):
+
+class SharedPrefixSpans:
+    """The spans of a packed micro-batch (`of`): grouped into `_SpanBatch`es for SDPA, and laid
+    end to end for a variable-length kernel (`varlen`)."""
+
+    def __init__(self, batches: list[_SpanBatch], varlen: _Varlen):
         self.batches = batches
         self.targets = torch.cat([spans.targets for spans in batches])
         """Every real query's flat position, the batches' in turn."""
+        self.varlen = varlen
 
     def to(self, device: torch.device) -> SharedPrefixSpans:
         """The spans' index tensors on `device` (they are chosen on the host copy of the packing)."""
-        return SharedPrefixSpans([_SpanBatch(**{name: None if value is None else value.to(device)
-                                                for name, value in vars(spans).items()}) for spans in self.batches])
+        moved = lambda fields: {name: value.to(device) if isinstance(value, torch.Tensor) else value  # noqa: E731
+                                for name, value in vars(fields).items()}
+        return SharedPrefixSpans([_SpanBatch(**moved(spans)) for spans in self.batches], _Varlen(**moved(self.varlen)))
 
     @classmethod
     def of_rows(cls, attention_mask: torch.Tensor) -> SharedPrefixSpans:
@@ -93,7 +114,21 @@ class SharedPrefixSpans:
         buckets = [bucket for kind in (continues > 0, continues == 0) for bucket in _length_buckets(span_lengths, kind)]
         prefix_starts = starts[continues]
         return cls([_span_batch(span_starts[bucket], span_lengths[bucket], prefix_starts[bucket],
-                                prefix_lengths[bucket]) for bucket in buckets])
+                                prefix_lengths[bucket]) for bucket in buckets],
+                   _varlen(span_starts, span_lengths, prefix_starts, prefix_lengths))
+
+
+def _varlen(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
+            prefix_lengths: torch.Tensor) -> _Varlen:
+    key_lengths = prefix_lengths + lengths
+    query_offsets, key_offsets = (F.pad(x.cumsum(0), (1, 0)) for x in (lengths, key_lengths))
+    query_span = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    queries = starts[query_span] + torch.arange(len(query_span), device=lengths.device) - query_offsets[query_span]
+    key_span = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), key_lengths)
+    key = torch.arange(len(key_span), device=lengths.device) - key_offsets[key_span]  # within the span's keys
+    in_prefix = key < prefix_lengths[key_span]
+    keys = torch.where(in_prefix, prefix_starts[key_span] + key, starts[key_span] + key - prefix_lengths[key_span])
+    return _Varlen(queries, keys, query_offsets.int(), key_offsets.int(), int(lengths.max()), int(key_lengths.max()))
 
 
 def _length_buckets(lengths: torch.Tensor, chosen: torch.Tensor) -> list[torch.Tensor]:
@@ -157,17 +192,38 @@ def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
+    dropout = dropout if module.training else 0.0
+    kernel = varlen_kernel(query) if dropout == 0.0 else None
+    if kernel is not None:  # every span in one call, no padding
+        varlen = shared_spans.varlen
+        out = kernel(flat_q[varlen.queries], flat_k[varlen.keys], flat_v[varlen.keys], varlen.query_offsets,
+                     varlen.key_offsets, varlen.longest_queries, varlen.longest_keys, scale=scaling,
+                     window_size=(-1, 0), enable_gqa=kv_heads != heads)
+        out = query.new_zeros(batch * length, heads, dim).index_copy(0, varlen.queries, out)
+        return out.view(batch, length, heads, dim)
     attended = []
     for spans in shared_spans.batches:
         count, width = spans.queries.shape
         q = flat_q[spans.queries.flatten()].view(count, width, heads, dim).transpose(1, 2)
         k, v = (x[spans.keys.flatten()].view(count, -1, kv_heads, dim).transpose(1, 2) for x in (flat_k, flat_v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=spans.mask, is_causal=spans.mask is None,
-                                             scale=scaling, dropout_p=dropout if module.training else 0.0,
-                                             enable_gqa=kv_heads != heads)
+                                             scale=scaling, dropout_p=dropout, enable_gqa=kv_heads != heads)
         attended.append(out.transpose(1, 2).reshape(count * width, heads, dim)[spans.picked])
     out = query.new_zeros(batch * length, heads, dim).index_copy(0, shared_spans.targets, torch.cat(attended))
     return out.view(batch, length, heads, dim)
+
+
+def varlen_kernel(query: torch.Tensor):
+    """PyTorch's flash variable-length attention (`torch.nn.attention.varlen.varlen_attn`) where it
+    runs: CUDA, half precision, a head size up to 256 in multiples of 8; else None (SDPA by batches
+    of like spans). Causal over queries shorter than their keys, its diagonal ends at the last key:
+    a response's queries see its shared prompt whole and their own tokens causally."""
+    dim = query.shape[-1]
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn
+    return None
 
 
 def apply_span_attention(model: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """Attention over a packed row at long widths, side by side: `--sequences` equal sequences packed
 end to end into one row of W tokens (2k, 8k, 32k), the decoder's forward and backward (no LM head,
-so attention's share of the work shows), three ways:
+so attention's share of the work shows), four ways:
 
 - dense mask: the packed row under a [1, 1, W, W] block-causal mask (`block_causal_mask`), as
   packed rows attended before they attended by spans, and as VeRL-style packing without varlen

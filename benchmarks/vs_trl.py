@@ -78,7 +78,7 @@ def floor_step(cfg, prompts) -> tuple[float, float, float, float]:
     """Bare vLLM generate of the prompts, plus one forward/backward over what it generated
     in this process with all threads, on padded rows (as TRL runs it), on the same rows
     packed, and packed with each prompt laid out once for its samples (`rlsys.data.packing`),
-    attending by spans where the training ranks would (`rlsys.parallel.span_attention`):
+    attending by spans as the training ranks do (`rlsys.parallel.span_attention`):
     (generate s, then forward/backward s padded, packed, packed with shared prompts)."""
     from transformers import AutoModelForCausalLM
 

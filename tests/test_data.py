@@ -249,7 +249,7 @@ def test_packed_rows_give_each_sequence_its_own_log_probs(tiny_model_dir):
 def test_every_group_that_repeats_a_prompt_shares_it():
     """8 samples of a 30-token prompt with 3-token answers share it (one row of 29 + 8 x 4 columns),
     as do 2 samples of a 2-token prompt; a one-token prompt, or a prompt no other row repeats, is
-    not shared."""
+    not shared, nor are prompts whose groups would widen the rows into more cells than unshared."""
     from rlsys.data.packing import pack_rows
 
     for prompt, samples, answer, shared in [(30, 8, 3, True), (2, 2, 5, True), (1, 4, 3, False), (12, 1, 3, False)]:
@@ -258,13 +258,20 @@ def test_every_group_that_repeats_a_prompt_shares_it():
         assert bool(packing.shared_length.any()) == shared
         tokens = int(packing.batch["attention_mask"].sum())
         assert tokens == samples * (prompt + answer) - (samples - 1) * (prompt - 1) * shared
+    # groups of 8, 4 and 4 answers of 10 tokens to 2-token prompts: shared, 179 tokens in rows as wide as the
+    # widest group (89), 3 of them (267 cells); unshared, 16 rows of 12 (192 cells): not shared
+    batch = collate_rollouts([[3 + g, 50] for g, size in enumerate((8, 4, 4)) for _ in range(size)],
+                             [[7] * 10] * 16, pad_id=0)
+    packed = pack_rows(batch).batch
+    assert packed["input_ids"].shape == (16, 12) and not packed["prefix_ids"].any()
 
 
 def flash_varlen_reference(query, key, value, query_offsets, key_offsets, longest_queries, longest_keys, *,
-                           scale=None, window_size=(-1, -1), enable_gqa=False):
+                           scale=None, window_size=(-1, -1), enable_gqa=False, top_left=False):
     """Flash attention's variable-length kernel as its documentation states it, on CPU: sequence i's
     queries (query_offsets[i]:query_offsets[i + 1]) attend its keys; causal (window (-1, 0)) with the
-    diagonal ending at the last key, so queries shorter than their keys see every earlier key."""
+    diagonal ending at the last key, so queries shorter than their keys see every earlier key (or,
+    `top_left`, as SDPA's `is_causal` aligns it: a kernel span attention must not be given)."""
     assert window_size == (-1, 0) and query_offsets.dtype == key_offsets.dtype == torch.int32
     lengths, key_lengths = query_offsets.diff(), key_offsets.diff()
     assert (longest_queries, longest_keys) == (int(lengths.max()), int(key_lengths.max()))
@@ -272,40 +279,115 @@ def flash_varlen_reference(query, key, value, query_offsets, key_offsets, longes
     for i in range(len(lengths)):
         q, k, v = (x[offsets[i]:offsets[i + 1]].transpose(0, 1) for x, offsets in
                    ((query, query_offsets), (key, key_offsets), (value, key_offsets)))
-        sees = torch.arange(k.shape[1])[None] <= torch.arange(q.shape[1])[:, None] + (k.shape[1] - q.shape[1])
+        shift = 0 if top_left else k.shape[1] - q.shape[1]
+        sees = torch.arange(k.shape[1])[None] <= torch.arange(q.shape[1])[:, None] + shift
         outs.append(torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=sees, scale=scale, enable_gqa=enable_gqa).transpose(0, 1))
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "varlen"])
-def test_span_attention_is_attention_under_the_block_causal_mask(kernel, monkeypatch):
+def packed_layout(rows: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_ids and prefix_ids of packed rows, each a list of spans (length, the 1-based index
+    of the span it continues, 0 for none), right-padded to the widest row."""
+    width = max(sum(length for length, _ in row) for row in rows)
+    segments, prefixes = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(2))
+    segment = 0
+    for r, row in enumerate(rows):
+        column = 0
+        for length, continues in row:
+            segment += 1
+            segments[r, column:column + length], prefixes[r, column:column + length] = segment, continues
+            column += length
+    return segments, prefixes
+
+
+LAYOUTS = {
+    # row 0: a prompt (span 1), a 10-token and a 2-token answer to it; row 1: a lone sequence, then a
+    # prompt and its 3-token answer
+    "short": [[(4, 0), (10, 1), (2, 1)], [(9, 0), (4, 0), (3, 5)]],
+    # lone spans of 3-200 tokens and answers of 2-150 tokens to prompts of 20 and 90: several batches
+    "several batches": [[(20, 0), (50, 1), (3, 1), (60, 1)], [(200, 0), (5, 0)], [(90, 0), (150, 7), (40, 7)],
+                        [(120, 0), (3, 0), (40, 0), (2, 0)]],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen", "varlen top-left"])
+def test_span_attention_is_attention_under_the_block_causal_mask(kernel, layout, monkeypatch):
     """Spans of any lengths in any order, the packed rows' last span shorter than the longest
     response (whose keys the shorter ones are padded to): each token's attention output is the
     dense block-causal mask's, with grouped key/value heads, by batches of like spans through SDPA
-    and all at once through a variable-length kernel (a GPU's flash kernel; here its reference)."""
+    and all at once through a variable-length kernel (a GPU's flash kernel; here its reference).
+    A kernel whose causal diagonal starts at the first key (SDPA's) gives other outputs."""
+    from functools import partial
+
     from rlsys.data.packing import block_causal_mask
     from rlsys.parallel import span_attention
     from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans
 
     calls = []
-    if kernel == "varlen":
-        monkeypatch.setattr(span_attention, "varlen_kernel",
-                            lambda query: calls.append(query) or flash_varlen_reference)
-
-    # row 0: a prompt (segment 1), a 10-token and a 2-token answer to it; row 1: a lone sequence,
-    # then a prompt and its 3-token answer
-    segments = torch.tensor([[1] * 4 + [2] * 10 + [3] * 2, [4] * 9 + [5] * 4 + [6] * 3])
-    prefixes = torch.tensor([[0] * 4 + [1] * 12, [0] * 13 + [5] * 3])
+    if kernel != "sdpa":
+        reference = partial(flash_varlen_reference, top_left=kernel.endswith("top-left"))
+        monkeypatch.setattr(span_attention, "varlen_kernel", lambda query: calls.append(query) or reference)
+    segments, prefixes = packed_layout(LAYOUTS[layout])
     spans = SharedPrefixSpans.of(segments, prefixes)
+    assert len(spans.batches) >= (4 if layout == "several batches" else 2)
     generator = torch.Generator().manual_seed(0)
-    query = torch.randn(2, 4, 16, 8, generator=generator)
-    key, value = (torch.randn(2, 2, 16, 8, generator=generator) for _ in range(2))
+    query = torch.randn(segments.shape[0], 4, segments.shape[1], 8, generator=generator)
+    key, value = (torch.randn(segments.shape[0], 2, segments.shape[1], 8, generator=generator) for _ in range(2))
     got = attend_spans(torch.nn.Module(), query, key, value, spans)
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=block_causal_mask(segments, prefixes), enable_gqa=True).transpose(1, 2)
-    assert (got - expected).abs().max() < 1e-6
-    assert len(calls) == (kernel == "varlen")
+    real = segments > 0
+    gap = (got - expected)[real].abs().max()
+    assert gap > 1e-2 if kernel.endswith("top-left") else gap < 1e-6
+    assert len(calls) == (kernel != "sdpa")
+
+
+def test_unpacked_rows_attend_a_span_a_row():
+    """Right-padded rows (one of them empty), each its own span: causal attention over each row's
+    tokens, as SDPA's causal attention gives them."""
+    from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans
+
+    mask = torch.tensor([[1] * 7 + [0] * 2, [0] * 9, [1] * 9, [1] * 3 + [0] * 6])
+    spans = SharedPrefixSpans.of_rows(mask)
+    assert spans.lengths.tolist() == [7, 9, 3]
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(4, 2, 9, 8, generator=generator) for _ in range(3))
+    got = attend_spans(torch.nn.Module(), query, key, value, spans)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True).transpose(1, 2)
+    assert (got - expected)[mask.bool()].abs().max() < 1e-6
+
+
+def test_the_flash_kernel_is_called_as_the_installed_pytorch_takes_it(monkeypatch):
+    """`flash_varlen`'s call binds to this PyTorch's `varlen_attn` (its keywords changed between
+    releases); on a CPU tensor no variable-length kernel is chosen."""
+    import inspect
+
+    from torch.nn.attention import varlen
+
+    from rlsys.parallel.span_attention import flash_varlen, varlen_kernel
+
+    signature, bound = inspect.signature(varlen.varlen_attn), []
+
+    def recording(*args, **kwargs):
+        bound.append(signature.bind(*args, **kwargs))
+
+    recording.__signature__ = signature  # what flash_varlen reads the keywords from
+    monkeypatch.setattr(varlen, "varlen_attn", recording)
+    offsets = torch.tensor([0, 3], dtype=torch.int32)
+    flash_varlen(torch.ones(3, 4, 8), torch.ones(3, 2, 8), torch.ones(3, 2, 8), offsets, offsets, 3, 3, scale=0.5,
+                 enable_gqa=True)
+    assert bound and varlen_kernel(torch.zeros(3, 4, 8)) is None
+
+    def first_release(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        bound.append((query, key, is_causal))  # torch 2.9's: no scale, window or grouped heads
+
+    monkeypatch.setattr(varlen, "varlen_attn", first_release)
+    flash_varlen(torch.ones(3, 4, 8), torch.ones(3, 2, 8), torch.ones(3, 2, 8), offsets, offsets, 3, 3, scale=0.5,
+                 enable_gqa=True)
+    query, key, is_causal = bound[-1]
+    assert is_causal and key.shape == (3, 4, 8) and query[0, 0, 0] == pytest.approx(0.5 * 8 ** 0.5)
 
 
 def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):

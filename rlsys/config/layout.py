@@ -51,13 +51,15 @@ class ParallelConfig:
     in host memory: the policy runs with nothing to move."""
     pack_sequences: bool = True
     """Lay the sequences of each micro-batch end to end in as few rows as they fit, each attending to
-    its own tokens only (span by span, no mask of the row's width), so no compute goes to padding (VeRL's
-    use_remove_padding). For text models with full causal attention, not under pp. A loss read per sequence (GSPO, seq-mean-token-mean, a sequence-level rollout_correction,
-    the critic's, a reward model's Bradley-Terry loss) gets the packed forward's logits laid back out
-    as rows (so not under cp)."""
+    its own tokens only (span by span, no mask of the row's width), so no compute goes to padding
+    (VeRL's use_remove_padding). For text models with full causal attention, not under pp. A loss read
+    per sequence (GSPO, seq-mean-token-mean, a sequence-level rollout_correction, the critic's, a
+    reward model's Bradley-Terry loss) gets the packed forward's logits laid back out as rows (so not
+    under cp)."""
     share_prompts: bool = True
     """With pack_sequences: rows with the same prompt (a GRPO group's samples) share one copy of it in
-    the forward and backward pass; the gradient is the same."""
+    the forward and backward pass (unless that lays out more cells, padding included, than
+    unshared); the gradient is the same."""
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
 

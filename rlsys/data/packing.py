@@ -15,9 +15,12 @@ sample's last prompt token and response, whose tokens also attend to the shared 
 (`prefix_ids`). Every token sees what it saw in its own row, so activations are the
 same and the shared span's gradient is the sum of the copies' gradients; repeating the
 last prompt token keeps each response's first label next to the logits that predict
-it. Every group whose samples repeat a prompt of two tokens or more shares it. The
-training ranks attend a packed batch span by span (`rlsys.parallel.span_attention`): each
-span scores its own pairs and its shared prompt's, never the row's whole width.
+it. Every group whose samples repeat a prompt of two tokens or more shares it, unless the
+micro-batch would then lay out more cells (rows x width, padding included) than unshared:
+a shared group is one unit as wide as all its samples, and every row is as wide as the
+widest unit. The training ranks attend a packed batch span by span
+(`rlsys.parallel.span_attention`): each span scores its own pairs and its shared prompt's,
+never the row's whole width.
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed
@@ -77,12 +80,11 @@ class _Span:
 def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
     wide as the batch, or as its widest shared group (`share_prompts`: rows with the same prompt
-    lay it out once)."""
+    lay it out once, unless that lays out more cells, padding included: a group as wide as all its
+    samples widens every row)."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
-    unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
-    width = max(batch["attention_mask"].shape[1], *unit_lengths)
-    placement = _first_fit_decreasing(unit_lengths, width)
+    layouts = [_layout(batch, lengths, share) for share in ([True, False] if share_prompts else [False])]
+    units, prompt_row, shared_length, placement, width = min(layouts, key=_cells)
     num_rows = 1 + max(row for row, _ in placement)
 
     spans = _span_table(units, placement)
@@ -106,6 +108,22 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
         packed[name][target] = values
     return Packing(packed, source, target, tuple(batch["attention_mask"].shape),
                    torch.tensor(prompt_row), torch.tensor(shared_length))
+
+
+def _layout(batch: Batch, lengths: list[int], share_prompts: bool):
+    """The units (`_units`), each row's prompt row and shared length, each unit's (packed row,
+    offset), and the rows' width."""
+    units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
+    unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
+    width = max(batch["attention_mask"].shape[1], *unit_lengths)
+    placement = _first_fit_decreasing(unit_lengths, width)
+    return units, prompt_row, shared_length, placement, width
+
+
+def _cells(layout) -> int:
+    """How many cells (rows x width) a layout's rows hold; a shared layout first where they tie."""
+    *_, placement, width = layout
+    return (1 + max(row for row, _ in placement)) * width
 
 
 _SPAN_FIELDS = ("row", "start", "size", "packed_row", "offset", "segment", "prefix")

@@ -37,7 +37,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         if hasattr(module, "o_proj") and hasattr(module, "q_proj"):
             module.cp_group = group
     model.config._attn_implementation = ATTENTION
-    model.span_attention = True  # packed shared prompts attend by spans (`uses_span_attention`)
+    model.span_attention = True  # packed micro-batches attend by spans (`uses_span_attention`)
     log.info("context parallel over %d ranks (Ulysses all-to-all attention)", cp_mesh.size())
 
 

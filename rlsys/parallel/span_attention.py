@@ -23,6 +23,8 @@ attention implementation) is not packed (`uses_span_attention`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -74,20 +76,38 @@ class _Varlen:
 
 
 class SharedPrefixSpans:
-    """The spans of a packed micro-batch (`of`): grouped into `_SpanBatch`es for SDPA, and laid
-    end to end for a variable-length kernel (`varlen`)."""
+    """The spans of a packed micro-batch (`of`): where each starts and how long it is, and the
+    prompt it continues. Laid out on first use, on the host, then moved to `device`: as batches
+    of like spans for SDPA (`batches`), or end to end for a variable-length kernel (`varlen`);
+    a forward builds only the layout its kernel reads."""
 
-    def __init__(self, batches: list[_SpanBatch], varlen: _Varlen):
-        self.batches = batches
-        self.targets = torch.cat([spans.targets for spans in batches])
+    def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
+                 prefix_lengths: torch.Tensor, device: torch.device | str = "cpu"):
+        self.starts, self.lengths = starts, lengths
+        """[spans]: each span's first flat position in the [rows x width] micro-batch, and its length."""
+        self.prefix_starts, self.prefix_lengths = prefix_starts, prefix_lengths
+        """[spans]: the shared prompt each span continues (length 0: none)."""
+        self.device = torch.device(device)
+
+    def to(self, device: torch.device | str) -> SharedPrefixSpans:
+        return SharedPrefixSpans(self.starts, self.lengths, self.prefix_starts, self.prefix_lengths, device)
+
+    @functools.cached_property
+    def batches(self) -> list[_SpanBatch]:
+        """Like spans, each batch padded to its longest (`_buckets`)."""
+        batches = [_span_batch(self.starts[bucket], self.lengths[bucket], self.prefix_starts[bucket],
+                               self.prefix_lengths[bucket]) for bucket in _buckets(self.lengths, self.prefix_lengths)]
+        return [_SpanBatch(**_moved(batch, self.device)) for batch in batches]
+
+    @functools.cached_property
+    def targets(self) -> torch.Tensor:
         """Every real query's flat position, the batches' in turn."""
-        self.varlen = varlen
+        return torch.cat([batch.targets for batch in self.batches])
 
-    def to(self, device: torch.device) -> SharedPrefixSpans:
-        """The spans' index tensors on `device` (they are chosen on the host copy of the packing)."""
-        moved = lambda fields: {name: value.to(device) if isinstance(value, torch.Tensor) else value  # noqa: E731
-                                for name, value in vars(fields).items()}
-        return SharedPrefixSpans([_SpanBatch(**moved(spans)) for spans in self.batches], _Varlen(**moved(self.varlen)))
+    @functools.cached_property
+    def varlen(self) -> _Varlen:
+        return _Varlen(**_moved(_varlen(self.starts, self.lengths, self.prefix_starts, self.prefix_lengths),
+                                self.device))
 
     @classmethod
     def of_rows(cls, attention_mask: torch.Tensor) -> SharedPrefixSpans:
@@ -104,22 +124,26 @@ class SharedPrefixSpans:
         prefix_ids = torch.zeros_like(segment_ids) if prefix_ids is None else prefix_ids
         segments, prefixes = segment_ids.flatten(), prefix_ids.flatten()
         real = segments > 0
+        if not bool(real.any()):
+            raise ValueError("a micro-batch without tokens has no spans to attend")
         ids, positions = segments[real], torch.arange(rows * width, device=segments.device)[real]
         zeros = torch.zeros(int(ids.max()) + 1, dtype=torch.long, device=ids.device)
         lengths = zeros.index_add(0, ids, torch.ones_like(ids))
         starts = zeros.scatter_reduce(0, ids, positions, "amin", include_self=False)
         continues = zeros.index_put((ids,), prefixes[real])[1:]
-        span_starts, span_lengths = starts[1:], lengths[1:]
         prefix_lengths = torch.where(continues > 0, lengths[continues], 0)
-        buckets = [bucket for kind in (continues > 0, continues == 0) for bucket in _length_buckets(span_lengths, kind)]
-        prefix_starts = starts[continues]
-        return cls([_span_batch(span_starts[bucket], span_lengths[bucket], prefix_starts[bucket],
-                                prefix_lengths[bucket]) for bucket in buckets],
-                   _varlen(span_starts, span_lengths, prefix_starts, prefix_lengths))
+        return cls(starts[1:], lengths[1:], starts[continues], prefix_lengths)
+
+
+def _moved(layout, device: torch.device) -> dict:
+    """A layout dataclass's fields, its tensors on `device`."""
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in vars(layout).items()}
 
 
 def _varlen(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
             prefix_lengths: torch.Tensor) -> _Varlen:
+    """The spans end to end: each span's queries, and its keys (its prompt's, then its own)."""
     key_lengths = prefix_lengths + lengths
     query_offsets, key_offsets = (F.pad(x.cumsum(0), (1, 0)) for x in (lengths, key_lengths))
     query_span = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
@@ -131,18 +155,27 @@ def _varlen(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Te
     return _Varlen(queries, keys, query_offsets.int(), key_offsets.int(), int(lengths.max()), int(key_lengths.max()))
 
 
-def _length_buckets(lengths: torch.Tensor, chosen: torch.Tensor) -> list[torch.Tensor]:
-    """The indices of the `chosen` spans, longest first, cut into runs whose longest is at most
-    `LENGTH_BUCKET` times their shortest or `LENGTH_SLACK` longer."""
-    order = torch.nonzero(chosen).flatten()
-    order = order[torch.argsort(lengths[order], descending=True, stable=True)].tolist()
-    buckets: list[list[int]] = []
-    for index in order:
-        length = int(lengths[index])
-        if not buckets or int(lengths[buckets[-1][0]]) > max(LENGTH_BUCKET * length, length + LENGTH_SLACK):
-            buckets.append([])
-        buckets[-1].append(index)
-    return [torch.tensor(bucket, dtype=torch.long, device=lengths.device) for bucket in buckets]
+def _buckets(lengths: torch.Tensor, prefix_lengths: torch.Tensor) -> list[torch.Tensor]:
+    """The spans' indices in batches of one kind (continuing a prompt or not), longest prompt then
+    longest span first, the spans of a batch differing in their own length and in their prompt's
+    by at most `LENGTH_BUCKET` times or `LENGTH_SLACK` tokens (`_close`)."""
+    order = torch.argsort(prefix_lengths * (int(lengths.max()) + 1) + lengths, descending=True, stable=True)
+    buckets: list[tuple[list[int], tuple[int, int], tuple[int, int]]] = []  # (spans, shortest, longest)
+    for index in order.tolist():
+        sizes = (int(lengths[index]), int(prefix_lengths[index]))
+        if buckets:
+            members, low, high = buckets[-1]
+            same_kind = (sizes[1] > 0) == (low[1] > 0)  # continuing a prompt or not
+            low, high = tuple(map(min, low, sizes)), tuple(map(max, high, sizes))
+            if same_kind and all(map(_close, low, high)):
+                buckets[-1] = (members + [index], low, high)
+                continue
+        buckets.append(([index], sizes, sizes))
+    return [torch.tensor(members, dtype=torch.long, device=lengths.device) for members, _, _ in buckets]
+
+
+def _close(shortest: int, longest: int) -> bool:
+    return longest <= max(LENGTH_BUCKET * shortest, shortest + LENGTH_SLACK)
 
 
 def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
@@ -169,8 +202,7 @@ def span_inputs(spans: SharedPrefixSpans, rows: int, width: int) -> dict:
     [rows, 1, width, width] view of one element. Given no mask, transformers builds a dense one from
     the packed positions (a new sequence wherever they restart), width x width bytes a row that
     attention by spans never reads; given a 4-D mask it builds none."""
-    device = spans.batches[0].queries.device
-    unread = torch.ones((), dtype=torch.bool, device=device).expand(rows, 1, width, width)
+    unread = torch.ones((), dtype=torch.bool, device=spans.device).expand(rows, 1, width, width)
     return {"attention_mask": unread, "shared_spans": spans}
 
 
@@ -214,16 +246,44 @@ def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 def varlen_kernel(query: torch.Tensor):
-    """PyTorch's flash variable-length attention (`torch.nn.attention.varlen.varlen_attn`) where it
-    runs: CUDA, half precision, a head size up to 256 in multiples of 8; else None (SDPA by batches
-    of like spans). Causal over queries shorter than their keys, its diagonal ends at the last key:
-    a response's queries see its shared prompt whole and their own tokens causally."""
+    """`flash_varlen` where PyTorch's flash variable-length kernel runs: CUDA on a GPU of compute
+    capability 8.0 or above, half precision, a head size up to 256 in multiples of 8, a PyTorch that
+    has `torch.nn.attention.varlen`; else None (SDPA by batches of like spans)."""
     dim = query.shape[-1]
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256:
-        from torch.nn.attention.varlen import varlen_attn
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256):
+        return None
+    if not torch.backends.cuda.is_flash_attention_available() or \
+            torch.cuda.get_device_capability(query.device) < (8, 0):
+        return None
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return None
+    return flash_varlen
 
-        return varlen_attn
-    return None
+
+def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_offsets: torch.Tensor,
+                 key_offsets: torch.Tensor, longest_queries: int, longest_keys: int, *, scale: float | None = None,
+                 window_size: tuple[int, int] = (-1, 0), enable_gqa: bool = False) -> torch.Tensor:
+    """PyTorch's `varlen_attn`, called as this PyTorch takes it (its keywords changed between
+    releases: `is_causal` before `window_size`, no `scale` or `enable_gqa` at first). Causal over
+    queries shorter than their keys, the diagonal ends at the last key: a response's queries see its
+    shared prompt whole and their own tokens causally."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    assert window_size == (-1, 0), "span attention is causal"
+    taken = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": window_size} if "window_size" in taken else {"is_causal": True}
+    if scale is not None and "scale" in taken:
+        kwargs["scale"] = scale
+    elif scale is not None:  # the kernel scales by 1 / sqrt(head size)
+        query = query * (scale * query.shape[-1] ** 0.5)
+    if enable_gqa and "enable_gqa" in taken:
+        kwargs["enable_gqa"] = True
+    elif enable_gqa:
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    return varlen_attn(query, key, value, query_offsets, key_offsets, longest_queries, longest_keys, **kwargs)
 
 
 def apply_span_attention(model: nn.Module) -> None:
@@ -232,9 +292,9 @@ def apply_span_attention(model: nn.Module) -> None:
     their rows are not packed). SDPA's entry in transformers' attention interface becomes
     `span_attention`, which is SDPA itself for every call without `shared_spans`."""
     config = model.config
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    full = set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
     windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    if config._attn_implementation == "sdpa" and not sliding and not windowed and not hasattr(config, "vision_config"):
+    if config._attn_implementation == "sdpa" and full and not windowed and not hasattr(config, "vision_config"):
         AttentionInterface.register("sdpa", span_attention)
         model.span_attention = True
 

@@ -31,6 +31,7 @@ unpacked row never is one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -83,9 +84,11 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     lay it out once, unless that lays out more cells, padding included: a group as wide as all its
     samples widens every row)."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    layouts = [_layout(batch, lengths, share) for share in ([True, False] if share_prompts else [False])]
-    units, prompt_row, shared_length, placement, width = min(layouts, key=_cells)
-    num_rows = 1 + max(row for row, _ in placement)
+    layout = _layout(batch, lengths, share_prompts)
+    if any(layout.shared_length):  # sharing widens the rows to its widest group: keep it if it saves cells
+        layout = min(layout, _layout(batch, lengths, False), key=lambda candidate: candidate.cells)
+    units, prompt_row, shared_length, placement, width = layout
+    num_rows = layout.rows
 
     spans = _span_table(units, placement)
     sizes = spans[_SPAN_FIELDS.index("size")]
@@ -110,20 +113,30 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
                    torch.tensor(prompt_row), torch.tensor(shared_length))
 
 
-def _layout(batch: Batch, lengths: list[int], share_prompts: bool):
-    """The units (`_units`), each row's prompt row and shared length, each unit's (packed row,
-    offset), and the rows' width."""
+class _Layout(NamedTuple):
+    units: list[list[_Span]]
+    """The spans packed together (`_units`)."""
+    prompt_row: list[int]
+    shared_length: list[int]
+    placement: list[tuple[int, int]]
+    """Each unit's (packed row, offset)."""
+    width: int
+
+    @property
+    def rows(self) -> int:
+        return 1 + max(row for row, _ in self.placement)
+
+    @property
+    def cells(self) -> int:
+        """Rows x width: the positions a forward computes, padding included."""
+        return self.rows * self.width
+
+
+def _layout(batch: Batch, lengths: list[int], share_prompts: bool) -> _Layout:
     units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
     unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
     width = max(batch["attention_mask"].shape[1], *unit_lengths)
-    placement = _first_fit_decreasing(unit_lengths, width)
-    return units, prompt_row, shared_length, placement, width
-
-
-def _cells(layout) -> int:
-    """How many cells (rows x width) a layout's rows hold; a shared layout first where they tie."""
-    *_, placement, width = layout
-    return (1 + max(row for row, _ in placement)) * width
+    return _Layout(units, prompt_row, shared_length, _first_fit_decreasing(unit_lengths, width), width)
 
 
 _SPAN_FIELDS = ("row", "start", "size", "packed_row", "offset", "segment", "prefix")

@@ -250,16 +250,30 @@ def varlen_kernel(query: torch.Tensor):
     capability 8.0 or above, half precision, a head size up to 256 in multiples of 8, a PyTorch that
     has `torch.nn.attention.varlen`; else None (SDPA by batches of like spans)."""
     dim = query.shape[-1]
-    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256):
-        return None
-    if not torch.backends.cuda.is_flash_attention_available() or \
-            torch.cuda.get_device_capability(query.device) < (8, 0):
-        return None
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256 \
+            and _flash_varlen_runs(query.device.index):
+        return flash_varlen
+    return None
+
+
+@functools.cache
+def _flash_varlen_runs(device_index: int | None) -> bool:
+    """Whether this PyTorch has the flash variable-length kernel for the GPU (asked once a device)."""
+    if not torch.backends.cuda.is_flash_attention_available():
+        return False
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return False
     try:
         from torch.nn.attention import varlen  # noqa: F401
     except ImportError:
-        return None
-    return flash_varlen
+        return False
+    return True
+
+
+@functools.cache
+def _keywords(function) -> frozenset[str]:
+    """The parameter names `function` takes (read once a function: every layer calls the kernel)."""
+    return frozenset(inspect.signature(function).parameters)
 
 
 def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_offsets: torch.Tensor,
@@ -272,7 +286,7 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qu
     from torch.nn.attention.varlen import varlen_attn
 
     assert window_size == (-1, 0), "span attention is causal"
-    taken = inspect.signature(varlen_attn).parameters
+    taken = _keywords(varlen_attn)
     kwargs = {"window_size": window_size} if "window_size" in taken else {"is_causal": True}
     if scale is not None and "scale" in taken:
         kwargs["scale"] = scale

@@ -14,10 +14,13 @@ import pytest
 import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, as `python -m rlsys.run` does)
 from startup_report import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (the start-up table)
 from group_order import pytest_collection_modifyitems  # noqa: F401  (the longest groups first)
+from logger_table import install_logger_table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+install_logger_table()
 
 
 @pytest.fixture(scope="session")

@@ -73,3 +73,20 @@ def releases_freed_memory(method):
             release_freed_memory(TRIM_ABOVE_BYTES)
 
     return wrapper
+
+
+def resident_peak_bytes() -> int | None:
+    """The most memory this process held resident since the last call: Linux's high-water mark (VmHWM),
+    reset for the next call through /proc/self/clear_refs; since the process started where the kernel
+    refuses the reset; None without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            peak_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the high-water mark to the current resident set
+    except OSError:
+        pass
+    return peak_kib * 1024

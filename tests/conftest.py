@@ -10,11 +10,11 @@ import os
 from dataclasses import replace
 
 import pytest
-
-import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, as `python -m rlsys.run` does)
-from startup_report import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (the start-up table)
 from group_order import pytest_collection_modifyitems  # noqa: F401  (the longest groups first)
 from logger_table import install_logger_table
+from startup_report import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (the start-up table)
+
+import rlsys.tasks  # noqa: F401  (the example tasks register their rewards, as `python -m rlsys.run` does)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

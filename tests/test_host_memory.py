@@ -33,3 +33,21 @@ def returned_mib(min_bytes: int) -> float:
 def test_a_trim_returns_the_freed_blocks_only_above_its_threshold():
     assert returned_mib(min_bytes=32 * 2**20) > 48
     assert returned_mib(min_bytes=256 * 2**20) < 4
+
+
+# Holds 512 MiB resident, frees it, then reads the peak twice: the step that held it, then the next.
+PEAK = """
+import torch
+from rlsys.host_memory import resident_peak_bytes
+resident_peak_bytes()
+held = torch.ones(128 * 2**20)
+del held
+print(resident_peak_bytes() / 2**20, resident_peak_bytes() / 2**20)
+"""
+
+
+def test_the_resident_peak_is_each_steps_own():
+    """A rank's `perf/max_memory_resident_gib` on CPU: the peak since the last read, not since the start."""
+    out = subprocess.run([sys.executable, "-c", PEAK], capture_output=True, text=True, check=True)
+    with_block, after = map(float, out.stdout.split()[-2:])
+    assert with_block > after + 448, (with_block, after)

@@ -217,11 +217,12 @@ def test_rlvr_logs_every_phase_and_exports(straight_rl):
     for name in ["reward/mean", "reward/std", "reward/accuracy", "reward/errors", "response/length_mean",
                  "actor/kl", "actor/clip_frac", "actor/entropy", "actor/grad_norm", "rollout/logprob_abs_diff",
                  "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/abs_log_ratio_p99", "mismatch/abs_log_ratio_max",
-                 "mismatch/ratio_outside_2x_frac", "throughput/tokens_per_s", "sync/time_s"] + \
+                 "mismatch/ratio_outside_2x_frac", "throughput/tokens_per_s", "sync/time_s", "perf/max_memory_resident_gib"] + \
             [f"time/{p}_s" for p in PHASES]:
         assert name in rows[1], name
     # the engines hold the trainer's weights: after the first sync (vLLM's loaders) and the later ones (replayed)
     assert all(rows[step]["rollout/logprob_abs_diff"] < 1e-4 for step in range(1, 5))
+    assert 0.1 < rows[1]["perf/max_memory_resident_gib"] < 8  # a rank's process: torch, the tiny model, a step
     # step 1 samples the reference policy itself: KL 0, so the adaptive coefficient falls by the
     # clipped 20% x 32 responses / horizon 32
     assert rows[1]["actor/reward_kl_penalty"] == 0.0 and rows[1]["actor/reward_kl_penalty_coeff"] == 0.05

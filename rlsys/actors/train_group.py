@@ -87,13 +87,12 @@ class TrainGroup(ActorGroup[TrainWorker]):
                                         record_routing=record_routing)
         return {name: torch.cat([rows[name] for rows, _ in shards]) for name in shards[0][0]}, shards[0][1]
 
-    def gpu_memory_peaks(self) -> dict[str, float]:
-        """VeRL's `perf/max_memory_allocated` and `perf/max_memory_reserved`, in GiB: the fullest rank's
-        since the last call (a step's peak when called once a step); none on CPU."""
-        if not self.on_gpu:
-            return {}
-        peaks = self.run_all(TrainWorker.gpu_memory_peaks)
-        return {f"perf/max_memory_{kind}_gib": max(rank[kind] for rank in peaks) for kind in ("allocated", "reserved")}
+    def memory_peaks(self) -> dict[str, float]:
+        """VeRL's `perf/max_memory_allocated` and `perf/max_memory_reserved` on a GPU, the peak resident set
+        (`perf/max_memory_resident`) on CPU, in GiB: the fullest rank's since the last call (a step's peak
+        when called once a step)."""
+        peaks = self.run_all(TrainWorker.memory_peaks)
+        return {f"perf/max_memory_{kind}_gib": max(rank[kind] for rank in peaks) for kind in peaks[0]}
 
 
 def _ranks(count: int) -> str:

@@ -26,7 +26,7 @@ from rlsys.config.schema import RLJobConfig, TrainJobConfig
 from rlsys.config.training import OptimConfig
 from rlsys.console import StartupClock, record_startup, redirect_actor_output
 from rlsys.data.batching import Batch
-from rlsys.host_memory import releases_freed_memory
+from rlsys.host_memory import releases_freed_memory, resident_peak_bytes
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.router_replay import without_routing
 from rlsys.sync.gathered import BufferEntry, GatherBuffers, capacity
@@ -283,11 +283,13 @@ class TrainWorker:
         for the engines colocated with this rank to wake into."""
         torch.cuda.empty_cache()
 
-    def gpu_memory_peaks(self) -> dict[str, float]:
-        """The most GPU memory this rank's tensors took ("allocated") and its caching allocator held
-        ("reserved") since the last call, in GiB; empty on CPU."""
+    def memory_peaks(self) -> dict[str, float]:
+        """The most memory this rank used since the last call, in GiB: on a GPU, what its tensors took
+        ("allocated") and its caching allocator held ("reserved"); on CPU, what its process held resident
+        ("resident": tensors, allocator arenas, libraries)."""
         if self.device.type != "cuda":
-            return {}
+            resident = resident_peak_bytes()
+            return {} if resident is None else {"resident": resident / 2**30}
         peaks = {"allocated": torch.cuda.max_memory_allocated(self.device) / 2**30,
                  "reserved": torch.cuda.max_memory_reserved(self.device) / 2**30}
         torch.cuda.reset_peak_memory_stats(self.device)

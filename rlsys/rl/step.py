@@ -55,7 +55,7 @@ class RLStep:
         self.samples = self._records(batch, step)
         with timer("update"):
             update_metrics = self.update.run(batch, step)
-        update_metrics.update(groups.train.gpu_memory_peaks())  # the passes' and the update's
+        update_metrics.update(groups.train.memory_peaks())  # the passes' and the update's
         self.policy_version = step
         with timer("sync"):
             sync_metrics = self._sync(step)

@@ -190,5 +190,5 @@ def train_step(group: TrainGroup, examples: list[Unit], sampler: EpochSampler, p
         "throughput/tokens_per_s": tokens / elapsed,
         "time/step_s": elapsed,
         **{name: value for name, value in step.items() if name.startswith(("router/", "rm/"))},  # MoE, rm
-        **group.gpu_memory_peaks(),
+        **group.memory_peaks(),
     }

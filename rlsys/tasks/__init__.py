@@ -1,3 +1,3 @@
-"""The example tasks: importing the package registers their rewards (`arith`, `calc`, `extremes`) and the calculator."""
+"""The example tasks: importing the package registers their rewards (`arith`, `calc`, `counting`, `extremes`) and the calculator."""
 
-from rlsys.tasks import arith, calc, extremes  # noqa: F401
+from rlsys.tasks import arith, calc, counting, extremes  # noqa: F401

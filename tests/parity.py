@@ -50,13 +50,17 @@ def parity_batches(tiny_model_dir: str, arith_files: dict[str, str], max_seq_len
 
 
 def long_answer_batch(tiny_model_dir: str):
-    """An RL mini-batch of 4 GRPO groups of 3 random 80-token answers to a random 80-token prompt,
-    with the fields of `parity_batches`'s: each micro-batch (a group) attends span by span."""
+    """An RL mini-batch of 4 groups of 3 random 80-token answers, each group's contexts a tree: one
+    row's a random 80-token prompt, the two others' that prompt and a 20-token history (as an
+    episode's later segments), with the fields of `parity_batches`'s: each micro-batch (a group) lays
+    out the prompt once, the history once past it, and attends span by span."""
     vocab = len(AutoTokenizer.from_pretrained(tiny_model_dir))
     generator = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(3, vocab, (n,), generator=generator).tolist()  # noqa: E731
     prompts = [ids(80) for _ in range(4)]
-    rl = collate_rollouts([prompts[i // MICRO_BATCH] for i in range(12)], [ids(80) for _ in range(12)], pad_id=0)
+    histories = [ids(20) for _ in range(4)]
+    contexts = [prompts[i // MICRO_BATCH] + (histories[i // MICRO_BATCH] if i % MICRO_BATCH else []) for i in range(12)]
+    rl = collate_rollouts(contexts, [ids(80) for _ in range(12)], pad_id=0)
     return rl, with_rl_fields(tiny_model_dir, rl, vocab)
 
 

@@ -255,7 +255,7 @@ def test_every_group_that_repeats_a_prompt_shares_it():
     for prompt, samples, answer, shared in [(30, 8, 3, True), (2, 2, 5, True), (1, 4, 3, False), (12, 1, 3, False)]:
         batch = collate_rollouts([list(range(3, 3 + prompt))] * samples, [[7] * answer] * samples, pad_id=0)
         packing = pack_rows(batch)
-        assert bool(packing.shared_length.any()) == shared
+        assert bool(packing.batch["prefix_ids"].any()) == shared
         tokens = int(packing.batch["attention_mask"].sum())
         assert tokens == samples * (prompt + answer) - (samples - 1) * (prompt - 1) * shared
     # groups of 8, 4 and 4 answers of 10 tokens to 2-token prompts: shared, 179 tokens in rows as wide as the
@@ -308,6 +308,9 @@ LAYOUTS = {
     # lone spans of 3-200 tokens and answers of 2-150 tokens to prompts of 20 and 90: several batches
     "several batches": [[(20, 0), (50, 1), (3, 1), (60, 1)], [(200, 0), (5, 0)], [(90, 0), (150, 7), (40, 7)],
                         [(120, 0), (3, 0), (40, 0), (2, 0)]],
+    # a tree: a system prompt (span 1), two prompts continuing it (2, 5), answers to each (3, 4; 6) and
+    # a row that parts from the system prompt (7); then a lone sequence
+    "tree": [[(5, 0), (4, 1), (3, 2), (2, 2), (6, 1), (30, 5), (2, 1)], [(40, 0)]],
 }
 
 
@@ -422,24 +425,75 @@ def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):
     assert built == [(1, 1, segments.shape[1], segments.shape[1])]
 
 
+def tree_batch(generator: torch.Generator) -> dict:
+    """Rows whose contexts form a tree: a 5-token system prompt S; 3 samples of S + question A, 2 of
+    S + question B; 2 rows whose context continues S + A by 4 tokens, 1 with context S alone; 2 rows
+    beginning otherwise (one alone, one with a 1-token context: nothing to share)."""
+    ids = lambda n: torch.randint(3, 100, (n,), generator=generator).tolist()  # noqa: E731
+    system, question_a, question_b, history = ids(5), ids(4), ids(3), ids(4)
+    contexts = [system + question_a] * 3 + [system + question_b] * 2 + [system + question_a + history] * 2 + \
+        [system, ids(6), ids(1)]
+    return collate_rollouts(contexts, [ids(1 + i % 4) for i in range(len(contexts))], pad_id=0)
+
+
+def test_contexts_that_begin_alike_are_packed_once_as_a_tree():
+    """The tree of `tree_batch`: S once, A's and B's questions once past it, the longer history once past
+    A, every row's own tokens from the last token it shares; each span's tokens stand for the rows below it."""
+    from rlsys.data.packing import pack_rows, rows_per_span, span_ancestors
+
+    batch = tree_batch(torch.Generator().manual_seed(2))
+    packing = pack_rows(batch)
+    packed = packing.batch
+    lengths = batch["attention_mask"].sum(1)
+    # 104 tokens in rows; packed: S's first 4, A's 4 and B's 3 past them (each node's first token repeats its
+    # parent's last), the history's 4 past A, the rows' own 3 + 4 (history), 2 + 3 + 4 (A), 5 + 2 (B), 5 (S),
+    # and the two rows alone, 7 + 3
+    assert int(lengths.sum()) == 104 and int(packed["attention_mask"].sum()) == 4 + 4 + 3 + 4 + 7 + 9 + 7 + 5 + 10
+    assert int(packed["loss_mask"][:, 1:].sum()) == int(batch["loss_mask"][:, 1:].sum())
+    segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
+    depths = [len(chain) for chain in span_ancestors(segments, prefixes)[1:]]
+    assert depths.count(3) == 2 and depths.count(0) == 3  # the history's rows under S, A and the history
+    counts = rows_per_span(segments, prefixes)
+    assert sorted(counts.tolist()[1:], reverse=True)[:4] == [8, 5, 2, 2]  # S, A, B, the history
+    unshared = pack_rows(batch, share_prompts=False).batch
+    assert not unshared["prefix_ids"].any() and int(unshared["attention_mask"].sum()) == int(lengths.sum())
+
+
 def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
     is packed once, yet every token's log-prob and the gradient of a token-level loss are those
     of the padded rows, attending span by span (`rlsys.parallel.span_attention`)."""
     from rlsys.data.packing import pack_rows
-    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs, uses_span_attention
 
     generator = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(3, 100, (n,), generator=generator).tolist()  # noqa: E731
     prompts = [ids(6), ids(6), ids(6), ids(3)]
     group_of = [0, 0, 0, 0, 1, 1, 1, 1, 2, 3]
     batch = collate_rollouts([prompts[g] for g in group_of], [ids(1 + i % 4) for i in range(10)], pad_id=0)
-    batch["advantages"] = torch.randn(10, 1, generator=generator) * batch["loss_mask"]
+    packed = pack_rows(batch).batch
+    assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - 2 * 3 * 5
+    assert pack_rows(batch, share_prompts=False).batch["attention_mask"].sum() == batch["attention_mask"].sum()
+    assert_packed_pass_is_the_rows(tiny_model_dir, batch, generator)
+
+
+def test_a_tree_of_contexts_gives_each_row_its_own_log_probs_and_gradient(tiny_model_dir):
+    """`tree_batch`'s rows packed as a tree, three spans deep: every token's log-prob and the gradient
+    of a token-level loss are the padded rows'."""
+    generator = torch.Generator().manual_seed(2)
+    assert_packed_pass_is_the_rows(tiny_model_dir, tree_batch(generator), generator)
+
+
+def assert_packed_pass_is_the_rows(tiny_model_dir: str, batch: dict, generator: torch.Generator) -> None:
+    """A token-level loss over `batch` packed (sharing contexts) and attended by spans: each token's
+    log-prob and the model's gradient within 1e-6 of the padded rows'; no target lost to packing."""
+    from rlsys.data.packing import pack_rows
+    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs, uses_span_attention
+
+    batch["advantages"] = torch.randn(batch["input_ids"].shape[0], 1, generator=generator) * batch["loss_mask"]
     packing = pack_rows(batch)
     packed = packing.batch
-    assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - 2 * 3 * 5
+    assert bool(packed["prefix_ids"].any())
     assert int(packed["loss_mask"][:, 1:].sum()) == int(batch["loss_mask"][:, 1:].sum())
-    assert pack_rows(batch, share_prompts=False).batch["attention_mask"].sum() == batch["attention_mask"].sum()
 
     def grads_and_logprobs(fields, spans: bool = False, **inputs):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

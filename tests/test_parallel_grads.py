@@ -34,7 +34,7 @@ from rlsys.actors.train_worker import TrainWorker, build_worker_spec
 from rlsys.algorithms.actor_loss import actor_loss
 from rlsys.algorithms.lm_loss import is_token_level, logprobs_of_labels, nll_loss, token_logprobs
 from rlsys.data.batching import micro_batches, num_targets, split_rows, token_budget_sizes
-from rlsys.data.packing import pack_rows
+from rlsys.data.packing import pack_rows, span_ancestors
 
 # One xdist worker runs this module (scripts/test.sh): the parity batches and the 4-layer model, built once.
 pytestmark = pytest.mark.xdist_group("parallel_grads")
@@ -147,8 +147,9 @@ def wait_gone(pid: int, timeout_s: float = 120.0) -> None:
 
 
 def long_answers_match_one_process(model_dir: str, batches, cp: int):
-    """4 GRPO groups of 3 answers of 80 tokens to an 80-token prompt: each micro-batch (a group)
-    shares its prompt and attends span by span. The layout (FSDP2 x TP with sequence and loss
+    """4 groups of 3 answers of 80 tokens to an 80-token prompt, two of them after a 20-token history
+    (`long_answer_batch`): each micro-batch (a group) lays out its contexts as a tree and attends span
+    by span. The layout (FSDP2 x TP with sequence and loss
     parallel; context parallel x FSDP2, Ulysses attending by the spans over the gathered sequence)
     gives one process's RL-loss gradients; without context parallel so does GSPO's sequence-level
     loss, which reads the packed forward's logits laid back
@@ -156,7 +157,8 @@ def long_answers_match_one_process(model_dir: str, batches, cp: int):
     rl, counts = long_answer_batch(model_dir)
     for micro in micro_batches(rl, MICRO_BATCH):
         packed = pack_rows(micro).batch
-        assert bool(packed["prefix_ids"].any())  # the group's responses continue its shared prompt
+        chains = span_ancestors(packed["segment_ids"], packed["prefix_ids"])
+        assert max(map(len, chains)) == 2  # two answers continue the history, which continues the prompt
     losses = [actor_loss(counts, ALGO, RL_INPUTS)]
     if cp == 1:
         losses.append(actor_loss(counts, replace(ALGO, policy_loss="gspo"), RL_INPUTS))

@@ -1,5 +1,5 @@
-"""Several sequences per row: no forward or backward pass over padding, and one pass over a
-prompt its samples share.
+"""Several sequences per row: no forward or backward pass over padding, and one pass over the
+context rows share.
 
 A micro-batch's rows are right-padded to its longest row; RL responses vary in
 length, so much of a padded micro-batch can be padding (docs/performance.md
@@ -8,19 +8,23 @@ into as few rows as first-fit-decreasing finds, each token keeping its position 
 its own sequence (`position_ids`) and the index of its span (`segment_ids`, from 1;
 0 is padding): a token attends only to its own span.
 
-A GRPO group's samples repeat one prompt, so rows whose prompts (the tokens before
-their first loss token) are the same token for token may share one copy of it
-(Prefix Grouper, arXiv 2506.05433): the prompt's first P - 1 tokens once, then each
-sample's last prompt token and response, whose tokens also attend to the shared span
-(`prefix_ids`). Every token sees what it saw in its own row, so activations are the
-same and the shared span's gradient is the sum of the copies' gradients; repeating the
-last prompt token keeps each response's first label next to the logits that predict
-it. Every group whose samples repeat a prompt of two tokens or more shares it, unless the
-micro-batch would then lay out more cells (rows x width, padding included) than unshared:
-a shared group is one unit as wide as all its samples, and every row is as wide as the
-widest unit. The training ranks attend a packed batch span by span
-(`rlsys.parallel.span_attention`): each span scores its own pairs and its shared prompt's,
-never the row's whole width.
+A GRPO group's samples repeat one prompt, a batch's prompts may open with one system prompt,
+and the later segments of an episode whose history a harness rewrote repeat what came before
+the rewritten part: rows whose contexts (the tokens before their first loss token) begin alike
+share one copy of what they repeat, as a tree (Prefix Grouper, arXiv 2506.05433, for one
+prompt; AReaL's tree training for an agent's turns). Each node of the tree is a span of the tokens its rows
+have in common past its parent's, and a row's own span holds the rest of it; every span's
+tokens also attend to its ancestors' (`prefix_ids`: the span it continues). A node ends one
+token before its rows part, and each child repeats that token, so every row's first target
+sits next to the logits that predict it in its own span. Every token sees what it saw in its
+own row, so activations are the same and a shared token's gradient is the sum of its copies'.
+Only context is shared: a token a loss trains is laid out for its row alone (an earlier
+segment's trained turns, repeated as a later one's history, are laid out in both). Every node of two
+tokens or more at the root, one or more below, is laid out once, unless the micro-batch would
+then lay out more cells (rows x width, padding included) than unshared: a tree is one unit as
+wide as all its rows, and every row is as wide as the widest unit. The training ranks attend a
+packed batch span by span (`rlsys.parallel.span_attention`): each span scores its own pairs
+and its ancestors', never the row's whole width.
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
 tokens gives the same result on the packed micro-batch. The label of a span packed
@@ -42,82 +46,77 @@ from rlsys.data.batching import Batch
 class Packing:
     batch: Batch
     """The packed fields, [rows, width], with position_ids, segment_ids and prefix_ids."""
-    source: tuple[torch.Tensor, torch.Tensor]
-    """(row, column) in the unpacked micro-batch of every packed token."""
-    target: tuple[torch.Tensor, torch.Tensor]
-    """(row, column) of the same tokens in the packed one."""
     shape: tuple[int, int]
     """The unpacked micro-batch's [B, T]."""
-    prompt_row: torch.Tensor
-    """[B]: the row whose packed prompt each row reads back (itself unless it shares one)."""
-    shared_length: torch.Tensor
-    """[B]: how many leading tokens each row reads from `prompt_row` (0 unless it shares)."""
+    reads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    """(row, column) of every token of the unpacked micro-batch, then (row, column) of the packed copy its
+    outputs are read from: its own, but the first child's for a token its tree's children all repeat
+    (the copy laid out right after the node, whose per-label output saw the node's last token)."""
 
     def unpack(self, packed: torch.Tensor, per_label: bool = True) -> torch.Tensor:
-        """A per-token output [rows, width, ...] back to [B, T, ...]. A shared prompt's tokens read
-        the copy whose output saw the whole prompt. `per_label`: an output for each token's label
-        (a log-prob), whose column 0 (nothing predicts the first token) is 0; else an output for
-        each input token (the experts it went to)."""
+        """A per-token output [rows, width, ...] back to [B, T, ...], each token's from the copy that
+        `reads` names. `per_label`: an output for each token's label (a log-prob), whose column 0
+        (nothing predicts the first token) is 0; else an output for each input token (the experts it
+        went to)."""
         rows = torch.zeros((*self.shape, *packed.shape[2:]), dtype=packed.dtype, device=packed.device)
-        rows[self.source] = packed[self.target]
-        shared = torch.arange(self.shape[1], device=packed.device) < self.shared_length[:, None].to(packed.device)
-        shared = shared.view(*shared.shape, *[1] * (packed.dim() - 2))
-        rows = torch.where(shared, rows[self.prompt_row.to(packed.device)], rows)
+        row, column, packed_row, packed_column = (index.to(packed.device) for index in self.reads)
+        rows[row, column] = packed[packed_row, packed_column]
         if per_label:
             rows[:, 0] = 0
         return rows
 
 
-@dataclass(frozen=True)
-class _Span:
+class _Span(NamedTuple):
     """Columns [start, end) of one row, laid out contiguously."""
     row: int
     start: int
     end: int
-    continues_prompt: bool = False
-    """Also attends to its unit's first span: the prompt it shares."""
+    parent: int = -1
+    """The index in its unit of the span it continues, whose keys (and its ancestors') it also
+    attends to; -1 for none."""
+    rows: tuple[int, ...] = ()
+    """The rows whose tokens it holds: a node's rows, or a row's own span's one row."""
 
 
 def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
-    wide as the batch, or as its widest shared group (`share_prompts`: rows with the same prompt
-    lay it out once, unless that lays out more cells, padding included: a group as wide as all its
-    samples widens every row)."""
+    wide as the batch, or as its widest tree (`share_prompts`: rows whose contexts begin alike lay
+    out what they repeat once, unless that lays out more cells, padding included: a tree as wide
+    as all its rows widens every row)."""
     lengths = batch["attention_mask"].sum(1).tolist()
     layout = _layout(batch, lengths, share_prompts)
-    if any(layout.shared_length):  # sharing widens the rows to its widest group: keep it if it saves cells
+    if layout.shares:  # sharing widens the rows to its widest tree: keep it if it saves cells
         layout = min(layout, _layout(batch, lengths, False), key=lambda candidate: candidate.cells)
-    units, prompt_row, shared_length, placement, width = layout
-    num_rows = layout.rows
-
-    spans = _span_table(units, placement)
+    spans = _span_table(layout.units, layout.placement)
     sizes = spans[_SPAN_FIELDS.index("size")]
     per_token = dict(zip(_SPAN_FIELDS, spans.repeat_interleave(sizes, dim=1)))
-    within = torch.arange(len(per_token["size"])) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+    within = _within(sizes)
     source = (per_token["row"], per_token["start"] + within)
     target = (per_token["packed_row"], per_token["offset"] + within)
 
     packed = {}
     for name, values in batch.items():
-        out = torch.zeros((num_rows, width, *values.shape[2:]), dtype=values.dtype)
+        out = torch.zeros((layout.rows, layout.width, *values.shape[2:]), dtype=values.dtype)
         out[target] = values[source]
         packed[name] = out
-    if "loss_mask" in packed:
+    if "loss_mask" in packed:  # a span's first label is predicted in another span, or by nothing
         starts = within == 0
         packed["loss_mask"][target[0][starts], target[1][starts]] = 0
     for name, values in (("position_ids", source[1]), ("segment_ids", per_token["segment"]),
                          ("prefix_ids", per_token["prefix"])):
-        packed[name] = torch.zeros((num_rows, width), dtype=torch.long)
+        packed[name] = torch.zeros((layout.rows, layout.width), dtype=torch.long)
         packed[name][target] = values
-    return Packing(packed, source, target, tuple(batch["attention_mask"].shape),
-                   torch.tensor(prompt_row), torch.tensor(shared_length))
+    return Packing(packed, tuple(batch["attention_mask"].shape), _reads(layout))
+
+
+def _within(sizes: torch.Tensor) -> torch.Tensor:
+    """Each token's index in its run, for runs of `sizes` tokens laid end to end."""
+    return torch.arange(int(sizes.sum())) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
 
 
 class _Layout(NamedTuple):
     units: list[list[_Span]]
-    """The spans packed together (`_units`)."""
-    prompt_row: list[int]
-    shared_length: list[int]
+    """The spans packed together: a row alone, or a tree of rows (`_tree_unit`), in the order laid out."""
     placement: list[tuple[int, int]]
     """Each unit's (packed row, offset)."""
     width: int
@@ -131,60 +130,80 @@ class _Layout(NamedTuple):
         """Rows x width: the positions a forward computes, padding included."""
         return self.rows * self.width
 
+    @property
+    def shares(self) -> bool:
+        return any(len(unit) > 1 for unit in self.units)
+
 
 def _layout(batch: Batch, lengths: list[int], share_prompts: bool) -> _Layout:
-    units, prompt_row, shared_length = _units(batch, lengths, share_prompts)
+    trees = _context_trees(_contexts(batch)) if share_prompts else []
+    units = [_tree_unit(tree, lengths) for tree in trees]
+    shared = {row for tree in trees for row in tree.rows}
+    units += [[_Span(row, 0, lengths[row], rows=(row,))] for row in range(len(lengths)) if row not in shared]
     unit_lengths = [sum(span.end - span.start for span in unit) for unit in units]
     width = max(batch["attention_mask"].shape[1], *unit_lengths)
-    return _Layout(units, prompt_row, shared_length, _first_fit_decreasing(unit_lengths, width), width)
+    return _Layout(units, _first_fit_decreasing(unit_lengths, width), width)
 
 
-_SPAN_FIELDS = ("row", "start", "size", "packed_row", "offset", "segment", "prefix")
-
-
-def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> torch.Tensor:
-    """[len(_SPAN_FIELDS), spans], in packing order: each span's source row and start, size,
-    packed row and offset, segment id (from 1) and the segment id of the prompt it continues
-    (0 if none)."""
-    entries = []
-    for unit, (packed_row, offset) in zip(units, placement):
-        prompt_segment = len(entries) + 1
-        for span in unit:
-            size = span.end - span.start
-            entries.append((span.row, span.start, size, packed_row, offset, len(entries) + 1,
-                            prompt_segment if span.continues_prompt else 0))
-            offset += size
-    return torch.tensor(entries, dtype=torch.long).T
-
-
-def _units(batch: Batch, lengths: list[int], share_prompts: bool):
-    """The spans packed together, each unit into one row: a row on its own, or a group's
-    shared prompt followed by its samples. Also each row's `prompt_row` and `shared_length`."""
-    rows = len(lengths)
-    prompt_row, shared_length = list(range(rows)), [0] * rows
-    units, alone = [], set(range(rows))
-    for members, prompt in _prompt_groups(batch) if share_prompts else []:
-        first = members[0]
-        units.append([_Span(first, 0, prompt - 1)] + [_Span(r, prompt - 1, lengths[r], True) for r in members])
-        for r in members:
-            prompt_row[r], shared_length[r] = first, prompt
-        alone -= set(members)
-    units += [[_Span(r, 0, lengths[r])] for r in sorted(alone)]
-    return units, prompt_row, shared_length
-
-
-def _prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
-    """(rows, prompt length) of each set of two or more rows with the same prompt (the tokens
-    before the first loss token, two or more of them)."""
+def _contexts(batch: Batch) -> list[list[int]]:
+    """Each row's context: its tokens before its first loss token (none for a row without one)."""
     if "loss_mask" not in batch:
-        return []
+        return [[] for _ in range(batch["input_ids"].shape[0])]
     has_target = batch["loss_mask"].bool()
-    prompt_lengths = torch.where(has_target.any(1), has_target.int().argmax(1), 0).tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for row, (ids, prompt) in enumerate(zip(batch["input_ids"].tolist(), prompt_lengths)):
-        if prompt >= 2:
-            groups.setdefault(tuple(ids[:prompt]), []).append(row)
-    return [(members, len(prompt_ids)) for prompt_ids, members in groups.items() if len(members) > 1]
+    lengths = torch.where(has_target.any(1), has_target.int().argmax(1), 0).tolist()
+    return [ids[:length] for ids, length in zip(batch["input_ids"].tolist(), lengths)]
+
+
+@dataclass
+class _Node:
+    """Rows whose contexts agree on their first `depth` tokens, and the nodes of those of them
+    that agree on more."""
+    rows: list[int]
+    depth: int
+    children: list[_Node]
+
+
+def _context_trees(contexts: list[list[int]]) -> list[_Node]:
+    """The trees of rows whose contexts begin with the same two tokens or more."""
+    return [_grow(rows, contexts, 2) for rows in _parted(range(len(contexts)), contexts, 2)]
+
+
+def _parted(rows, contexts: list[list[int]], depth: int) -> list[list[int]]:
+    """The sets of two or more `rows` whose contexts are at least `depth` tokens long and agree on
+    them (only token depth - 1 is compared: the rows agree on the ones before)."""
+    parts: dict[int, list[int]] = {}
+    for row in rows:
+        if len(contexts[row]) >= depth:
+            parts.setdefault(tuple(contexts[row][:depth]) if depth == 2 else contexts[row][depth - 1], []).append(row)
+    return [part for part in parts.values() if len(part) > 1]
+
+
+def _grow(rows: list[int], contexts: list[list[int]], depth: int) -> _Node:
+    """The node of `rows` (agreeing on their first `depth` tokens, at least) and its children."""
+    shortest = min(len(contexts[row]) for row in rows)
+    first = contexts[rows[0]]
+    while depth < shortest and all(contexts[row][depth] == first[depth] for row in rows):
+        depth += 1
+    return _Node(rows, depth, [_grow(part, contexts, depth + 1) for part in _parted(rows, contexts, depth + 1)])
+
+
+def _tree_unit(tree: _Node, lengths: list[int]) -> list[_Span]:
+    """A tree's spans, each node before its subtree: the node's columns past its parent's, its
+    last shared token left to its children (each of which repeats it), then its children, nodes
+    first, then the rows that part from it."""
+    unit: list[_Span] = []
+
+    def lay_out(node: _Node, start: int, parent: int) -> None:
+        unit.append(_Span(node.rows[0], start, node.depth - 1, parent, tuple(node.rows)))
+        index = len(unit) - 1
+        for child in node.children:
+            lay_out(child, node.depth - 1, index)
+        in_children = {row for child in node.children for row in child.rows}
+        unit.extend(_Span(row, node.depth - 1, lengths[row], index, (row,)) for row in node.rows
+                    if row not in in_children)
+
+    lay_out(tree, 0, -1)
+    return unit
 
 
 def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int]]:
@@ -201,14 +220,79 @@ def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int
     return placement
 
 
+_SPAN_FIELDS = ("row", "start", "size", "packed_row", "offset", "segment", "prefix")
+
+
+def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> torch.Tensor:
+    """[len(_SPAN_FIELDS), spans], in packing order: each span's source row and start, size,
+    packed row and offset, segment id (from 1) and the segment id of the span it continues (0 if
+    none)."""
+    entries = []
+    for unit, (packed_row, offset) in zip(units, placement):
+        first_segment = len(entries) + 1
+        for span in unit:
+            size = span.end - span.start
+            entries.append((span.row, span.start, size, packed_row, offset, len(entries) + 1,
+                            first_segment + span.parent if span.parent >= 0 else 0))
+            offset += size
+    return torch.tensor(entries, dtype=torch.long).T
+
+
+def _reads(layout: _Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`Packing.reads`: each row's columns along its path from its tree's root to its own span, in
+    runs; a span's first column, which every child of its parent repeats, read from the first child
+    (laid out right after the parent)."""
+    runs = []  # (row, column, size, packed row, packed column)
+    for unit, (packed_row, offset) in zip(layout.units, layout.placement):
+        offsets = [offset + sum(s.end - s.start for s in unit[:index]) for index in range(len(unit))]
+        first_child = {}
+        for index, span in enumerate(unit):
+            first_child.setdefault(span.parent, index)
+        for index, span in enumerate(unit):
+            for row in span.rows:
+                skip = 0
+                if span.parent >= 0 and first_child[span.parent] != index:
+                    runs.append((row, span.start, 1, packed_row, offsets[first_child[span.parent]]))
+                    skip = 1
+                runs.append((row, span.start + skip, span.end - span.start - skip, packed_row, offsets[index] + skip))
+    row, column, size, packed_row, packed_column = torch.tensor(runs, dtype=torch.long).T
+    within = _within(size)
+    return (row.repeat_interleave(size), column.repeat_interleave(size) + within, packed_row.repeat_interleave(size),
+            packed_column.repeat_interleave(size) + within)
+
+
+def span_ancestors(segment_ids: torch.Tensor, prefix_ids: torch.Tensor) -> list[list[int]]:
+    """Each segment's ancestors (index 0: padding, none), root first: the spans whose keys it also
+    attends to, read from the segment each one continues (`prefix_ids`)."""
+    parents = torch.zeros(int(segment_ids.max()) + 1, dtype=torch.long)
+    parents[segment_ids.flatten().cpu()] = prefix_ids.flatten().cpu()
+    ancestors: list[list[int]] = [[]]
+    for parent in parents.tolist()[1:]:  # a parent's segment id is below its children's
+        ancestors.append(ancestors[parent] + [parent] if parent else [])
+    return ancestors
+
+
+def rows_per_span(segment_ids: torch.Tensor, prefix_ids: torch.Tensor) -> torch.Tensor:
+    """[segments + 1]: how many unpacked rows each span's tokens stand for (a node: the rows below it;
+    a row's own span: 1)."""
+    ancestors = span_ancestors(segment_ids, prefix_ids)
+    counts = torch.zeros(len(ancestors), dtype=torch.long)
+    leaves = set(range(1, len(ancestors))) - {parent for chain in ancestors for parent in chain}
+    for leaf in leaves:
+        counts[[leaf, *ancestors[leaf]]] += 1
+    return counts
+
+
 def block_causal_mask(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, 1, T, T] boolean: causal within each packed span and from a span into the shared
-    prompt it continues (`prefix_ids`), nothing else across spans; every position sees itself,
+    """[B, 1, T, T] boolean: causal within each packed span and from a span into the spans it
+    continues (its ancestors, `prefix_ids`), nothing else across spans; every position sees itself,
     so padding rows stay finite."""
     length = segment_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    visible = segment_ids[:, :, None] == segment_ids[:, None, :]
+    sees = torch.eye(int(segment_ids.max()) + 1, dtype=torch.bool)
     if prefix_ids is not None:
-        visible |= prefix_ids[:, :, None] == segment_ids[:, None, :]
+        for segment, ancestors in enumerate(span_ancestors(segment_ids, prefix_ids)):
+            sees[segment, ancestors] = True
+    visible = sees.to(segment_ids.device)[segment_ids[:, :, None], segment_ids[:, None, :]]
     mask = causal & visible & (segment_ids > 0)[:, None, :]
     return (mask | torch.eye(length, dtype=torch.bool, device=segment_ids.device))[:, None]

@@ -1,19 +1,20 @@
-"""Attention over packed spans, each a sequence or a response continuing the prompt its group
-shares (`rlsys.data.packing`), computed span by span instead of over a row's whole width: the
-attention of every packed micro-batch, and of unpacked rows under sequence parallel.
+"""Attention over packed spans, each a sequence or a part of one continuing the spans before it
+in its tree (`rlsys.data.packing`: a shared prompt, then each sample), computed span by span
+instead of over a row's whole width: the attention of every packed micro-batch, and of unpacked
+rows under sequence parallel.
 
-A packed row holds several sequences, and a GRPO group is laid out as one span for its prompt
-followed by a span for each sample. A dense block-causal mask over the row would score every
-pair of its W columns (W x W, however short its sequences) and keep a GPU off its flash kernels.
-Here each span's queries attend to its shared prompt's keys and its own, nothing else: the
-scores a span computes are the ones its tokens use. Spans are gathered into batches of like
-spans (those continuing a prompt, those that do not) of like lengths (`LENGTH_BUCKET`), padded to
-the longest of each, and run through PyTorch's scaled_dot_product_attention: causal without a
-mask where a span continues nothing (its padding lies after its last query), with each span's
-own [queries x keys] mask where it continues a prompt. On a GPU in half precision every span
-goes instead through PyTorch's flash variable-length kernel in one call, unpadded (`varlen_kernel`).
-The outputs are scattered back to the packed positions. Every token sees exactly what it sees in
-its own unpacked row.
+A packed row holds several sequences, and rows whose contexts begin alike are laid out as a tree:
+a span for what they share, then a span for each part where they differ. A dense block-causal
+mask over the row would score every pair of its W columns (W x W, however short its sequences)
+and keep a GPU off its flash kernels. Here each span's queries attend to its ancestors' keys
+and its own, nothing else: the scores a span computes are the ones its tokens use. Spans are
+gathered into batches of like spans (those continuing others, those that do not) of like lengths
+(`LENGTH_BUCKET`), padded to the longest of each, and run through PyTorch's
+scaled_dot_product_attention: causal without a mask where a span continues nothing (its padding
+lies after its last query), with each span's own [queries x keys] mask where it continues others.
+On a GPU in half precision every span goes instead through PyTorch's flash variable-length kernel in
+one call, unpadded (`varlen_kernel`). The outputs are scattered back to the packed positions. Every
+token sees exactly what it sees in its own unpacked row.
 
 It takes SDPA's entry in transformers' attention interface (`apply_span_attention`, for a model
 whose attention is SDPA over full causal layers) and is SDPA itself for every call without
@@ -33,6 +34,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from rlsys.data.packing import span_ancestors
+
 LENGTH_BUCKET = 1.25
 """Spans batched together differ in length by at most this factor, so that padding a span to its
 batch's longest costs at most (1.25^2 - 1) of its own attention, or by at most `LENGTH_SLACK`."""
@@ -51,10 +54,10 @@ class _SpanBatch:
     picked: torch.Tensor
     """[real queries]: each real query's index in the flattened [S x Lq]."""
     keys: torch.Tensor
-    """[S, Lk] flat position of each key: the shared prompt's, then the span's own."""
+    """[S, Lk] flat position of each key: its ancestors', then the span's own."""
     mask: torch.Tensor | None
     """[S, 1, Lq, Lk] bool: what each query sees (a padded query sees something, to stay finite);
-    None where no span continues a prompt: each query sees its own span causally."""
+    None where no span continues another: each query sees its own span causally."""
     targets: torch.Tensor
     """[real queries]: their flat positions, in `picked`'s order."""
 
@@ -62,7 +65,7 @@ class _SpanBatch:
 @dataclass
 class _Varlen:
     """Every span at once, for a variable-length attention kernel: the real queries span by span,
-    and each span's keys (its shared prompt's, then its own) laid end to end."""
+    and each span's keys (its ancestors', then its own) laid end to end."""
     queries: torch.Tensor
     """[real queries]: their flat positions, span by span."""
     keys: torch.Tensor
@@ -76,27 +79,32 @@ class _Varlen:
 
 
 class SharedPrefixSpans:
-    """The spans of a packed micro-batch (`of`): where each starts and how long it is, and the
-    prompt it continues. Laid out on first use, on the host, then moved to `device`: as batches
-    of like spans for SDPA (`batches`), or end to end for a variable-length kernel (`varlen`);
-    a forward builds only the layout its kernel reads."""
+    """The spans of a packed micro-batch (`of`): where each starts and how long it is, and the keys
+    of the spans it continues. Laid out on first use, on the host, then moved to `device`: as
+    batches of like spans for SDPA (`batches`), or end to end for a variable-length kernel
+    (`varlen`); a forward builds only the layout its kernel reads."""
 
-    def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
-                 prefix_lengths: torch.Tensor, device: torch.device | str = "cpu"):
+    def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, prefix_positions: torch.Tensor,
+                 prefix_offsets: torch.Tensor, prefix_lengths: torch.Tensor, device: torch.device | str = "cpu"):
         self.starts, self.lengths = starts, lengths
         """[spans]: each span's first flat position in the [rows x width] micro-batch, and its length."""
-        self.prefix_starts, self.prefix_lengths = prefix_starts, prefix_lengths
-        """[spans]: the shared prompt each span continues (length 0: none)."""
+        self.prefix_positions = prefix_positions
+        """The flat positions of every span's ancestors' tokens, span by span, root first."""
+        self.prefix_offsets, self.prefix_lengths = prefix_offsets, prefix_lengths
+        """[spans]: where each span's ancestors' positions start in `prefix_positions`, and how many
+        (0: the span continues none)."""
         self.device = torch.device(device)
 
     def to(self, device: torch.device | str) -> SharedPrefixSpans:
-        return SharedPrefixSpans(self.starts, self.lengths, self.prefix_starts, self.prefix_lengths, device)
+        return SharedPrefixSpans(self.starts, self.lengths, self.prefix_positions, self.prefix_offsets,
+                                 self.prefix_lengths, device)
 
     @functools.cached_property
     def batches(self) -> list[_SpanBatch]:
         """Like spans, each batch padded to its longest (`_buckets`)."""
-        batches = [_span_batch(self.starts[bucket], self.lengths[bucket], self.prefix_starts[bucket],
-                               self.prefix_lengths[bucket]) for bucket in _buckets(self.lengths, self.prefix_lengths)]
+        batches = [_span_batch(self.starts[bucket], self.lengths[bucket], self.prefix_positions,
+                               self.prefix_offsets[bucket], self.prefix_lengths[bucket])
+                   for bucket in _buckets(self.lengths, self.prefix_lengths)]
         return [_SpanBatch(**_moved(batch, self.device)) for batch in batches]
 
     @functools.cached_property
@@ -106,8 +114,8 @@ class SharedPrefixSpans:
 
     @functools.cached_property
     def varlen(self) -> _Varlen:
-        return _Varlen(**_moved(_varlen(self.starts, self.lengths, self.prefix_starts, self.prefix_lengths),
-                                self.device))
+        return _Varlen(**_moved(_varlen(self.starts, self.lengths, self.prefix_positions, self.prefix_offsets,
+                                        self.prefix_lengths), self.device))
 
     @classmethod
     def of_rows(cls, attention_mask: torch.Tensor) -> SharedPrefixSpans:
@@ -121,8 +129,7 @@ class SharedPrefixSpans:
         """The spans of a packed micro-batch: `segment_ids` from 1 per span, 0 for padding;
         `prefix_ids` the segment a span continues, 0 for none (None: no span continues one)."""
         rows, width = segment_ids.shape
-        prefix_ids = torch.zeros_like(segment_ids) if prefix_ids is None else prefix_ids
-        segments, prefixes = segment_ids.flatten(), prefix_ids.flatten()
+        segments = segment_ids.flatten()
         real = segments > 0
         if not bool(real.any()):
             raise ValueError("a micro-batch without tokens has no spans to attend")
@@ -130,9 +137,16 @@ class SharedPrefixSpans:
         zeros = torch.zeros(int(ids.max()) + 1, dtype=torch.long, device=ids.device)
         lengths = zeros.index_add(0, ids, torch.ones_like(ids))
         starts = zeros.scatter_reduce(0, ids, positions, "amin", include_self=False)
-        continues = zeros.index_put((ids,), prefixes[real])[1:]
-        prefix_lengths = torch.where(continues > 0, lengths[continues], 0)
-        return cls(starts[1:], lengths[1:], starts[continues], prefix_lengths)
+        chains = span_ancestors(segment_ids, prefix_ids) if prefix_ids is not None and bool(prefix_ids.any()) \
+            else [[]] * len(zeros)
+        pairs = torch.tensor([(span, ancestor) for span, chain in enumerate(chains) for ancestor in chain],
+                             dtype=torch.long, device=ids.device).view(-1, 2)
+        sizes = lengths[pairs[:, 1]]
+        within = torch.arange(int(sizes.sum()), device=ids.device) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+        prefix_positions = starts[pairs[:, 1]].repeat_interleave(sizes) + within
+        prefix_lengths = zeros.index_add(0, pairs[:, 0], sizes)
+        prefix_offsets = prefix_lengths.cumsum(0) - prefix_lengths
+        return cls(starts[1:], lengths[1:], prefix_positions, prefix_offsets[1:], prefix_lengths[1:])
 
 
 def _moved(layout, device: torch.device) -> dict:
@@ -141,9 +155,9 @@ def _moved(layout, device: torch.device) -> dict:
             for name, value in vars(layout).items()}
 
 
-def _varlen(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
-            prefix_lengths: torch.Tensor) -> _Varlen:
-    """The spans end to end: each span's queries, and its keys (its prompt's, then its own)."""
+def _varlen(starts: torch.Tensor, lengths: torch.Tensor, prefix_positions: torch.Tensor,
+            prefix_offsets: torch.Tensor, prefix_lengths: torch.Tensor) -> _Varlen:
+    """The spans end to end: each span's queries, and its keys (its ancestors', then its own)."""
     key_lengths = prefix_lengths + lengths
     query_offsets, key_offsets = (F.pad(x.cumsum(0), (1, 0)) for x in (lengths, key_lengths))
     query_span = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
@@ -151,13 +165,19 @@ def _varlen(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Te
     key_span = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), key_lengths)
     key = torch.arange(len(key_span), device=lengths.device) - key_offsets[key_span]  # within the span's keys
     in_prefix = key < prefix_lengths[key_span]
-    keys = torch.where(in_prefix, prefix_starts[key_span] + key, starts[key_span] + key - prefix_lengths[key_span])
+    keys = torch.where(in_prefix, _prefix_keys(prefix_positions, prefix_offsets[key_span] + key),
+                       starts[key_span] + key - prefix_lengths[key_span])
     return _Varlen(queries, keys, query_offsets.int(), key_offsets.int(), int(lengths.max()), int(key_lengths.max()))
 
 
+def _prefix_keys(prefix_positions: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """`prefix_positions[at]`, 0 where `at` is past them (a key that is not an ancestor's: unread)."""
+    return F.pad(prefix_positions, (0, 1))[at.clamp(max=len(prefix_positions))]
+
+
 def _buckets(lengths: torch.Tensor, prefix_lengths: torch.Tensor) -> list[torch.Tensor]:
-    """The spans' indices in batches of one kind (continuing a prompt or not), longest prompt then
-    longest span first, the spans of a batch differing in their own length and in their prompt's
+    """The spans' indices in batches of one kind (continuing others or not), longest prefix then
+    longest span first, the spans of a batch differing in their own length and in their prefix's
     by at most `LENGTH_BUCKET` times or `LENGTH_SLACK` tokens (`_close`)."""
     order = torch.argsort(prefix_lengths * (int(lengths.max()) + 1) + lengths, descending=True, stable=True)
     buckets: list[tuple[list[int], tuple[int, int], tuple[int, int]]] = []  # (spans, shortest, longest)
@@ -165,7 +185,7 @@ def _buckets(lengths: torch.Tensor, prefix_lengths: torch.Tensor) -> list[torch.
         sizes = (int(lengths[index]), int(prefix_lengths[index]))
         if buckets:
             members, low, high = buckets[-1]
-            same_kind = (sizes[1] > 0) == (low[1] > 0)  # continuing a prompt or not
+            same_kind = (sizes[1] > 0) == (low[1] > 0)  # continuing others or not
             low, high = tuple(map(min, low, sizes)), tuple(map(max, high, sizes))
             if same_kind and all(map(_close, low, high)):
                 buckets[-1] = (members + [index], low, high)
@@ -178,8 +198,8 @@ def _close(shortest: int, longest: int) -> bool:
     return longest <= max(LENGTH_BUCKET * shortest, shortest + LENGTH_SLACK)
 
 
-def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
-                prefix_lengths: torch.Tensor) -> _SpanBatch:
+def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_positions: torch.Tensor,
+                prefix_offsets: torch.Tensor, prefix_lengths: torch.Tensor) -> _SpanBatch:
     query = torch.arange(int(lengths.max()), device=starts.device)
     real = query[None] < lengths[:, None]
     key = torch.arange(int((prefix_lengths + lengths).max()), device=starts.device)
@@ -187,7 +207,8 @@ def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torc
     own = key[None] - prefix_lengths[:, None]  # the key's index in the span itself
     key_real = in_prefix | ((own >= 0) & (own < lengths[:, None]))
     # a padded key reads the span's first token (masked out): past its end may lie past the batch's
-    keys = torch.where(in_prefix, prefix_starts[:, None] + key[None], starts[:, None] + own.clamp(min=0))
+    keys = torch.where(in_prefix, _prefix_keys(prefix_positions, prefix_offsets[:, None] + key[None]),
+                       starts[:, None] + own.clamp(min=0))
     keys = torch.where(key_real, keys, starts[:, None])
     queries = torch.where(real, starts[:, None] + query[None], 0)
     picked = torch.nonzero(real.flatten()).flatten()
@@ -220,7 +241,7 @@ def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
 def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  shared_spans: SharedPrefixSpans, dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
     """[B, heads, T, D] in (keys and values may have fewer heads), [B, T, heads, D] out: each span's
-    queries attend to its shared prompt's keys and its own."""
+    queries attend to its ancestors' keys and its own."""
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
@@ -281,8 +302,8 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qu
                  window_size: tuple[int, int] = (-1, 0), enable_gqa: bool = False) -> torch.Tensor:
     """PyTorch's `varlen_attn`, called as this PyTorch takes it (its keywords changed between
     releases: `is_causal` before `window_size`, no `scale` or `enable_gqa` at first). Causal over
-    queries shorter than their keys, the diagonal ends at the last key: a response's queries see its
-    shared prompt whole and their own tokens causally."""
+    queries shorter than their keys, the diagonal ends at the last key: a span's queries see its
+    ancestors whole and their own tokens causally."""
     from torch.nn.attention.varlen import varlen_attn
 
     assert window_size == (-1, 0), "span attention is causal"

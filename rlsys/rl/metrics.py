@@ -18,6 +18,7 @@ def sample_metrics(samples: list[Trajectory], batch: Batch, times: dict[str, flo
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "throughput/generated_tokens_per_s": lengths.sum().item() / times["time/generate_s"],
+        "throughput/tokens": float(batch["attention_mask"].sum()),
         "throughput/tokens_per_s": float(batch["attention_mask"].sum()) / times["time/step_s"],
     }
 

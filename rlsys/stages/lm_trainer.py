@@ -189,6 +189,6 @@ def train_step(group: TrainGroup, examples: list[Unit], sampler: EpochSampler, p
         "throughput/tokens": tokens,
         "throughput/tokens_per_s": tokens / elapsed,
         "time/step_s": elapsed,
-        **{name: value for name, value in step.items() if name.startswith(("router/", "rm/"))},  # MoE, rm
+        **{name: value for name, value in step.items() if name.startswith(("router/", "rm/", "perf/"))},
         **group.memory_peaks(),
     }

@@ -32,7 +32,7 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
-from rlsys.data.packing import block_causal_mask, pack_rows
+from rlsys.data.packing import block_causal_mask, pack_rows, rows_per_span
 from rlsys.models import lora
 from rlsys.models.moe import moe_layer_indices
 from rlsys.models.vision import image_inputs, vision_tower
@@ -62,6 +62,10 @@ from rlsys.trainer.loading import load_parallel_model
 from rlsys.trainer.schedule import lr_multiplier
 from rlsys.trainer.state import RankState
 from rlsys.trainer.weights import RankWeights
+
+UPDATE_TOKENS = "perf/update_tokens"
+"""The tokens a training step's forward and backward computed on every data-parallel rank (a context
+its rows share counted once, no padding): beside the batch's tokens, what packing saved."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,9 @@ class RankModel:
                 micro = {k: v[:1] for k, v in micros[0].items()} if filler else micros[index]
                 packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
+                if not (forward_only or filler):  # what packing and shared contexts leave to compute
+                    computed = seq.fields["attention_mask"][:, :seq.input_ids.shape[1]].sum()
+                    sums[UPDATE_TOKENS] = sums.get(UPDATE_TOKENS, 0.0) + computed.float()
                 if self.router is not None and filler:
                     self.router.skip_pass()
                 elif self.router is not None:
@@ -394,17 +401,14 @@ class RankModel:
 
     def _token_weights(self, seq: RankSequence) -> torch.Tensor:
         """[rows, span]: how many of the batch's tokens each input token stands for: 0 for padding,
-        1 for the rest, but the number of rows sharing it for a prompt packed once for all its
+        1 for the rest, but the number of rows sharing it for a context packed once for all its
         rows (`share_prompts`): the routers' load counts the tokens of the batch, packed or not."""
         width = seq.input_ids.shape[1]
         fields = {name: value[:, :width] for name, value in seq.fields.items()}
         weights = fields["attention_mask"].float()
-        if "prefix_ids" in fields:  # the rows sharing each prompt, counted over every rank's chunk
-            segments, prefixes = seq.whole["segment_ids"], seq.whole["prefix_ids"]
-            continued = prefixes > 0
-            pairs = torch.unique(torch.stack([segments[continued], prefixes[continued]]), dim=1)
-            sharing = torch.bincount(pairs[1], minlength=int(segments.max()) + 1)
-            weights = weights * sharing[fields["segment_ids"]].clamp(min=1)
+        if "prefix_ids" in fields:  # the rows below each span, counted over every rank's chunk
+            sharing = rows_per_span(seq.whole["segment_ids"], seq.whole["prefix_ids"])
+            weights = weights * sharing.to(weights.device)[fields["segment_ids"]].clamp(min=1)
         return weights
 
     def _attention_inputs(self, seq: RankSequence) -> dict:

@@ -8,7 +8,7 @@ import time
 
 
 def packed_inputs(batch, share: bool, spans: bool = True) -> tuple[dict, dict]:
-    """`batch` packed (each group's prompt once if `share`), and its forward's inputs besides
+    """`batch` packed (the contexts its rows share once, as a tree, if `share`), and its forward's inputs besides
     input_ids: attention by spans as the training ranks run it (the model needs
     `apply_span_attention`), or (`spans=False`) a dense block-causal mask over each row's width."""
     from rlsys.data.packing import block_causal_mask, pack_rows

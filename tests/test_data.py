@@ -459,6 +459,21 @@ def test_contexts_that_begin_alike_are_packed_once_as_a_tree():
     assert not unshared["prefix_ids"].any() and int(unshared["attention_mask"].sum()) == int(lengths.sum())
 
 
+def test_a_chain_of_contexts_hundreds_deep_packs():
+    """600 rows, each context one token longer than the last's (an episode's segments, each repeating the
+    one before as its history): a chain of 600 spans, each token of it laid out once, no recursion limit."""
+    from rlsys.data.packing import pack_rows, span_ancestors
+
+    rows = 600
+    batch = collate_rollouts([list(range(3, 5 + row)) for row in range(rows)], [[2]] * rows, pad_id=0)
+    packing = pack_rows(batch)
+    packed = packing.batch
+    # the root's first token, then one token a level, each row repeating its last context token and its answer
+    assert int(packed["attention_mask"].sum()) == 1 + (rows - 1) + 2 * rows
+    assert max(map(len, span_ancestors(packed["segment_ids"], packed["prefix_ids"]))) == rows - 1
+    assert packing.reads[0].numel() == int(batch["attention_mask"].sum())
+
+
 def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_model_dir):
     """Two GRPO groups of 4 samples of a 6-token prompt, and two rows alone: each group's prompt
     is packed once, yet every token's log-prob and the gradient of a token-level loss are those

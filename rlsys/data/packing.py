@@ -116,7 +116,8 @@ def _within(sizes: torch.Tensor) -> torch.Tensor:
 
 class _Layout(NamedTuple):
     units: list[list[_Span]]
-    """The spans packed together: a row alone, or a tree of rows (`_tree_unit`), in the order laid out."""
+    """The spans packed together: a row alone, or a tree of rows (`_tree_unit`), each unit's spans in the
+    order they are laid out."""
     placement: list[tuple[int, int]]
     """Each unit's (packed row, offset)."""
     width: int
@@ -171,7 +172,7 @@ def _context_trees(contexts: list[list[int]]) -> list[_Node]:
 def _parted(rows, contexts: list[list[int]], depth: int) -> list[list[int]]:
     """The sets of two or more `rows` whose contexts are at least `depth` tokens long and agree on
     them (only token depth - 1 is compared: the rows agree on the ones before)."""
-    parts: dict[int, list[int]] = {}
+    parts: dict[tuple[int, ...] | int, list[int]] = {}
     for row in rows:
         if len(contexts[row]) >= depth:
             parts.setdefault(tuple(contexts[row][:depth]) if depth == 2 else contexts[row][depth - 1], []).append(row)
@@ -179,30 +180,45 @@ def _parted(rows, contexts: list[list[int]], depth: int) -> list[list[int]]:
 
 
 def _grow(rows: list[int], contexts: list[list[int]], depth: int) -> _Node:
-    """The node of `rows` (agreeing on their first `depth` tokens, at least) and its children."""
+    """The tree of `rows` (agreeing on their first `depth` tokens, at least), grown from a stack of
+    its unfinished nodes rather than by recursion: an episode's segments may nest hundreds deep."""
+    root = _Node(rows, depth, [])
+    unfinished = [root]
+    while unfinished:
+        node = unfinished.pop()
+        node.depth = _agreement(node.rows, contexts, node.depth)
+        node.children = [_Node(part, node.depth + 1, []) for part in _parted(node.rows, contexts, node.depth + 1)]
+        unfinished.extend(node.children)
+    return root
+
+
+def _agreement(rows: list[int], contexts: list[list[int]], depth: int) -> int:
+    """How many leading tokens the contexts of `rows` agree on, knowing they agree on `depth`."""
     shortest = min(len(contexts[row]) for row in rows)
     first = contexts[rows[0]]
     while depth < shortest and all(contexts[row][depth] == first[depth] for row in rows):
         depth += 1
-    return _Node(rows, depth, [_grow(part, contexts, depth + 1) for part in _parted(rows, contexts, depth + 1)])
+    return depth
 
 
 def _tree_unit(tree: _Node, lengths: list[int]) -> list[_Span]:
     """A tree's spans, each node before its subtree: the node's columns past its parent's, its
-    last shared token left to its children (each of which repeats it), then its children, nodes
-    first, then the rows that part from it."""
+    last shared token left to its children (each of which repeats it), then its children's
+    subtrees in turn, then the rows that part from it."""
     unit: list[_Span] = []
-
-    def lay_out(node: _Node, start: int, parent: int) -> None:
+    to_lay_out: list[tuple[_Node, int, int] | tuple[_Node, int]] = [(tree, 0, -1)]  # a node, or its rows' spans
+    while to_lay_out:
+        task = to_lay_out.pop()
+        if len(task) == 2:
+            node, index = task
+            in_children = {row for child in node.children for row in child.rows}
+            unit.extend(_Span(row, node.depth - 1, lengths[row], index, (row,)) for row in node.rows
+                        if row not in in_children)
+            continue
+        node, start, parent = task
         unit.append(_Span(node.rows[0], start, node.depth - 1, parent, tuple(node.rows)))
-        index = len(unit) - 1
-        for child in node.children:
-            lay_out(child, node.depth - 1, index)
-        in_children = {row for child in node.children for row in child.rows}
-        unit.extend(_Span(row, node.depth - 1, lengths[row], index, (row,)) for row in node.rows
-                    if row not in in_children)
-
-    lay_out(tree, 0, -1)
+        to_lay_out.append((node, len(unit) - 1))
+        to_lay_out.extend((child, node.depth - 1, len(unit) - 1) for child in reversed(node.children))
     return unit
 
 

@@ -13,6 +13,7 @@ from rlsys.data.batching import Batch, num_targets, split_rows
 from rlsys.rl.batch import RLBatch
 from rlsys.rl.extension import StepGroups
 from rlsys.rl.features import Features
+from rlsys.trainer.rank_model import UPDATE_TOKENS
 
 
 def mini_batches_per_step(cfg: RLJobConfig) -> int:
@@ -44,8 +45,9 @@ class Update:
                 metrics = self.features.before_actor_step(mini, counts, self.groups)
                 if train_actor:
                     metrics.update(self._actor_step(mini, counts, batch))
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + value / self.updates
+                for name, value in metrics.items():  # an update's mean; the tokens an epoch computed
+                    sums[name] = sums.get(name, 0.0) + value / (self.algo.ppo_epochs if name == UPDATE_TOKENS
+                                                                else self.updates)
         return sums
 
     def loss_counts(self, mini: Batch) -> dict[str, float]:

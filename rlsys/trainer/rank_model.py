@@ -64,8 +64,8 @@ from rlsys.trainer.state import RankState
 from rlsys.trainer.weights import RankWeights
 
 UPDATE_TOKENS = "perf/update_tokens"
-"""The tokens a training step's forward and backward computed on every data-parallel rank (a context
-its rows share counted once, no padding): beside the batch's tokens, what packing saved."""
+"""The tokens a training step's forward and backward computed on every data-parallel rank (no padding, a
+context its rows share counted once): beside the batch's tokens, what packing saved."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +328,8 @@ class RankModel:
                 self.sequence_multiple, self._token_weights(seq) if self.router is not None else None,
                 None if routing is None else routing[:, :seq.input_ids.shape[1]])
         rows = {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
+        if sums and not forward_only:  # the last stage's ranks, which sum the metrics
+            sums[UPDATE_TOKENS] = seq.fields["attention_mask"][:, :seq.input_ids.shape[1]].sum().float()
         if record_routing:
             whole = whole_model_routing(self._stage_routing(seq), self.moe_blocks, self.router.num_layers,
                                         self.pp_group)

@@ -90,7 +90,7 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     spans = _span_table(layout.units, layout.placement)
     sizes = spans[_SPAN_FIELDS.index("size")]
     per_token = dict(zip(_SPAN_FIELDS, spans.repeat_interleave(sizes, dim=1)))
-    within = _within(sizes)
+    within = index_within_runs(sizes)
     source = (per_token["row"], per_token["start"] + within)
     target = (per_token["packed_row"], per_token["offset"] + within)
 
@@ -106,12 +106,12 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
                          ("prefix_ids", per_token["prefix"])):
         packed[name] = torch.zeros((layout.rows, layout.width), dtype=torch.long)
         packed[name][target] = values
-    return Packing(packed, tuple(batch["attention_mask"].shape), _reads(layout))
+    return Packing(packed, tuple(batch["attention_mask"].shape), _reads(layout, spans[_SPAN_FIELDS.index("offset")]))
 
 
-def _within(sizes: torch.Tensor) -> torch.Tensor:
-    """Each token's index in its run, for runs of `sizes` tokens laid end to end."""
-    return torch.arange(int(sizes.sum())) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+def index_within_runs(sizes: torch.Tensor) -> torch.Tensor:
+    """Each element's index in its run, for runs of `sizes` elements laid end to end."""
+    return torch.arange(int(sizes.sum()), device=sizes.device) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
 
 
 class _Layout(NamedTuple):
@@ -254,13 +254,15 @@ def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> t
     return torch.tensor(entries, dtype=torch.long).T
 
 
-def _reads(layout: _Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reads(layout: _Layout, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`Packing.reads`: each row's columns along its path from its tree's root to its own span, in
     runs; a span's first column, which every child of its parent repeats, read from the first child
-    (laid out right after the parent)."""
+    (laid out right after the parent). `offsets`: each span's packed column, in packing order."""
     runs = []  # (row, column, size, packed row, packed column)
-    for unit, (packed_row, offset) in zip(layout.units, layout.placement):
-        offsets = [offset + sum(s.end - s.start for s in unit[:index]) for index in range(len(unit))]
+    first_span = 0  # the unit's first span's index in packing order
+    for unit, (packed_row, _) in zip(layout.units, layout.placement):
+        unit_offsets = offsets[first_span:first_span + len(unit)].tolist()
+        first_span += len(unit)
         first_child = {}
         for index, span in enumerate(unit):
             first_child.setdefault(span.parent, index)
@@ -268,11 +270,12 @@ def _reads(layout: _Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
             for row in span.rows:
                 skip = 0
                 if span.parent >= 0 and first_child[span.parent] != index:
-                    runs.append((row, span.start, 1, packed_row, offsets[first_child[span.parent]]))
+                    runs.append((row, span.start, 1, packed_row, unit_offsets[first_child[span.parent]]))
                     skip = 1
-                runs.append((row, span.start + skip, span.end - span.start - skip, packed_row, offsets[index] + skip))
+                runs.append((row, span.start + skip, span.end - span.start - skip, packed_row,
+                             unit_offsets[index] + skip))
     row, column, size, packed_row, packed_column = torch.tensor(runs, dtype=torch.long).T
-    within = _within(size)
+    within = index_within_runs(size)
     return (row.repeat_interleave(size), column.repeat_interleave(size) + within, packed_row.repeat_interleave(size),
             packed_column.repeat_interleave(size) + within)
 

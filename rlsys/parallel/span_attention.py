@@ -34,7 +34,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlsys.data.packing import span_ancestors
+from rlsys.data.packing import index_within_runs, span_ancestors
 
 LENGTH_BUCKET = 1.25
 """Spans batched together differ in length by at most this factor, so that padding a span to its
@@ -142,8 +142,7 @@ class SharedPrefixSpans:
         pairs = torch.tensor([(span, ancestor) for span, chain in enumerate(chains) for ancestor in chain],
                              dtype=torch.long, device=ids.device).view(-1, 2)
         sizes = lengths[pairs[:, 1]]
-        within = torch.arange(int(sizes.sum()), device=ids.device) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
-        prefix_positions = starts[pairs[:, 1]].repeat_interleave(sizes) + within
+        prefix_positions = starts[pairs[:, 1]].repeat_interleave(sizes) + index_within_runs(sizes)
         prefix_lengths = zeros.index_add(0, pairs[:, 0], sizes)
         prefix_offsets = prefix_lengths.cumsum(0) - prefix_lengths
         return cls(starts[1:], lengths[1:], prefix_positions, prefix_offsets[1:], prefix_lengths[1:])

@@ -220,8 +220,7 @@ class RankModel:
                 packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 if not (forward_only or filler):  # what packing and shared contexts leave to compute
-                    computed = seq.fields["attention_mask"][:, :seq.input_ids.shape[1]].sum()
-                    sums[UPDATE_TOKENS] = sums.get(UPDATE_TOKENS, 0.0) + computed.float()
+                    sums[UPDATE_TOKENS] = sums.get(UPDATE_TOKENS, 0.0) + _computed_tokens(seq)
                 if self.router is not None and filler:
                     self.router.skip_pass()
                 elif self.router is not None:
@@ -329,7 +328,7 @@ class RankModel:
                 None if routing is None else routing[:, :seq.input_ids.shape[1]])
         rows = {name: whole_rows(value, seq, self.cp_group) for name, value in rows.items()}
         if sums and not forward_only:  # the last stage's ranks, which sum the metrics
-            sums[UPDATE_TOKENS] = seq.fields["attention_mask"][:, :seq.input_ids.shape[1]].sum().float()
+            sums[UPDATE_TOKENS] = _computed_tokens(seq)
         if record_routing:
             whole = whole_model_routing(self._stage_routing(seq), self.moe_blocks, self.router.num_layers,
                                         self.pp_group)
@@ -461,3 +460,7 @@ class RankModel:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
+
+def _computed_tokens(seq: RankSequence) -> torch.Tensor:
+    """The tokens this rank's forward of `seq` computes (its chunk's, under context parallel): no padding."""
+    return seq.fields["attention_mask"][:, :seq.input_ids.shape[1]].sum().float()

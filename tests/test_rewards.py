@@ -181,3 +181,19 @@ def test_a_reward_worker_imports_neither_torch_nor_transformers():
              "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def test_the_counting_reward_scores_the_run_written_in_order():
+    """`counting` (the long-answer task): the whole range alone 1.0, a restated question costs nothing,
+    stopping early or running past the end costs the share missed or added, nothing in order 0."""
+    from rlsys.tasks.counting import reward
+
+    def score(response: str) -> float:
+        return reward("counting", response, "41-45")
+
+    assert score("41, 42, 43, 44, 45") == 1.0
+    assert score("The numbers from 41 to 45 are: 41, 42, 43, 44, 45") == 1.0
+    assert score("41, 42, 43") == pytest.approx(3 / 5)
+    assert score("41, 42, 43, 44, 45, 46, 47") == pytest.approx(5 / 7)
+    assert score("41, 43, 42") == pytest.approx(1 / 7)  # the run "41", then 2 numbers after it
+    assert score("") == 0.0 and score("45, 44, 43") == 0.0

@@ -25,10 +25,10 @@ def main() -> None:
     except GGUFError as error:
         sys.exit(f"examples/smollm/prepare.py: {error}")
     data = os.path.join(args.out, "data")
-    for kind, path in {**extremes.write_splits(data), **{f"counting {kind}": path for kind, path in
-                                                        counting.write_splits(os.path.join(data, "counting")).items()}
-                       }.items():
+    for kind, path in extremes.write_splits(data).items():
         print(f"{kind:9s} {path}")
+    for kind, path in counting.write_splits(os.path.join(data, "counting")).items():
+        print(f"counting {kind} {path}")
 
 
 if __name__ == "__main__":

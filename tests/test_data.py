@@ -498,6 +498,92 @@ def test_a_tree_of_contexts_gives_each_row_its_own_log_probs_and_gradient(tiny_m
     assert_packed_pass_is_the_rows(tiny_model_dir, tree_batch(generator), generator)
 
 
+def rows_of_turns(rows: list[list[tuple[list[int], bool]]]) -> dict:
+    """A right-padded batch of rows given as turns (tokens, trained or not)."""
+    from rlsys.data.batching import Example, collate
+
+    examples = [Example([t for tokens, _ in turns for t in tokens],
+                        [int(trained) for tokens, trained in turns for _ in tokens]) for turns in rows]
+    return collate(examples, pad_id=0)
+
+
+def episode_batch() -> dict:
+    """Two episodes of one prompt P under a harness that replaces a tool output with a note: each
+    segment holds its call (trained in the first segment) as history; the first episode's third
+    segment holds all of its second's (its answer, trained there). The two episodes' calls begin
+    with the same two tokens, which both train. Then two rows where each trains what the other
+    holds as history (t by X, u by Y)."""
+    P, note = [3, 4, 5, 6, 7], [8, 9]
+    call, call_b = [20, 21, 22, 23], [20, 21, 32, 33]
+    A1 = [(P, False), (call, True), ([40, 41, 42], False), ([43, 44, 45], True)]
+    B1 = [(P, False), (call, False), (note, False), ([50, 51, 52], True)]
+    C1 = B1[:3] + [([50, 51, 52], False), ([53, 54, 55], False), ([56, 57], True)]
+    A2 = [(P, False), (call_b, True), ([60, 61, 62], False), ([63, 64, 65], True)]
+    B2 = [(P, False), (call_b, False), (note, False), ([70, 71, 72], True)]
+    X = [([10, 11, 12], False), ([13, 14, 15], True), ([16, 17], False), ([18, 19], True)]
+    Y = [([10, 11, 12], False), ([13, 14, 15], False), ([16, 17], True), ([24, 25], False)]
+    return rows_of_turns([A1, B1, C1, A2, B2, X, Y])
+
+
+def test_an_earlier_segments_trained_turns_are_laid_out_once_for_the_segments_that_repeat_them():
+    """`episode_batch`: P once; the first episode's call once (trained, its first segment's) for its
+    three segments, and its second segment's answer once for the third; the second episode's call
+    apart from the first's past their common first token (both train it); X's t, which Y holds as
+    history, once, and Y's u, which X holds, once: 77 + 20 tokens in rows, 44 + 13 laid out. Every
+    trained token is a target once, with its own row's advantage."""
+    from rlsys.data.packing import pack_rows
+
+    batch = episode_batch()
+    batch["advantages"] = torch.arange(1.0, 8.0)[:, None] * batch["loss_mask"]
+    packed = pack_rows(batch).batch
+    assert int(batch["attention_mask"].sum()) == 77 + 20
+    # P's first 4 | call's 4 | A1's rest 7 | the note and B1's answer 5 | B1's last 1 | C1's rest 6 | A2's call 4 |
+    # A2's rest 7 | B2's rest 6; X and Y: Q and t's first 2 | t's last and u's first | Y's rest 3 | X's rest 3
+    assert int(packed["attention_mask"].sum()) == 44 + 13
+    trained = lambda fields: sorted(zip(fields["input_ids"][fields["loss_mask"].bool()].tolist(),  # noqa: E731
+                                        fields["advantages"][fields["loss_mask"].bool()].tolist()))
+    assert trained(packed) == trained(batch)
+
+
+def test_trained_turns_shared_as_history_give_each_row_its_own_log_probs_and_gradient(tiny_model_dir):
+    """`episode_batch` packed as a tree whose nodes hold trained tokens: every token's log-prob and the
+    gradient of a token-level loss (each row its own advantage) are the padded rows'."""
+    assert_packed_pass_is_the_rows(tiny_model_dir, episode_batch(), torch.Generator().manual_seed(3))
+
+
+def test_random_rows_that_begin_alike_pack_to_their_own_targets_and_reads():
+    """Rows drawn from a 3-token alphabet, each beginning with one of two prompts, with random trained
+    turns (so rows begin alike for long stretches, and train what others hold as history): every
+    trained token is a target once with its row's advantage, and every token of every row is read
+    from a packed copy of it whose predecessor, in its span or its parent's, is the row's."""
+    from rlsys.data.packing import pack_rows
+
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        rows = []
+        for _ in range(int(torch.randint(2, 9, (), generator=generator))):
+            turns = [([3, 4, 5][:int(torch.randint(2, 4, (), generator=generator))], False)]
+            for _ in range(int(torch.randint(1, 5, (), generator=generator))):
+                tokens = (torch.randint(6, 9, (int(torch.randint(1, 4, (), generator=generator)),),
+                                        generator=generator)).tolist()
+                turns.append((tokens, bool(torch.rand((), generator=generator) < 0.5)))
+            rows.append(turns)
+        batch = rows_of_turns(rows)
+        batch["advantages"] = torch.arange(1.0, len(rows) + 1)[:, None] * batch["loss_mask"]
+        packing = pack_rows(batch)
+        packed = packing.batch
+        targets = packed["loss_mask"].bool()
+        expected = batch["loss_mask"].bool()
+        expected[:, 0] = False
+        assert sorted(zip(packed["input_ids"][targets].tolist(), packed["advantages"][targets].tolist())) == \
+            sorted(zip(batch["input_ids"][expected].tolist(), batch["advantages"][expected].tolist()))
+        row, column, packed_row, packed_column = packing.reads
+        assert torch.equal(packed["input_ids"][packed_row, packed_column], batch["input_ids"][row, column])
+        later = column > 0  # a copy's predecessor is laid out right before it: its span's, or its parent's last
+        before = packed["input_ids"][packed_row[later], packed_column[later] - 1]
+        assert torch.equal(before, batch["input_ids"][row[later], column[later] - 1])
+
+
 def assert_packed_pass_is_the_rows(tiny_model_dir: str, batch: dict, generator: torch.Generator) -> None:
     """A token-level loss over `batch` packed (sharing contexts) and attended by spans: each token's
     log-prob and the model's gradient within 1e-6 of the padded rows'; no target lost to packing."""

@@ -57,10 +57,10 @@ class ParallelConfig:
     reward model's Bradley-Terry loss) gets the packed forward's logits laid back out as rows (so not
     under cp)."""
     share_prompts: bool = True
-    """With pack_sequences: rows whose contexts begin alike (a GRPO group's prompt, a system prompt, the
-    history an episode's segments repeat) share one copy of what they repeat, as a tree, in the forward
-    and backward pass (unless that lays out more cells, padding included, than unshared); the gradient
-    is the same."""
+    """With pack_sequences: rows that begin alike (a GRPO group's prompt, a system prompt, the history an
+    episode's segments repeat, an earlier segment's trained turns included) share one copy of what they
+    repeat, as a tree, in the forward and backward pass (unless that lays out more cells, padding
+    included, than unshared); two rows that both train a token keep a copy each. The gradient is the same."""
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """FSDP2 mixed precision: auto is bf16 compute with fp32 reduction on GPU, full fp32 on CPU."""
 

@@ -10,26 +10,32 @@ its own sequence (`position_ids`) and the index of its span (`segment_ids`, from
 
 A GRPO group's samples repeat one prompt, a batch's prompts may open with one system prompt,
 and the later segments of an episode whose history a harness rewrote repeat what came before
-the rewritten part: rows whose contexts (the tokens before their first loss token) begin alike
-share one copy of what they repeat, as a tree (Prefix Grouper, arXiv 2506.05433, for one
-prompt; AReaL's tree training for an agent's turns). Each node of the tree is a span of the tokens its rows
-have in common past its parent's, and a row's own span holds the rest of it; every span's
+the rewritten part, an earlier segment's trained turns included: rows that begin alike share
+one copy of what they repeat, as a tree (Prefix Grouper, arXiv 2506.05433, for one prompt;
+AReaL's tree training for an agent's turns). Each node of the tree is a span of the tokens its
+rows have in common past its parent's, and a row's own span holds the rest of it; every span's
 tokens also attend to its ancestors' (`prefix_ids`: the span it continues). A node ends one
-token before its rows part, and each child repeats that token, so every row's first target
-sits next to the logits that predict it in its own span. Every token sees what it saw in its
-own row, so activations are the same and a shared token's gradient is the sum of its copies'.
-Only context is shared: a token a loss trains is laid out for its row alone (an earlier
-segment's trained turns, repeated as a later one's history, are laid out in both). Every node of two
-tokens or more at the root, one or more below, is laid out once, unless the micro-batch would
-then lay out more cells (rows x width, padding included) than unshared: a tree is one unit as
-wide as all its rows, and every row is as wide as the widest unit. The training ranks attend a
-packed batch span by span (`rlsys.parallel.span_attention`): each span scores its own pairs
-and its ancestors', never the row's whole width.
+token before its rows part, and each child repeats that token; the child laid out right after
+it (its first continuation) reads that token's label from the node's last logits, the others
+read it from there. Every token sees what it saw in its own row, so activations are the same
+and a shared token's gradient is the sum of its copies'.
+
+A token a loss trains is shared only with rows that hold it as context: every label a node
+computes (its own tokens' but the first, and its first continuation's first) is trained by at
+most one of its rows, its owner, whose per-token fields (loss mask, advantage, old log-prob)
+the node's copy carries. Two rows that both train a token (two samples that begin their answers
+alike) part before it, each with its own copy and fields. Every node of two tokens or more at
+the root, one or more below, is laid out once, unless the micro-batch would then lay out more
+cells (rows x width, padding included) than unshared: a tree is one unit as wide as all its
+rows, and every row is as wide as the widest unit. The training ranks attend a packed batch span
+by span (`rlsys.parallel.span_attention`): each span scores its own pairs and its ancestors',
+never the row's whole width.
 
 Every [B, T, ...] field is packed the same way, so a loss whose terms are sums over
-tokens gives the same result on the packed micro-batch. The label of a span packed
-after another is never a target: its `loss_mask` is 0 there, as position 0 of an
-unpacked row never is one.
+tokens gives the same result on the packed micro-batch. The first label of a span packed
+after another is never a target (its `loss_mask` is 0 there, as position 0 of an unpacked
+row never is one), but where the span is its parent's first continuation: that label is
+predicted by the parent's last token, and its fields are the parent's owner's.
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ class _Span(NamedTuple):
 
 def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
-    wide as the batch, or as its widest tree (`share_prompts`: rows whose contexts begin alike lay
+    wide as the batch, or as its widest tree (`share_prompts`: rows that begin alike lay
     out what they repeat once, unless that lays out more cells, padding included: a tree as wide
     as all its rows widens every row)."""
     lengths = batch["attention_mask"].sum(1).tolist()
@@ -91,7 +97,8 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
     sizes = spans[_SPAN_FIELDS.index("size")]
     per_token = dict(zip(_SPAN_FIELDS, spans.repeat_interleave(sizes, dim=1)))
     within = index_within_runs(sizes)
-    source = (per_token["row"], per_token["start"] + within)
+    first = within == 0  # a first continuation's first token carries its parent's owner's fields
+    source = (torch.where(first, per_token["head_row"], per_token["row"]), per_token["start"] + within)
     target = (per_token["packed_row"], per_token["offset"] + within)
 
     packed = {}
@@ -100,7 +107,7 @@ def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
         out[target] = values[source]
         packed[name] = out
     if "loss_mask" in packed:  # a span's first label is predicted in another span, or by nothing
-        starts = within == 0
+        starts = first & (per_token["continues"] == 0)
         packed["loss_mask"][target[0][starts], target[1][starts]] = 0
     for name, values in (("position_ids", source[1]), ("segment_ids", per_token["segment"]),
                          ("prefix_ids", per_token["prefix"])):
@@ -137,7 +144,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(batch: Batch, lengths: list[int], share_prompts: bool) -> _Layout:
-    trees = _context_trees(_contexts(batch)) if share_prompts else []
+    trees = _trees(_Rows.of(batch, lengths)) if share_prompts else []
     units = [_tree_unit(tree, lengths) for tree in trees]
     shared = {row for tree in trees for row in tree.rows}
     units += [[_Span(row, 0, lengths[row], rows=(row,))] for row in range(len(lengths)) if row not in shared]
@@ -146,65 +153,103 @@ def _layout(batch: Batch, lengths: list[int], share_prompts: bool) -> _Layout:
     return _Layout(units, _first_fit_decreasing(unit_lengths, width), width)
 
 
-def _contexts(batch: Batch) -> list[list[int]]:
-    """Each row's context: its tokens before its first loss token (none for a row without one)."""
-    if "loss_mask" not in batch:
-        return [[] for _ in range(batch["input_ids"].shape[0])]
-    has_target = batch["loss_mask"].bool()
-    lengths = torch.where(has_target.any(1), has_target.int().argmax(1), 0).tolist()
-    return [ids[:length] for ids, length in zip(batch["input_ids"].tolist(), lengths)]
+class _Rows(NamedTuple):
+    """What the tree is grown over: each row's tokens, and which of its labels a loss trains."""
+    ids: list[list[int]]
+    trains: list[list[bool]]
+    """trains[row][t]: the loss trains token t of the row (predicted from token t - 1)."""
+
+    @classmethod
+    def of(cls, batch: Batch, lengths: list[int]) -> _Rows:
+        """The rows of `batch`; none to share where it has no loss mask (a pass whose every label may be read)."""
+        if "loss_mask" not in batch:
+            return cls([[] for _ in lengths], [[] for _ in lengths])
+        ids = [row[:length] for row, length in zip(batch["input_ids"].tolist(), lengths)]
+        trains = [row[:length] for row, length in zip(batch["loss_mask"].bool().tolist(), lengths)]
+        return cls(ids, trains)
 
 
 @dataclass
 class _Node:
-    """Rows whose contexts agree on their first `depth` tokens, and the nodes of those of them
-    that agree on more."""
+    """Rows that agree on their first `depth` tokens, the first of them its owner (the one row, if
+    any, that trains a label the node computes: its tokens' past its first, and token depth - 1),
+    and the nodes of those of them that agree on more."""
     rows: list[int]
     depth: int
     children: list[_Node]
 
 
-def _context_trees(contexts: list[list[int]]) -> list[_Node]:
-    """The trees of rows whose contexts begin with the same two tokens or more."""
-    return [_grow(rows, contexts, 2) for rows in _parted(range(len(contexts)), contexts, 2)]
+def _trees(rows: _Rows) -> list[_Node]:
+    """The trees of rows that begin with the same two tokens or more."""
+    return [_grow(part, rows, 2) for part in _parted(range(len(rows.ids)), rows, 2)]
 
 
-def _parted(rows, contexts: list[list[int]], depth: int) -> list[list[int]]:
-    """The sets of two or more `rows` whose contexts are at least `depth` tokens long and agree on
-    them (only token depth - 1 is compared: the rows agree on the ones before)."""
+def _parted(candidates, rows: _Rows, depth: int) -> list[list[int]]:
+    """The sets of two or more `candidates` that are at least `depth` tokens long and agree on them
+    (only token depth - 1 is compared: they agree on the ones before), each with at most one row
+    that trains token depth - 1, first: where several do, each takes the rows that agree with it
+    longest."""
     parts: dict[tuple[int, ...] | int, list[int]] = {}
-    for row in rows:
-        if len(contexts[row]) >= depth:
-            parts.setdefault(tuple(contexts[row][:depth]) if depth == 2 else contexts[row][depth - 1], []).append(row)
-    return [part for part in parts.values() if len(part) > 1]
+    for row in candidates:
+        if len(rows.ids[row]) >= depth:
+            key = tuple(rows.ids[row][:depth]) if depth == 2 else rows.ids[row][depth - 1]
+            parts.setdefault(key, []).append(row)
+    split = [group for part in parts.values() for group in _by_owner(part, rows, depth - 1)]
+    return [group for group in split if len(group) > 1]
 
 
-def _grow(rows: list[int], contexts: list[list[int]], depth: int) -> _Node:
-    """The tree of `rows` (agreeing on their first `depth` tokens, at least), grown from a stack of
-    its unfinished nodes rather than by recursion: an episode's segments may nest hundreds deep."""
-    root = _Node(rows, depth, [])
+def _by_owner(part: list[int], rows: _Rows, column: int) -> list[list[int]]:
+    """`part` as groups of at most one row that trains token `column`, that row first."""
+    owners = [row for row in part if rows.trains[row][column]]
+    if not owners:
+        return [part]
+    groups = {owner: [owner] for owner in owners}
+    for row in part:
+        if row not in groups:
+            groups[max(owners, key=lambda owner: _common_length(rows.ids[row], rows.ids[owner]))].append(row)
+    return list(groups.values())
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _grow(part: list[int], rows: _Rows, depth: int) -> _Node:
+    """The tree of the rows of `part` (agreeing on their first `depth` tokens, at least; its first
+    row trains token depth - 1 if one does), grown from a stack of its unfinished nodes rather than
+    by recursion: an episode's segments may nest hundreds deep."""
+    root = _Node(part, depth, [])
     unfinished = [root]
     while unfinished:
         node = unfinished.pop()
-        node.depth = _agreement(node.rows, contexts, node.depth)
-        node.children = [_Node(part, node.depth + 1, []) for part in _parted(node.rows, contexts, node.depth + 1)]
+        node.depth, owner = _agreement(node.rows, rows, node.depth)
+        if owner is not None:
+            node.rows.remove(owner)
+            node.rows.insert(0, owner)
+        node.children = [_Node(group, node.depth + 1, []) for group in _parted(node.rows, rows, node.depth + 1)]
         unfinished.extend(node.children)
     return root
 
 
-def _agreement(rows: list[int], contexts: list[list[int]], depth: int) -> int:
-    """How many leading tokens the contexts of `rows` agree on, knowing they agree on `depth`."""
-    shortest = min(len(contexts[row]) for row in rows)
-    first = contexts[rows[0]]
-    while depth < shortest and all(contexts[row][depth] == first[depth] for row in rows):
+def _agreement(members: list[int], rows: _Rows, depth: int) -> tuple[int, int | None]:
+    """How many leading tokens `members` agree on, knowing they agree on `depth`, while at most one
+    of them (the owner, returned) trains the tokens from depth - 1 on."""
+    owner = next((row for row in members if rows.trains[row][depth - 1]), None)
+    shortest = min(len(rows.ids[row]) for row in members)
+    first = rows.ids[members[0]]
+    while depth < shortest and all(rows.ids[row][depth] == first[depth] for row in members):
+        trainers = {row for row in members if rows.trains[row][depth]} | ({owner} if owner is not None else set())
+        if len(trainers) > 1:
+            break
+        owner = next(iter(trainers), None)
         depth += 1
-    return depth
+    return depth, owner
 
 
 def _tree_unit(tree: _Node, lengths: list[int]) -> list[_Span]:
-    """A tree's spans, each node before its subtree: the node's columns past its parent's, its
-    last shared token left to its children (each of which repeats it), then its children's
-    subtrees in turn, then the rows that part from it."""
+    """A tree's spans, each node before its subtree: the node's columns past its parent's (its
+    fields its owner's), its last shared token left to its children (each of which repeats it),
+    then its children's subtrees in turn, then the rows that part from it."""
     unit: list[_Span] = []
     to_lay_out: list[tuple[_Node, int, int] | tuple[_Node, int]] = [(tree, 0, -1)]  # a node, or its rows' spans
     while to_lay_out:
@@ -236,20 +281,24 @@ def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int
     return placement
 
 
-_SPAN_FIELDS = ("row", "start", "size", "packed_row", "offset", "segment", "prefix")
+_SPAN_FIELDS = ("row", "start", "size", "packed_row", "offset", "segment", "prefix", "continues", "head_row")
 
 
 def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> torch.Tensor:
     """[len(_SPAN_FIELDS), spans], in packing order: each span's source row and start, size,
-    packed row and offset, segment id (from 1) and the segment id of the span it continues (0 if
-    none)."""
+    packed row and offset, segment id (from 1), the segment id of the span it continues (0 if
+    none), whether it is laid out right after that span (its first continuation, whose first label
+    the parent's last token predicts) and the row its first token's fields come from (the parent's
+    owner there, else its own)."""
     entries = []
     for unit, (packed_row, offset) in zip(units, placement):
         first_segment = len(entries) + 1
-        for span in unit:
+        for index, span in enumerate(unit):
             size = span.end - span.start
+            continues = span.parent >= 0 and span.parent == index - 1
             entries.append((span.row, span.start, size, packed_row, offset, len(entries) + 1,
-                            first_segment + span.parent if span.parent >= 0 else 0))
+                            first_segment + span.parent if span.parent >= 0 else 0, int(continues),
+                            unit[span.parent].row if continues else span.row))
             offset += size
     return torch.tensor(entries, dtype=torch.long).T
 

@@ -36,6 +36,16 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def windowed_model_dir(tmp_path_factory) -> str:
+    """`tiny_model_dir`'s shape, its second layer attending within 3 positions (a sliding window)."""
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=105, sliding_window=3)
+    return write_tiny_model(str(tmp_path_factory.mktemp("windowed")), spec)
+
+
+@pytest.fixture(scope="session")
 def moe_model_dirs(tmp_path_factory) -> dict[str, str]:
     """MoE models of the same shape, one per family: every layer's MLP is 8 experts, 2 a token; and a
     Qwen3-MoE whose first layer's MLP is dense (`qwen3_moe_dense_first`)."""

@@ -347,6 +347,54 @@ def test_span_attention_is_attention_under_the_block_causal_mask(kernel, layout,
     assert len(calls) == (kernel != "sdpa")
 
 
+def sequence_positions(segments: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
+    """Each packed token's position in its sequence: its ancestors' tokens, then its index in its span."""
+    from rlsys.data.packing import span_ancestors
+
+    chains = span_ancestors(segments, prefixes)
+    lengths = torch.bincount(segments.flatten(), minlength=len(chains))
+    starts = torch.tensor([int(lengths[chain].sum()) if chain else 0 for chain in chains])
+    first_column = {}
+    positions = torch.zeros_like(segments)
+    for r, c in torch.nonzero(segments > 0).tolist():
+        segment = int(segments[r, c])
+        first_column.setdefault(segment, c)
+        positions[r, c] = starts[segment] + c - first_column[segment]
+    return positions
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("window", [1, 4, 37])
+def test_a_sliding_window_layer_attends_by_spans_within_its_window(window, layout, monkeypatch):
+    """A sliding-window layer's spans: each token's attention output is that of the dense
+    block-causal mask narrowed to the keys fewer than `window` positions before it in its sequence
+    (its ancestors' included), through SDPA even where a variable-length kernel would run, but
+    where the window holds every span's keys (37 tokens, the short layout's): full attention."""
+    from rlsys.data.packing import block_causal_mask
+    from rlsys.parallel import span_attention
+    from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans
+
+    asked = []
+    monkeypatch.setattr(span_attention, "varlen_kernel", lambda query: asked.append(query))  # None: SDPA
+    segments, prefixes = packed_layout(LAYOUTS[layout])
+    spans = SharedPrefixSpans.of(segments, prefixes)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(segments.shape[0], 4, segments.shape[1], 8, generator=generator)
+    key, value = (torch.randn(segments.shape[0], 2, segments.shape[1], 8, generator=generator) for _ in range(2))
+    got = attend_spans(torch.nn.Module(), query, key, value, spans, window=window)
+    whole = window >= spans.longest_keys
+    assert bool(asked) == whole  # a variable-length kernel is asked for no window
+    positions = sequence_positions(segments, prefixes)
+    near = (positions[:, :, None] - positions[:, None, :] < window)[:, None]
+    mask = block_causal_mask(segments, prefixes) & (near | torch.eye(segments.shape[1], dtype=torch.bool))
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                                enable_gqa=True).transpose(1, 2)
+    real = segments > 0
+    assert (got - expected)[real].abs().max() < 1e-6
+    unwindowed = attend_spans(torch.nn.Module(), query, key, value, spans)
+    assert ((unwindowed - expected)[real].abs().max() < 1e-6) == whole
+
+
 def test_unpacked_rows_attend_a_span_a_row():
     """Right-padded rows (one of them empty), each its own span: causal attention over each row's
     tokens, as SDPA's causal attention gives them."""
@@ -393,9 +441,11 @@ def test_the_flash_kernel_is_called_as_the_installed_pytorch_takes_it(monkeypatc
     assert is_causal and key.shape == (3, 4, 8) and query[0, 0, 0] == pytest.approx(0.5 * 8 ** 0.5)
 
 
-def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("model", ["tiny_model_dir", "windowed_model_dir"])
+def test_attention_by_spans_builds_no_dense_mask(model, request, monkeypatch):
     """A packed row attended by spans makes transformers build no [rows, 1, W, W] mask from its
-    positions; given no mask at all, it builds one (what `span_inputs`' unread view prevents)."""
+    positions, for full and sliding-window layers alike; given no mask at all, it builds one a kind of
+    layer (what `span_inputs`' unread view prevents)."""
     from transformers import masking_utils
 
     from rlsys.data.packing import pack_rows
@@ -413,7 +463,7 @@ def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):
     batch = collate_rollouts([[5, 6, 7, 8]] * 4, [[9, 10], [11], [12, 13, 14], [15]], pad_id=0)
     packed = pack_rows(batch).batch
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model), dtype=torch.float32)
     apply_span_attention(model)
     spans = SharedPrefixSpans.of(segments, prefixes)
     with torch.no_grad():
@@ -422,7 +472,8 @@ def test_attention_by_spans_builds_no_dense_mask(tiny_model_dir, monkeypatch):
         assert built == []
         model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False,
               attention_mask=None, shared_spans=spans)
-    assert built == [(1, 1, segments.shape[1], segments.shape[1])]
+    kinds = len(set(model.config.layer_types))
+    assert built == [(1, 1, segments.shape[1], segments.shape[1])] * kinds
 
 
 def tree_batch(generator: torch.Generator) -> dict:
@@ -489,6 +540,16 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
     assert int(packed["attention_mask"].sum()) == int(batch["attention_mask"].sum()) - 2 * 3 * 5
     assert pack_rows(batch, share_prompts=False).batch["attention_mask"].sum() == batch["attention_mask"].sum()
     assert_packed_pass_is_the_rows(tiny_model_dir, batch, generator)
+
+
+@pytest.mark.parametrize("rows", ["tree", "episodes"])
+def test_a_sliding_window_models_packed_rows_give_each_row_its_own_log_probs_and_gradient(windowed_model_dir, rows):
+    """A model whose second layer attends within 3 positions, on `tree_batch`'s and `episode_batch`'s rows
+    packed as trees (their spans' ancestors longer than the window): every token's log-prob and the
+    gradient of a token-level loss are the padded rows' under transformers' own sliding-window mask."""
+    generator = torch.Generator().manual_seed(2)
+    batch = tree_batch(generator) if rows == "tree" else episode_batch()
+    assert_packed_pass_is_the_rows(windowed_model_dir, batch, generator)
 
 
 def test_a_tree_of_contexts_gives_each_row_its_own_log_probs_and_gradient(tiny_model_dir):

@@ -63,6 +63,8 @@ class TinyModelSpec:
     """A Qwen-MoE model's layers whose MLP is dense (the others' are mixtures); a Mixtral has none."""
     reward_head: bool = False
     """A reward model: the same body with a one-logit sequence-classification head in place of the LM head."""
+    sliding_window: int | None = None
+    """A dense model whose odd layers attend within this many positions (as Gemma's alternate layers)."""
     seed: int = 0
 
 
@@ -107,6 +109,9 @@ def build_model(spec: TinyModelSpec, tokenizer: Qwen2Tokenizer):
     )
     if spec.num_experts:
         config = _moe_config(spec, common)
+    elif spec.sliding_window:
+        kinds = ["sliding_attention" if i % 2 else "full_attention" for i in range(spec.num_hidden_layers)]
+        config = Qwen2Config(**common, use_sliding_window=True, sliding_window=spec.sliding_window, layer_types=kinds)
     else:
         config = Qwen2Config(**common)
     torch.manual_seed(spec.seed)

@@ -46,12 +46,16 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       shared_spans: SharedPrefixSpans | None = None, **kwargs):
     """[B, heads, T/cp, D] per rank in, [B, T/cp, heads, D] out, as HF attention functions:
     causal over the gathered sequence (`attention_mask` None), or by a packed micro-batch's
-    `shared_spans` over the whole sequence (its `attention_mask` then an unread placeholder)."""
+    `shared_spans` over the whole sequence (its `attention_mask` then an unread placeholder), as
+    a sliding-window layer's rows always are (within its `sliding_window`)."""
+    window = kwargs.get("sliding_window")
+    if window is not None and shared_spans is None:
+        raise ValueError("a sliding-window layer under context parallel attends by spans: pass shared_spans")
     group = module.cp_group
     query, key, value = (_seq_to_heads(t, group) for t in (query, key, value))
     dropout = dropout if module.training else 0.0
     if shared_spans is not None:
-        out = attend_spans(module, query, key, value, shared_spans, dropout, scaling).transpose(1, 2)
+        out = attend_spans(module, query, key, value, shared_spans, dropout, scaling, window).transpose(1, 2)
     else:
         repeats = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)

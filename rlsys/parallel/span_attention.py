@@ -13,13 +13,15 @@ gathered into batches of like spans (those continuing others, those that do not)
 scaled_dot_product_attention: causal without a mask where a span continues nothing (its padding
 lies after its last query), with each span's own [queries x keys] mask where it continues others.
 On a GPU in half precision every span goes instead through PyTorch's flash variable-length kernel in
-one call, unpadded (`varlen_kernel`). The outputs are scattered back to the packed positions. Every
-token sees exactly what it sees in its own unpacked row.
+one call, unpadded (`varlen_kernel`). A sliding-window layer narrows each batch's mask to its
+window (a key's position in its sequence is its index among the span's keys), through SDPA on
+every device. The outputs are scattered back to the packed positions. Every token sees exactly
+what it sees in its own unpacked row.
 
 It takes SDPA's entry in transformers' attention interface (`apply_span_attention`, for a model
-whose attention is SDPA over full causal layers) and is SDPA itself for every call without
-`shared_spans`. A model it cannot take (sliding windows, a vision-language model, another
-attention implementation) is not packed (`uses_span_attention`).
+whose attention is SDPA over causal layers, full or sliding-window) and is SDPA itself for every
+call without `shared_spans`. A model it cannot take (a vision-language model, other kinds of
+layer, another attention implementation) is not packed (`uses_span_attention`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,20 @@ class _SpanBatch:
     None where no span continues another: each query sees its own span causally."""
     targets: torch.Tensor
     """[real queries]: their flat positions, in `picked`'s order."""
+    real: torch.Tensor
+    """[S, Lq] bool: the span has a token at the query."""
+    query_positions: torch.Tensor
+    """[S, Lq]: each query's position in its sequence (its ancestors' tokens come before it). A
+    key's position is its index in `keys`: a span's ancestors and itself are its sequence's
+    tokens up to its end, in order."""
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """`mask` narrowed to a sliding window: a query sees the keys fewer than `window` positions
+        before it (transformers' `sliding_window_overlay`), itself included."""
+        key = torch.arange(self.keys.shape[1], device=self.keys.device)
+        near = self.query_positions[:, :, None] - key[None, None, :] < window
+        sees = self.mask[:, 0] if self.mask is not None else key[None, None, :] <= self.query_positions[:, :, None]
+        return ((sees & near) | ~self.real[:, :, None])[:, None]
 
 
 @dataclass
@@ -94,6 +110,7 @@ class SharedPrefixSpans:
         """[spans]: where each span's ancestors' positions start in `prefix_positions`, and how many
         (0: the span continues none)."""
         self.device = torch.device(device)
+        self._windowed: dict[int, list[torch.Tensor]] = {}
 
     def to(self, device: torch.device | str) -> SharedPrefixSpans:
         return SharedPrefixSpans(self.starts, self.lengths, self.prefix_positions, self.prefix_offsets,
@@ -106,6 +123,17 @@ class SharedPrefixSpans:
                                self.prefix_offsets[bucket], self.prefix_lengths[bucket])
                    for bucket in _buckets(self.lengths, self.prefix_lengths)]
         return [_SpanBatch(**_moved(batch, self.device)) for batch in batches]
+
+    def windowed_masks(self, window: int) -> list[torch.Tensor]:
+        """Each batch's mask under a sliding `window` (built once a window: every sliding layer reads it)."""
+        if window not in self._windowed:
+            self._windowed[window] = [batch.windowed(window) for batch in self.batches]
+        return self._windowed[window]
+
+    @functools.cached_property
+    def longest_keys(self) -> int:
+        """The most keys any span attends to: its ancestors' tokens and its own."""
+        return int((self.prefix_lengths + self.lengths).max())
 
     @functools.cached_property
     def targets(self) -> torch.Tensor:
@@ -211,10 +239,11 @@ def _span_batch(starts: torch.Tensor, lengths: torch.Tensor, prefix_positions: t
     keys = torch.where(key_real, keys, starts[:, None])
     queries = torch.where(real, starts[:, None] + query[None], 0)
     picked = torch.nonzero(real.flatten()).flatten()
+    positions = prefix_lengths[:, None] + query[None]
     if not bool(prefix_lengths.any()):  # causal over each span's own keys, its padding after them
-        return _SpanBatch(queries, picked, keys, None, queries[real])
+        return _SpanBatch(queries, picked, keys, None, queries[real], real, positions)
     sees = key_real[:, None, :] & (in_prefix[:, None, :] | (own[:, None, :] <= query[None, :, None]))
-    return _SpanBatch(queries, picked, keys, (sees | ~real[:, :, None])[:, None], queries[real])
+    return _SpanBatch(queries, picked, keys, (sees | ~real[:, :, None])[:, None], queries[real], real, positions)
 
 
 def span_inputs(spans: SharedPrefixSpans, rows: int, width: int) -> dict:
@@ -230,22 +259,27 @@ def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
                    attention_mask, dropout: float = 0.0, scaling: float | None = None,
                    shared_spans: SharedPrefixSpans | None = None, **kwargs):
     """[B, heads, T, D] in, [B, T, heads, D] out, as HF attention functions; SDPA's own forward
-    where the micro-batch has no `shared_spans`."""
+    where the micro-batch has no `shared_spans`. A sliding-window layer passes its `sliding_window`."""
     if shared_spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return attend_spans(module, query, key, value, shared_spans, dropout, scaling), None
+    window = kwargs.get("sliding_window")
+    return attend_spans(module, query, key, value, shared_spans, dropout, scaling, window), None
 
 
 def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 shared_spans: SharedPrefixSpans, dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+                 shared_spans: SharedPrefixSpans, dropout: float = 0.0, scaling: float | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """[B, heads, T, D] in (keys and values may have fewer heads), [B, T, heads, D] out: each span's
-    queries attend to its ancestors' keys and its own."""
+    queries attend to its ancestors' keys and its own, within `window` positions before them for a
+    sliding-window layer (through SDPA's masks on every device)."""
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
     dropout = dropout if module.training else 0.0
-    kernel = varlen_kernel(query) if dropout == 0.0 else None
+    if window is not None and window >= shared_spans.longest_keys:  # the window holds every span whole
+        window = None
+    kernel = varlen_kernel(query) if dropout == 0.0 and window is None else None
     if kernel is not None:  # every span in one call, no padding
         varlen = shared_spans.varlen
         out = kernel(flat_q[varlen.queries], flat_k[varlen.keys], flat_v[varlen.keys], varlen.query_offsets,
@@ -254,11 +288,12 @@ def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         out = query.new_zeros(batch * length, heads, dim).index_copy(0, varlen.queries, out)
         return out.view(batch, length, heads, dim)
     attended = []
-    for spans in shared_spans.batches:
+    masks = shared_spans.windowed_masks(window) if window else [spans.mask for spans in shared_spans.batches]
+    for spans, mask in zip(shared_spans.batches, masks):
         count, width = spans.queries.shape
         q = flat_q[spans.queries.flatten()].view(count, width, heads, dim).transpose(1, 2)
         k, v = (x[spans.keys.flatten()].view(count, -1, kv_heads, dim).transpose(1, 2) for x in (flat_k, flat_v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=spans.mask, is_causal=spans.mask is None,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              scale=scaling, dropout_p=dropout, enable_gqa=kv_heads != heads)
         attended.append(out.transpose(1, 2).reshape(count * width, heads, dim)[spans.picked])
     out = query.new_zeros(batch * length, heads, dim).index_copy(0, shared_spans.targets, torch.cat(attended))
@@ -321,14 +356,15 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qu
 
 
 def apply_span_attention(model: nn.Module) -> None:
-    """Let `model`'s SDPA attention take `shared_spans` where it runs SDPA over full causal layers
-    (a vision-language model, sliding-window layers or another implementation keep their own, and
-    their rows are not packed). SDPA's entry in transformers' attention interface becomes
-    `span_attention`, which is SDPA itself for every call without `shared_spans`."""
+    """Let `model`'s SDPA attention take `shared_spans` where it runs SDPA over causal layers, full
+    or sliding-window (a vision-language model, whose forward derives its rotary positions per
+    row, other kinds of layer or another implementation keep their own, and their rows are not
+    packed). SDPA's entry in transformers' attention interface becomes `span_attention`, which is
+    SDPA itself for every call without `shared_spans`."""
     config = model.config
-    full = set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
-    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    if config._attn_implementation == "sdpa" and full and not windowed and not hasattr(config, "vision_config"):
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if config._attn_implementation == "sdpa" and kinds <= {"full_attention", "sliding_attention"} \
+            and not hasattr(config, "vision_config"):
         AttentionInterface.register("sdpa", span_attention)
         model.span_attention = True
 

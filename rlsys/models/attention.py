@@ -1,0 +1,13 @@
+"""Which positions a model's attention layers see: all before a token (full causal attention), or
+only those within a sliding window (Mistral's every layer, Qwen2's past `max_window_layers`, Gemma's
+alternate ones), as its transformers config says."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+
+def has_sliding_window(config: PretrainedConfig) -> bool:
+    """Whether some layer of a model with `config` attends within a sliding window."""
+    kinds = getattr(config, "layer_types", None)
+    return bool(getattr(config, "sliding_window", None)) and (kinds is None or "sliding_attention" in kinds)

@@ -476,6 +476,29 @@ def test_attention_by_spans_builds_no_dense_mask(model, request, monkeypatch):
     assert built == [(1, 1, segments.shape[1], segments.shape[1])] * kinds
 
 
+def test_a_pipeline_stage_of_a_sliding_window_model_attends_by_spans(windowed_model_dir, monkeypatch):
+    """A pipeline stage holding a sliding-window model's layers attends its rows a span each, each
+    layer within its own window: the model's logits as transformers gives them, without a mask
+    of the rows' width (which transformers builds for the sliding layer otherwise)."""
+    from transformers import masking_utils
+
+    from rlsys.parallel.pipeline_stages import split_into_stages
+    from rlsys.parallel.span_attention import apply_span_attention
+
+    load = lambda: AutoModelForCausalLM.from_pretrained(windowed_model_dir, dtype=torch.float32)  # noqa: E731
+    ids = torch.randint(3, 100, (3, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = load()(input_ids=ids).logits
+        [stage] = split_into_stages(load, pp=1, pp_rank=0, stages_per_rank=1)
+        apply_span_attention(stage)
+        built = []
+        sdpa_mask = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+        monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa",
+                            lambda *args, **kwargs: built.append(1) or sdpa_mask(*args, **kwargs))
+        got = stage(ids)
+    assert built == [] and (got - expected).abs().max() < 1e-5
+
+
 def tree_batch(generator: torch.Generator) -> dict:
     """Rows whose contexts form a tree: a 5-token system prompt S; 3 samples of S + question A, 2 of
     S + question B; 2 rows whose context continues S + A by 4 tokens, 1 with context S alone; 2 rows

@@ -193,6 +193,7 @@ MORE_CHECKS = {"fsdp2": [episodes_match_one_process],
 
 WINDOWED_LAYOUTS = {  # by world size, as LAYOUTS
     "tp2-sp-unpacked": LAYOUTS["tp2-sp-unpacked"],
+    "pp2-1f1b": LAYOUTS["pp2-1f1b"],
     "cp2-unpacked": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.pack_sequences=false"],
     "fsdp2xtp2-sp-lp": LAYOUTS["fsdp2xtp2-sp-lp"],
     "cp2xfsdp2": LAYOUTS["cp2xfsdp2"],
@@ -204,9 +205,10 @@ WINDOWED_LAYOUTS = {  # by world size, as LAYOUTS
 def test_a_sliding_window_model_matches_single_process(ray_cluster, sft_config, windowed_model_dir, layout):
     """A model whose second layer attends within 3 positions, on `long_answer_batch` (80-token
     prompts and answers, contexts packed as trees): sequence parallel (packed, and unpacked rows a
-    span each) and context parallel (packed, and unpacked rows a span each over the gathered
-    sequence) give one process's RL-loss gradients, which transformers' own sliding-window mask
-    gives; every rank attends by spans (`attends_spans_where_it_can`)."""
+    span each), a pipeline (its stages' rows a span each) and context parallel (packed, and
+    unpacked rows a span each over the gathered sequence) give one process's RL-loss gradients,
+    which transformers' own sliding-window mask gives; every rank attends by spans
+    (`attends_spans_where_it_can`)."""
     rl, counts = long_answer_batch(windowed_model_dir)
     loss = actor_loss(counts, ALGO, RL_INPUTS)
     _, expected = reference_gradients(windowed_model_dir, rl, loss)

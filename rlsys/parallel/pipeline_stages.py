@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from rlsys.config.layout import ParallelConfig
+from rlsys.models.attention import has_sliding_window
+from rlsys.parallel.span_attention import SharedPrefixSpans, uses_span_attention
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ class DecoderStage(nn.Module):
         hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
         positions = self.positions if self.positions is not None \
             else torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._attention_masks(hidden, positions)
+        attention = self._attention_inputs(hidden, positions)
         rotary = self.model.rotary_emb(hidden, positions)
         layer_types = getattr(self.config, "layer_types", None)
         moe = {"moe_token_mask": self.token_masks[self.forwards]} if self.token_masks else {}
@@ -108,9 +110,9 @@ class DecoderStage(nn.Module):
             moe["moe_routing"] = self.routings[self.forwards]
         self.forwards += 1
         for i in self.layers:
-            mask = masks[layer_types[i] if layer_types else "full_attention"]
-            hidden = self.model.layers[i](hidden, attention_mask=mask, position_embeddings=rotary,
-                                          position_ids=positions, use_cache=False, **moe)
+            kind = layer_types[i] if layer_types else "full_attention"
+            hidden = self.model.layers[i](hidden, position_embeddings=rotary, position_ids=positions, use_cache=False,
+                                          **attention[kind], **moe)
         if not self.is_last:
             return hidden
         logits = self.lm_head(self.model.norm(hidden))
@@ -118,15 +120,22 @@ class DecoderStage(nn.Module):
         # (torch 2.11) refuses outputs whose strides differ from those it inferred
         return logits if isinstance(logits, DTensor) else logits.contiguous()
 
-    def _attention_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """HF's own causal masks (None where its attention kernel is causal by itself), as long
-        as `positions`: HF reads only the shape and dtype of `inputs_embeds`."""
+    def _attention_inputs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, dict]:
+        """Each kind of layer's attention arguments, as long as `positions`. A sliding-window model
+        attending by spans: each row a span, each layer within its own window
+        (`rlsys.parallel.span_attention`), where transformers would build a mask of the row's width
+        for every sliding layer. Else HF's own causal masks (None where its attention kernel is
+        causal by itself; HF reads only the shape and dtype of `inputs_embeds`)."""
+        if has_sliding_window(self.config) and uses_span_attention(self):
+            rows = SharedPrefixSpans.of_rows(torch.ones(hidden.shape[0], positions.shape[1], dtype=torch.long))
+            by_spans = {"attention_mask": None, "shared_spans": rows.to(hidden.device)}
+            return {"full_attention": by_spans, "sliding_attention": by_spans}
         queries = hidden[:, :1].expand(-1, positions.shape[1], -1)
         kwargs = dict(config=self.config, inputs_embeds=queries, attention_mask=None, past_key_values=None,
                       position_ids=positions)
-        masks = {"full_attention": create_causal_mask(**kwargs)}
+        masks = {"full_attention": {"attention_mask": create_causal_mask(**kwargs)}}
         if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            masks["sliding_attention"] = {"attention_mask": create_sliding_window_causal_mask(**kwargs)}
         return masks
 
 

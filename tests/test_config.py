@@ -66,13 +66,6 @@ def test_bad_expert_parallel_layout_exits_2_with_one_line(capsys, sft_config, mo
     assert expected in err
 
 
-def test_context_parallel_in_a_pipeline_of_a_sliding_window_model_exits_2(capsys, sft_config, windowed_model_dir):
-    code, err = run_cli(capsys, "sft", "--config", sft_config.path, f"model.path={windowed_model_dir}",
-                        "parallel.dp_shard=1", "parallel.pp=2", "parallel.cp=2")
-    assert (code, len(err.splitlines())) == (2, 1), err
-    assert "parallel.cp: under pipeline parallel, context parallel attends causally" in err
-
-
 def test_an_moe_family_rlsys_does_not_shard_exits_2(capsys, sft_config, moe_model_dir, tmp_path):
     import shutil
 

@@ -395,6 +395,27 @@ def test_a_sliding_window_layer_attends_by_spans_within_its_window(window, layou
     assert ((unwindowed - expected)[real].abs().max() < 1e-6) == whole
 
 
+def test_a_sliding_window_layer_masks_grow_with_the_rows_length_not_its_square():
+    """Rows of 4,000 and 1,000 tokens under an 8-token window: the masks cover each tile of queries and
+    the keys its window reaches (at most a tile plus the window a query), not the rows' width, and the
+    output is causal attention within the window."""
+    from rlsys.parallel.span_attention import WINDOW_TILE, SharedPrefixSpans, attend_spans
+
+    mask = torch.zeros(2, 4000, dtype=torch.long)
+    mask[0], mask[1, :1000] = 1, 1
+    spans = SharedPrefixSpans.of_rows(mask)
+    window = 8
+    cells = sum(m.numel() for m in spans.windowed(window).windowed_masks(window))
+    assert cells <= 5000 * (WINDOW_TILE + window)
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 2, 4000, 8, generator=generator) for _ in range(3))
+    got = attend_spans(torch.nn.Module(), query, key, value, spans, window=window)
+    position = torch.arange(4000)
+    near = (position[:, None] - position[None, :] < window) & (position[None, :] <= position[:, None])
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=near).transpose(1, 2)
+    assert (got[0] - expected[0]).abs().max() < 1e-5 and (got[1, :1000] - expected[1, :1000]).abs().max() < 1e-5
+
+
 def test_unpacked_rows_attend_a_span_a_row():
     """Right-padded rows (one of them empty), each its own span: causal attention over each row's
     tokens, as SDPA's causal attention gives them."""
@@ -565,14 +586,24 @@ def test_shared_prompts_give_each_sample_its_own_log_probs_and_gradient(tiny_mod
     assert_packed_pass_is_the_rows(tiny_model_dir, batch, generator)
 
 
-@pytest.mark.parametrize("rows", ["tree", "episodes"])
-def test_a_sliding_window_models_packed_rows_give_each_row_its_own_log_probs_and_gradient(windowed_model_dir, rows):
+@pytest.mark.parametrize("rows", ["tree", "episodes", "tree, Qwen2-MoE"])
+def test_a_sliding_window_models_packed_rows_give_each_row_its_own_log_probs_and_gradient(windowed_model_dir, rows,
+                                                                                          tmp_path):
     """A model whose second layer attends within 3 positions, on `tree_batch`'s and `episode_batch`'s rows
     packed as trees (their spans' ancestors longer than the window): every token's log-prob and the
-    gradient of a token-level loss are the padded rows' under transformers' own sliding-window mask."""
+    gradient of a token-level loss are the padded rows' under transformers' own sliding-window mask;
+    so for a Qwen2-MoE, whose layers keep their window without passing it to the attention function."""
+    from rlsys.models.tiny import TinyModelSpec, write_tiny_model
+
+    model_dir = windowed_model_dir
+    if rows.endswith("MoE"):
+        spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=105, num_experts=4, moe_type="qwen2_moe",
+                             sliding_window=3)
+        model_dir = write_tiny_model(str(tmp_path / "moe"), spec)
     generator = torch.Generator().manual_seed(2)
-    batch = tree_batch(generator) if rows == "tree" else episode_batch()
-    assert_packed_pass_is_the_rows(windowed_model_dir, batch, generator)
+    batch = episode_batch() if rows == "episodes" else tree_batch(generator)
+    assert_packed_pass_is_the_rows(model_dir, batch, generator)
 
 
 def test_a_tree_of_contexts_gives_each_row_its_own_log_probs_and_gradient(tiny_model_dir):
@@ -638,9 +669,10 @@ def test_trained_turns_shared_as_history_give_each_row_its_own_log_probs_and_gra
 def test_random_rows_that_begin_alike_pack_to_their_own_targets_and_reads():
     """Rows drawn from a 3-token alphabet, each beginning with one of two prompts, with random trained
     turns (so rows begin alike for long stretches, and train what others hold as history): every
-    trained token is a target once with its row's advantage, and every token of every row is read
-    from a packed copy of it whose predecessor, in its span or its parent's, is the row's."""
-    from rlsys.data.packing import pack_rows
+    trained token is a target once, after what its row holds before it and with its row's
+    advantage, and every token of every row is read from a packed copy that sees its row's tokens up
+    to it (under the block-causal mask of the packed spans, in order of position)."""
+    from rlsys.data.packing import block_causal_mask, pack_rows
 
     generator = torch.Generator().manual_seed(4)
     for _ in range(200):
@@ -656,16 +688,24 @@ def test_random_rows_that_begin_alike_pack_to_their_own_targets_and_reads():
         batch["advantages"] = torch.arange(1.0, len(rows) + 1)[:, None] * batch["loss_mask"]
         packing = pack_rows(batch)
         packed = packing.batch
-        targets = packed["loss_mask"].bool()
-        expected = batch["loss_mask"].bool()
-        expected[:, 0] = False
-        assert sorted(zip(packed["input_ids"][targets].tolist(), packed["advantages"][targets].tolist())) == \
-            sorted(zip(batch["input_ids"][expected].tolist(), batch["advantages"][expected].tolist()))
-        row, column, packed_row, packed_column = packing.reads
-        assert torch.equal(packed["input_ids"][packed_row, packed_column], batch["input_ids"][row, column])
-        later = column > 0  # a copy's predecessor is laid out right before it: its span's, or its parent's last
-        before = packed["input_ids"][packed_row[later], packed_column[later] - 1]
-        assert torch.equal(before, batch["input_ids"][row[later], column[later] - 1])
+        sees = block_causal_mask(packed["segment_ids"], packed["prefix_ids"])[:, 0]
+
+        def seen(packed_row: int, column: int) -> list[int]:
+            """The tokens the packed copy at (packed_row, column) sees, in order of position."""
+            columns = torch.nonzero(sees[packed_row, column]).flatten()
+            positions = packed["position_ids"][packed_row, columns]
+            assert sorted(positions.tolist()) == list(range(len(columns)))
+            return packed["input_ids"][packed_row, columns[positions.argsort()]].tolist()
+
+        ids = [row[:int(length)] for row, length in zip(batch["input_ids"].tolist(), batch["attention_mask"].sum(1))]
+        targets = [(tuple(seen(r, c - 1) + [int(packed["input_ids"][r, c])]), float(packed["advantages"][r, c]))
+                   for r, c in torch.nonzero(packed["loss_mask"]).tolist()]
+        expected = [(tuple(ids[r][:t + 1]), float(batch["advantages"][r, t]))
+                    for r, t in torch.nonzero(batch["loss_mask"]).tolist() if t > 0]
+        assert sorted(targets) == sorted(expected)
+        reads = list(zip(*(index.tolist() for index in packing.reads)))
+        assert sorted((r, t) for r, t, _, _ in reads) == [(r, t) for r in range(len(ids)) for t in range(len(ids[r]))]
+        assert all(seen(packed_row, column) == ids[r][:t + 1] for r, t, packed_row, column in reads)
 
 
 def assert_packed_pass_is_the_rows(tiny_model_dir: str, batch: dict, generator: torch.Generator) -> None:

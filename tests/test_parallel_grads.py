@@ -197,6 +197,7 @@ WINDOWED_LAYOUTS = {  # by world size, as LAYOUTS
     "cp2-unpacked": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.pack_sequences=false"],
     "fsdp2xtp2-sp-lp": LAYOUTS["fsdp2xtp2-sp-lp"],
     "cp2xfsdp2": LAYOUTS["cp2xfsdp2"],
+    "pp2xcp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.cp=2"],
 }
 
 
@@ -206,7 +207,7 @@ def test_a_sliding_window_model_matches_single_process(ray_cluster, sft_config, 
     """A model whose second layer attends within 3 positions, on `long_answer_batch` (80-token
     prompts and answers, contexts packed as trees): sequence parallel (packed, and unpacked rows a
     span each), a pipeline (its stages' rows a span each) and context parallel (packed, and
-    unpacked rows a span each over the gathered sequence) give one process's RL-loss gradients,
+    unpacked rows a span each over the gathered sequence, in a pipeline too) give one process's RL-loss gradients,
     which transformers' own sliding-window mask gives; every rank attends by spans
     (`attends_spans_where_it_can`)."""
     rl, counts = long_answer_batch(windowed_model_dir)

@@ -161,7 +161,8 @@ class _Rows(NamedTuple):
 
     @classmethod
     def of(cls, batch: Batch, lengths: list[int]) -> _Rows:
-        """The rows of `batch`; none to share where it has no loss mask (a pass whose every label may be read)."""
+        """The rows of `batch`; none to share where it has no loss mask, which a loss over every token may
+        stand for (a shared token would count once for all its rows)."""
         if "loss_mask" not in batch:
             return cls([[] for _ in lengths], [[] for _ in lengths])
         ids = [row[:length] for row, length in zip(batch["input_ids"].tolist(), lengths)]
@@ -295,12 +296,18 @@ def _span_table(units: list[list[_Span]], placement: list[tuple[int, int]]) -> t
         first_segment = len(entries) + 1
         for index, span in enumerate(unit):
             size = span.end - span.start
-            continues = span.parent >= 0 and span.parent == index - 1
+            continues = _continues(span, index)
             entries.append((span.row, span.start, size, packed_row, offset, len(entries) + 1,
                             first_segment + span.parent if span.parent >= 0 else 0, int(continues),
                             unit[span.parent].row if continues else span.row))
             offset += size
     return torch.tensor(entries, dtype=torch.long).T
+
+
+def _continues(span: _Span, index: int) -> bool:
+    """Whether the span at `index` of its unit is its parent's first continuation, laid out right
+    after it: its first label is predicted by the parent's last token."""
+    return span.parent >= 0 and span.parent == index - 1
 
 
 def _reads(layout: _Layout, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -312,14 +319,11 @@ def _reads(layout: _Layout, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.
     for unit, (packed_row, _) in zip(layout.units, layout.placement):
         unit_offsets = offsets[first_span:first_span + len(unit)].tolist()
         first_span += len(unit)
-        first_child = {}
-        for index, span in enumerate(unit):
-            first_child.setdefault(span.parent, index)
         for index, span in enumerate(unit):
             for row in span.rows:
                 skip = 0
-                if span.parent >= 0 and first_child[span.parent] != index:
-                    runs.append((row, span.start, 1, packed_row, unit_offsets[first_child[span.parent]]))
+                if span.parent >= 0 and not _continues(span, index):  # the parent's first continuation follows it
+                    runs.append((row, span.start, 1, packed_row, unit_offsets[span.parent + 1]))
                     skip = 1
                 runs.append((row, span.start + skip, span.end - span.start - skip, packed_row,
                              unit_offsets[index] + skip))

@@ -8,6 +8,8 @@ from transformers import PretrainedConfig
 
 
 def has_sliding_window(config: PretrainedConfig) -> bool:
-    """Whether some layer of a model with `config` attends within a sliding window."""
+    """Whether some layer of a model with `config` attends within a sliding window: it has a window,
+    does not turn it off (`use_sliding_window`), and names no layer kinds or a sliding one."""
     kinds = getattr(config, "layer_types", None)
-    return bool(getattr(config, "sliding_window", None)) and (kinds is None or "sliding_attention" in kinds)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False \
+        and (kinds is None or "sliding_attention" in kinds)

@@ -64,7 +64,7 @@ class TinyModelSpec:
     reward_head: bool = False
     """A reward model: the same body with a one-logit sequence-classification head in place of the LM head."""
     sliding_window: int | None = None
-    """A dense model whose odd layers attend within this many positions (as Gemma's alternate layers)."""
+    """Odd layers attend within this many positions (as Gemma's alternate layers): a Qwen2 or Qwen2-MoE model."""
     seed: int = 0
 
 
@@ -107,13 +107,12 @@ def build_model(spec: TinyModelSpec, tokenizer: Qwen2Tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if spec.num_experts:
-        config = _moe_config(spec, common)
-    elif spec.sliding_window:
+    if spec.sliding_window:
+        if spec.num_experts and spec.moe_type != "qwen2_moe":
+            raise ValueError(f"sliding_window: a qwen2 or qwen2_moe model, not {spec.moe_type}")
         kinds = ["sliding_attention" if i % 2 else "full_attention" for i in range(spec.num_hidden_layers)]
-        config = Qwen2Config(**common, use_sliding_window=True, sliding_window=spec.sliding_window, layer_types=kinds)
-    else:
-        config = Qwen2Config(**common)
+        common.update(use_sliding_window=True, sliding_window=spec.sliding_window, layer_types=kinds)
+    config = _moe_config(spec, common) if spec.num_experts else Qwen2Config(**common)
     torch.manual_seed(spec.seed)
     if spec.reward_head:
         config.num_labels = 1

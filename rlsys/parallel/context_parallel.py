@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
-from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans
+from rlsys.parallel.span_attention import SharedPrefixSpans, attend_spans, layer_window
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,15 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       shared_spans: SharedPrefixSpans | None = None, **kwargs):
     """[B, heads, T/cp, D] per rank in, [B, T/cp, heads, D] out, as HF attention functions:
     causal over the gathered sequence (`attention_mask` None), or by a packed micro-batch's
-    `shared_spans` over the whole sequence (its `attention_mask` then an unread placeholder), as
-    a sliding-window layer's rows always are (within its `sliding_window`)."""
-    window = kwargs.get("sliding_window")
-    if window is not None and shared_spans is None:
-        raise ValueError("a sliding-window layer under context parallel attends by spans: pass shared_spans")
+    `shared_spans` over the whole sequence (its `attention_mask` then an unread placeholder). A
+    sliding-window layer attends by spans within its window, the gathered rows each a span where
+    they are not packed."""
+    window = layer_window(module, kwargs)
     group = module.cp_group
     query, key, value = (_seq_to_heads(t, group) for t in (query, key, value))
     dropout = dropout if module.training else 0.0
+    if shared_spans is None and window:
+        shared_spans = SharedPrefixSpans.of_whole_rows(query.shape[0], query.shape[2], query.device)
     if shared_spans is not None:
         out = attend_spans(module, query, key, value, shared_spans, dropout, scaling, window).transpose(1, 2)
     else:

@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import PretrainedConfig
 
 from rlsys.config.layout import ParallelConfig
-from rlsys.models.attention import has_sliding_window
 from rlsys.models.moe import num_experts
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -110,7 +109,7 @@ class ParallelDims:
     def check_model(self, model_config: PretrainedConfig, stages_per_rank: int = 1) -> None:
         """Degrees the model can take: tp splits heads, KV heads and the MLP evenly (the
         vocabulary may split unevenly: DTensor gives the first ranks one row more);
-        pp needs untied embeddings and a decoder layer per stage, and no sliding window beside cp."""
+        pp needs untied embeddings and a decoder layer per stage."""
         if self.tp > 1:
             heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
             for what, size in (("attention heads", heads), ("key/value heads", kv_heads),
@@ -123,10 +122,6 @@ class ParallelDims:
                 if size % (self.tp * self.cp):
                     raise LayoutError(f"parallel.cp: tp x cp = {self.tp * self.cp} does not divide the model's "
                                       f"{what} ({size}): context parallel attention splits each rank's heads")
-        if self.pp > 1 and self.cp > 1 and has_sliding_window(model_config):
-            raise LayoutError(f"parallel.cp: under pipeline parallel, context parallel attends causally over the "
-                              f"whole sequence, past the model's sliding window ({model_config.sliding_window} "
-                              "positions); use cp without pp, or pp without cp")
         if self.pp > 1 and getattr(model_config, "tie_word_embeddings", False):
             raise LayoutError("parallel.pp: the model ties its input and output embeddings, which live on the first "
                               "and the last pipeline stage; use an untied model")

@@ -25,6 +25,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from rlsys.config.layout import ParallelConfig
 from rlsys.models.attention import has_sliding_window
+from rlsys.parallel.context_parallel import ATTENTION as ULYSSES
 from rlsys.parallel.span_attention import SharedPrefixSpans, uses_span_attention
 
 log = logging.getLogger(__name__)
@@ -123,12 +124,15 @@ class DecoderStage(nn.Module):
     def _attention_inputs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, dict]:
         """Each kind of layer's attention arguments, as long as `positions`. A sliding-window model
         attending by spans: each row a span, each layer within its own window
-        (`rlsys.parallel.span_attention`), where transformers would build a mask of the row's width
-        for every sliding layer. Else HF's own causal masks (None where its attention kernel is
-        causal by itself; HF reads only the shape and dtype of `inputs_embeds`)."""
+        (`rlsys.parallel.span_attention`; under context parallel Ulysses' attention makes the spans
+        over the gathered rows), where transformers would build a mask of the row's width for every
+        sliding layer. Else HF's own causal masks (None where its attention kernel is causal by
+        itself; HF reads only the shape and dtype of `inputs_embeds`)."""
         if has_sliding_window(self.config) and uses_span_attention(self):
-            rows = SharedPrefixSpans.of_rows(torch.ones(hidden.shape[0], positions.shape[1], dtype=torch.long))
-            by_spans = {"attention_mask": None, "shared_spans": rows.to(hidden.device)}
+            by_spans = {"attention_mask": None}
+            if self.config._attn_implementation != ULYSSES:
+                by_spans["shared_spans"] = SharedPrefixSpans.of_whole_rows(hidden.shape[0], positions.shape[1],
+                                                                          hidden.device)
             return {"full_attention": by_spans, "sliding_attention": by_spans}
         queries = hidden[:, :1].expand(-1, positions.shape[1], -1)
         kwargs = dict(config=self.config, inputs_embeds=queries, attention_mask=None, past_key_values=None,

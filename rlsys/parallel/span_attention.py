@@ -46,6 +46,10 @@ LENGTH_SLACK = 32
 """Short spans are batched with any up to this many tokens longer: padding them costs little
 beside another attention call for each batch in every layer."""
 
+WINDOW_TILE = 128
+"""A sliding-window layer attends each span's queries in tiles of this many, each with only the
+keys its window reaches: its masks and work grow with the span's length, not its square."""
+
 
 @dataclass
 class _SpanBatch:
@@ -110,7 +114,8 @@ class SharedPrefixSpans:
         """[spans]: where each span's ancestors' positions start in `prefix_positions`, and how many
         (0: the span continues none)."""
         self.device = torch.device(device)
-        self._windowed: dict[int, list[torch.Tensor]] = {}
+        self._tiles: dict[int, SharedPrefixSpans] = {}
+        self._windowed_masks: dict[int, list[torch.Tensor]] = {}
 
     def to(self, device: torch.device | str) -> SharedPrefixSpans:
         return SharedPrefixSpans(self.starts, self.lengths, self.prefix_positions, self.prefix_offsets,
@@ -124,11 +129,19 @@ class SharedPrefixSpans:
                    for bucket in _buckets(self.lengths, self.prefix_lengths)]
         return [_SpanBatch(**_moved(batch, self.device)) for batch in batches]
 
+    def windowed(self, window: int) -> SharedPrefixSpans:
+        """The spans as a sliding-window layer attends them (built once a window: every sliding layer
+        reads it): each span's queries in tiles of `WINDOW_TILE`, each tile continuing the
+        `window - 1` keys before its first query (its span's ancestors' or its own)."""
+        if window not in self._tiles:
+            self._tiles[window] = SharedPrefixSpans(*_tiles(self, window), device=self.device)
+        return self._tiles[window]
+
     def windowed_masks(self, window: int) -> list[torch.Tensor]:
-        """Each batch's mask under a sliding `window` (built once a window: every sliding layer reads it)."""
-        if window not in self._windowed:
-            self._windowed[window] = [batch.windowed(window) for batch in self.batches]
-        return self._windowed[window]
+        """Each batch's mask narrowed to a sliding `window` (built once a window)."""
+        if window not in self._windowed_masks:
+            self._windowed_masks[window] = [batch.windowed(window) for batch in self.batches]
+        return self._windowed_masks[window]
 
     @functools.cached_property
     def longest_keys(self) -> int:
@@ -144,6 +157,14 @@ class SharedPrefixSpans:
     def varlen(self) -> _Varlen:
         return _Varlen(**_moved(_varlen(self.starts, self.lengths, self.prefix_positions, self.prefix_offsets,
                                         self.prefix_lengths), self.device))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=2)
+    def of_whole_rows(rows: int, width: int, device: torch.device) -> SharedPrefixSpans:
+        """Right-padded rows attended causally over their whole width, each a span: padding comes after
+        every real token, so no real query sees it. Shared by every layer and micro-batch of that
+        shape (with the windows' tiles and masks it builds)."""
+        return SharedPrefixSpans.of_rows(torch.ones(rows, width, dtype=torch.long)).to(device)
 
     @classmethod
     def of_rows(cls, attention_mask: torch.Tensor) -> SharedPrefixSpans:
@@ -174,6 +195,24 @@ class SharedPrefixSpans:
         prefix_lengths = zeros.index_add(0, pairs[:, 0], sizes)
         prefix_offsets = prefix_lengths.cumsum(0) - prefix_lengths
         return cls(starts[1:], lengths[1:], prefix_positions, prefix_offsets[1:], prefix_lengths[1:])
+
+
+def _tiles(spans: SharedPrefixSpans, window: int) -> tuple[torch.Tensor, ...]:
+    """`SharedPrefixSpans`' fields of `spans` cut into tiles of `WINDOW_TILE` queries, each tile's
+    keys before it the `window - 1` keys before its first query in its span's key order (its
+    ancestors', then its own: a key's index there is its position in its sequence)."""
+    starts, lengths, before = [], [], []
+    for start, length, offset, prefix in zip(*(x.tolist() for x in (spans.starts, spans.lengths,
+                                                                      spans.prefix_offsets, spans.prefix_lengths))):
+        keys = torch.cat([spans.prefix_positions[offset:offset + prefix], start + torch.arange(length)])
+        for first in range(0, length, WINDOW_TILE):
+            position = prefix + first
+            starts.append(start + first)
+            lengths.append(min(WINDOW_TILE, length - first))
+            before.append(keys[max(0, position - window + 1):position])
+    prefix_lengths = torch.tensor([len(keys) for keys in before], dtype=torch.long)
+    return (torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long), torch.cat(before),
+            prefix_lengths.cumsum(0) - prefix_lengths, prefix_lengths)
 
 
 def _moved(layout, device: torch.device) -> dict:
@@ -263,8 +302,14 @@ def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     if shared_spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    window = kwargs.get("sliding_window")
-    return attend_spans(module, query, key, value, shared_spans, dropout, scaling, window), None
+    return attend_spans(module, query, key, value, shared_spans, dropout, scaling, layer_window(module, kwargs)), None
+
+
+def layer_window(module: nn.Module, kwargs: dict) -> int | None:
+    """The sliding window of the attention layer `module` (None: it sees every key before a query), as
+    its forward passes it to the attention function or, in families whose forward does not
+    (Qwen2-MoE), as the layer keeps it."""
+    return kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or None
 
 
 def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -277,9 +322,9 @@ def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     kv_heads = key.shape[1]
     flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
     dropout = dropout if module.training else 0.0
-    if window is not None and window >= shared_spans.longest_keys:  # the window holds every span whole
+    if window and window >= shared_spans.longest_keys:  # the window holds every span whole
         window = None
-    kernel = varlen_kernel(query) if dropout == 0.0 and window is None else None
+    kernel = varlen_kernel(query) if dropout == 0.0 and not window else None
     if kernel is not None:  # every span in one call, no padding
         varlen = shared_spans.varlen
         out = kernel(flat_q[varlen.queries], flat_k[varlen.keys], flat_v[varlen.keys], varlen.query_offsets,
@@ -288,6 +333,8 @@ def attend_spans(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         out = query.new_zeros(batch * length, heads, dim).index_copy(0, varlen.queries, out)
         return out.view(batch, length, heads, dim)
     attended = []
+    if window:
+        shared_spans = shared_spans.windowed(window)
     masks = shared_spans.windowed_masks(window) if window else [spans.mask for spans in shared_spans.batches]
     for spans, mask in zip(shared_spans.batches, masks):
         count, width = spans.queries.shape

@@ -34,7 +34,6 @@ from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, 
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
 from rlsys.data.packing import block_causal_mask, pack_rows, rows_per_span
 from rlsys.models import lora
-from rlsys.models.attention import has_sliding_window
 from rlsys.models.moe import moe_layer_indices
 from rlsys.models.vision import image_inputs, vision_tower
 from rlsys.parallel.dims import ParallelDims
@@ -100,9 +99,6 @@ class RankModel:
         self.span_attention = uses_span_attention(self.parts[0])
         """Packed rows attend span by span (`rlsys.parallel.span_attention`); a model that cannot is
         not packed."""
-        self.windowed = has_sliding_window(self.parts[0].config)
-        """Some layers attend within a sliding window: unpacked rows under context parallel attend by
-        spans too (plain causal attention over the gathered sequence would ignore the window)."""
         self.moe_blocks = [block for part in self.parts for block in moe_blocks(part)]
         self.router = self._router_balance()
         # the sequence splits evenly between tp ranks under sequence parallel and in MoE blocks
@@ -420,18 +416,18 @@ class RankModel:
         """A packed micro-batch's spans (`rlsys.parallel.span_attention`) over the whole sequence
         that context parallel's attention gathers from the ranks' chunks, built from the host copy
         of the packing (no device sync); nothing for unpacked rows under context parallel, whose
-        attention is causal over the gathered right-padded sequence (but for a sliding-window
-        model: each row's span over it); else the padding mask, but under sequence parallel, where
-        HF would build the mask at the split length, each row's span (a causal mask at full
-        length for a model that does not attend by spans)."""
+        attention is causal over the gathered right-padded sequence (a sliding-window layer's a
+        span a row); else the padding mask, but under sequence parallel, where HF would build the
+        mask at the split length, each row's span (a causal mask at full length for a model that
+        does not attend by spans)."""
         if "segment_ids" in seq.whole:
             segments = seq.whole["segment_ids"]
             spans = SharedPrefixSpans.of(segments, seq.whole["prefix_ids"])
             return span_inputs(spans.to(self.device), *segments.shape)
-        if seq.chunked and not self.windowed:
+        if seq.chunked:
             return {"attention_mask": None}
-        mask = seq.whole["attention_mask"]
-        if not seq.chunked and self.sequence_multiple == 1:
+        mask = seq.fields["attention_mask"]
+        if self.sequence_multiple == 1:
             return {"attention_mask": mask.to(self.device)}
         if self.span_attention:
             return span_inputs(SharedPrefixSpans.of_rows(mask).to(self.device), *mask.shape)

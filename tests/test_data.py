@@ -342,7 +342,7 @@ def test_span_attention_is_attention_under_the_block_causal_mask(kernel, layout,
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=block_causal_mask(segments, prefixes), enable_gqa=True).transpose(1, 2)
     real = segments > 0
-    gap = (got - expected)[real].abs().max()
+    gap = (got - expected)[real].abs().max() / expected[real].abs().max()  # float32: a few ulps apart
     assert gap > 1e-2 if kernel.endswith("top-left") else gap < 1e-6
     assert len(calls) == (kernel != "sdpa")
 

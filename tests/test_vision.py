@@ -250,6 +250,111 @@ def test_sft_and_rl_gradients_on_two_ranks_equal_one_process(ray_cluster, sft_co
     assert (got_logprobs * mask - logprobs * mask).abs().max() < 1e-5
 
 
+def picture_batch(tiny_vl_dir: str, generator: torch.Generator) -> dict:
+    """An RL batch of prompts around random pictures of three shapes (4, 8 and 8 image tokens): a group
+    of 3 samples of one prompt; two rows of the same text around equal pictures (two copies); two rows
+    whose first picture is the same and whose second differs; two whose prompt ends on its picture
+    (rows that part right after it); two rows of text."""
+    from transformers import AutoConfig
+
+    from rlsys.data.batching import collate_rollouts
+    from rlsys.data.image_tokens import ImagePixels
+
+    config = AutoConfig.from_pretrained(tiny_vl_dir)
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    values = merge ** 2 * vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    text = lambda n: torch.randint(3, 100, (n,), generator=generator).tolist()  # noqa: E731
+
+    def picture(height: int, width: int) -> tuple[list[int], torch.Tensor]:
+        return [1, height, width], torch.randn(height * width // merge ** 2, values, generator=generator)
+
+    def prompt(*parts, closed: bool = True) -> tuple[list[int], ImagePixels | None]:
+        ids, starts, grids, pixels = [], [], [], []
+        for part in parts:
+            if isinstance(part, list):
+                ids += part
+                continue
+            grid, patches = part
+            ids.append(config.vision_start_token_id)
+            starts.append(len(ids))
+            ids += [config.image_token_id] * len(patches) + ([config.vision_end_token_id] if closed else [])
+            grids.append(grid)
+            pixels.append(patches.clone())
+        if not grids:
+            return ids, None
+        return ids, ImagePixels(starts, [len(p) for p in pixels], torch.tensor(grids), torch.cat(pixels))
+
+    first, second, third, fourth, fifth = picture(4, 4), picture(4, 8), picture(8, 4), picture(4, 4), picture(4, 4)
+    before, after, other, between = text(3), text(4), text(2), text(3)
+    prompts = [prompt(before, first, after)] * 3 + [prompt(before, second, after), prompt(before, second, after),
+                                                     prompt(other, third, between, fourth, after),
+                                                     prompt(other, third, between, fifth, after)]
+    prompts += [prompt(between, first, closed=False)] * 2 + [prompt(text(5)), prompt(text(6))]
+    responses = [text(1 + i % 3) for i in range(len(prompts))]
+    batch = collate_rollouts([ids for ids, _ in prompts], responses, pad_id=0,
+                             prompt_pixels=[pixels for _, pixels in prompts])
+    batch["advantages"] = torch.randn(len(prompts), 1, generator=generator) * batch["loss_mask"]
+    return batch
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_packed_rows_with_pictures_give_each_row_its_own_log_probs_and_gradient(vl_dirs, family):
+    """`picture_batch` packed as the trainer packs it (`rlsys.data.packed_pictures`): rows that repeat a
+    picture after the same tokens lay it out and encode it once, rows whose text is alike but whose
+    pictures differ part at the picture, rows that would part right after a picture are laid out
+    alone (a picture is read whole), each token at the 3-D rotary positions of its own row. Every
+    token's log-prob and the gradient of a token-level loss (the vision tower's included) are the
+    padded rows' through transformers' own forward, within 1e-6. A micro-batch of the text rows alone
+    packs as text."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlsys.algorithms.lm_loss import logprobs_of_labels
+    from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
+    from rlsys.data.packed_pictures import pack_pictured_rows
+    from rlsys.models.vision import image_inputs, place_images_by_batch, rope_positions
+    from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs
+
+    tiny_vl_dir = vl_dirs(family)
+    batch = picture_batch(tiny_vl_dir, torch.Generator().manual_seed(0))
+
+    def grads_and_logprobs(fields, packed: bool, **inputs):
+        model = AutoModelForImageTextToText.from_pretrained(tiny_vl_dir, dtype=torch.float32)
+        place_images_by_batch(model)
+        if packed:
+            apply_span_attention(model)
+        images = image_inputs(model, fields[IMAGE_TOKENS], fields[PIXELS], fields[GRIDS], *fields["input_ids"].shape,
+                              torch.device("cpu"))
+        logits = model(input_ids=fields["input_ids"], **images, **inputs).logits
+        logprobs = logprobs_of_labels(logits, fields["input_ids"])
+        (logprobs * (fields["loss_mask"] * fields["advantages"])[:, 1:]).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        return grads, torch.nn.functional.pad(logprobs.detach(), (1, 0)), model
+
+    expected_grads, expected, model = grads_and_logprobs(batch, False, attention_mask=batch["attention_mask"])
+    merge = model.config.vision_config.spatial_merge_size
+    positions = rope_positions(model, batch["input_ids"], batch[IMAGE_TOKENS], batch[GRIDS], batch["attention_mask"])
+    packing = pack_pictured_rows({**batch, "rope_positions": positions}, True, merge)
+    packed = packing.batch
+    # 11 pictures in the rows; laid out: the group's, the two copies' one, the pair's shared first
+    # picture and both second ones, and the picture each of the rows that part after it holds
+    assert int((batch[GRIDS][..., 0] > 0).sum()) == 11 and int((packed[GRIDS][..., 0] > 0).sum()) == 7
+    assert int(packed[IMAGE_TOKENS].sum()) == 4 + 8 + 8 + 4 + 4 + 2 * 4
+    assert packed["prefix_ids"].any()
+    segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
+    grads, logprobs, _ = grads_and_logprobs(packed, True, position_ids=packed["rope_positions"].permute(2, 0, 1),
+                                            **span_inputs(SharedPrefixSpans.of(segments, prefixes), *segments.shape))
+    got = packing.unpack(logprobs)
+    real = batch["attention_mask"].bool()
+    real[:, 0] = False
+    assert (got[real] - expected[real]).abs().max() < 1e-6
+    assert grads["model.visual.blocks.0.attn.qkv.weight"].abs().sum() > 0
+    for name, grad in expected_grads.items():
+        assert (grads[name] - grad).abs().max() <= 1e-6 * max(grad.abs().max(), 1e-6), name
+    text_rows = pack_pictured_rows({name: value[-2:] for name, value in batch.items()}, True, merge).batch
+    assert PIXELS not in text_rows and int(text_rows["attention_mask"].sum()) == int(batch["attention_mask"][-2:].sum())
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
 def test_the_sft_stage_trains_on_pictures_with_a_frozen_vision_encoder(ray_cluster, sft_config, vl_dirs,

@@ -68,10 +68,10 @@ def local_shapes(worker) -> dict[str, tuple[int, ...]]:
 
 
 def attends_spans_where_it_can(worker) -> bool:
-    """Whether the policy's packed micro-batches that share prompts attend span by span exactly
-    where they can: a text model's (under context parallel, by Ulysses' attention)."""
-    policy = worker.policy
-    return policy.span_attention == (not policy.vision)
+    """Whether the policy's packed micro-batches that share prompts attend span by span: every model
+    the tests train can, a vision-language model's language model too (under context parallel, by
+    Ulysses' attention)."""
+    return worker.policy.span_attention
 
 
 def perturb_parameters(worker, scale: float, seed: int, trained_only: bool = False, names: str = "") -> None:

@@ -52,8 +52,8 @@ class ParallelConfig:
     pack_sequences: bool = True
     """Lay the sequences of each micro-batch end to end in as few rows as they fit, each attending to
     its own tokens only (span by span, no mask of the row's width), so no compute goes to padding
-    (VeRL's use_remove_padding). For text models with causal attention, full or sliding-window, not under
-    pp. A loss read
+    (VeRL's use_remove_padding). For models with causal attention, full or sliding-window (vision-language
+    ones with their pictures), not under pp. A loss read
     per sequence (GSPO, seq-mean-token-mean, a sequence-level rollout_correction, the critic's, a
     reward model's Bradley-Terry loss) gets the packed forward's logits laid back out as rows (so not
     under cp)."""

@@ -14,8 +14,9 @@ pads the same way). A batch carries a row's pictures in three fields:
 Rows split and gather as every field does. The last two are not per token, yet the cuts a batch
 goes through keep them whole: a micro-batch is trimmed to its longest row, and a row holds at least
 as many tokens as image tokens, and those at least as many as pictures, so trimming to that length
-drops only their trailing zeros. (Context parallel, which cuts each row into chunks, and packing,
-which moves tokens between rows, are not used with these models.) The model reads the patches in
+drops only their trailing zeros. (Context parallel, which cuts each row into chunks, is not used with
+these models; packing, which moves tokens between rows, rebuilds the last two for the packed rows:
+`rlsys.data.packed_pictures`.) The model reads the patches in
 row-major token order, the order its processor flattened them in (each merged token's patches
 consecutive).
 """

@@ -84,15 +84,19 @@ class _Span(NamedTuple):
     """The rows whose tokens it holds: a node's rows, or a row's own span's one row."""
 
 
-def pack_rows(batch: Batch, share_prompts: bool = True) -> Packing:
+def pack_rows(batch: Batch, share_prompts: bool = True, keys: torch.Tensor | None = None) -> Packing:
     """Pack the right-padded rows of `batch` (each of attention_mask.sum() tokens) into rows as
     wide as the batch, or as its widest tree (`share_prompts`: rows that begin alike lay
     out what they repeat once, unless that lays out more cells, padding included: a tree as wide
-    as all its rows widens every row)."""
+    as all its rows widens every row).
+
+    `keys` [B, T]: what rows are compared by where not their input ids. A negative key marks a
+    token of an input the model reads whole, once (a picture's): no child of a tree repeats one
+    (a tree whose node would end on one is not used; its rows are laid out alone)."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    layout = _layout(batch, lengths, share_prompts)
+    layout = _layout(batch, lengths, _Rows.of(batch, lengths, keys) if share_prompts else None)
     if layout.shares:  # sharing widens the rows to its widest tree: keep it if it saves cells
-        layout = min(layout, _layout(batch, lengths, False), key=lambda candidate: candidate.cells)
+        layout = min(layout, _layout(batch, lengths, None), key=lambda candidate: candidate.cells)
     spans = _span_table(layout.units, layout.placement)
     sizes = spans[_SPAN_FIELDS.index("size")]
     per_token = dict(zip(_SPAN_FIELDS, spans.repeat_interleave(sizes, dim=1)))
@@ -143,8 +147,9 @@ class _Layout(NamedTuple):
         return any(len(unit) > 1 for unit in self.units)
 
 
-def _layout(batch: Batch, lengths: list[int], share_prompts: bool) -> _Layout:
-    trees = _trees(_Rows.of(batch, lengths)) if share_prompts else []
+def _layout(batch: Batch, lengths: list[int], rows: _Rows | None) -> _Layout:
+    """The units of `rows` shared as trees (None: each row alone), first-fit into rows."""
+    trees = [tree for tree in _trees(rows) if not _repeats_whole_input(tree, rows)] if rows is not None else []
     units = [_tree_unit(tree, lengths) for tree in trees]
     shared = {row for tree in trees for row in tree.rows}
     units += [[_Span(row, 0, lengths[row], rows=(row,))] for row in range(len(lengths)) if row not in shared]
@@ -160,12 +165,13 @@ class _Rows(NamedTuple):
     """trains[row][t]: the loss trains token t of the row (predicted from token t - 1)."""
 
     @classmethod
-    def of(cls, batch: Batch, lengths: list[int]) -> _Rows:
-        """The rows of `batch`; none to share where it has no loss mask, which a loss over every token may
-        stand for (a shared token would count once for all its rows)."""
+    def of(cls, batch: Batch, lengths: list[int], keys: torch.Tensor | None = None) -> _Rows:
+        """The rows of `batch`, compared by `keys` (else their input ids); none to share where it has no
+        loss mask, which a loss over every token may stand for (a shared token would count once for
+        all its rows)."""
         if "loss_mask" not in batch:
             return cls([[] for _ in lengths], [[] for _ in lengths])
-        ids = [row[:length] for row, length in zip(batch["input_ids"].tolist(), lengths)]
+        ids = [row[:length] for row, length in zip((batch["input_ids"] if keys is None else keys).tolist(), lengths)]
         trains = [row[:length] for row, length in zip(batch["loss_mask"].bool().tolist(), lengths)]
         return cls(ids, trains)
 
@@ -266,6 +272,18 @@ def _tree_unit(tree: _Node, lengths: list[int]) -> list[_Span]:
         to_lay_out.append((node, len(unit) - 1))
         to_lay_out.extend((child, node.depth - 1, len(unit) - 1) for child in reversed(node.children))
     return unit
+
+
+def _repeats_whole_input(tree: _Node, rows: _Rows) -> bool:
+    """Whether a node of `tree` ends on a token of an input read whole (its key negative), which each
+    span continuing the node would lay out again."""
+    nodes = [tree]
+    while nodes:
+        node = nodes.pop()
+        if rows.ids[node.rows[0]][node.depth - 1] < 0:
+            return True
+        nodes.extend(node.children)
+    return False
 
 
 def _first_fit_decreasing(lengths: list[int], width: int) -> list[tuple[int, int]]:

@@ -164,3 +164,17 @@ def image_inputs(model: nn.Module, image_tokens: torch.Tensor | None, pixels: to
         return {}
     return {"pixel_values": patches.to(device), "image_grid_thw": image_grids.to(device),
             "mm_token_type_ids": positions.int().to(device)}
+
+
+def rope_positions(model: nn.Module, input_ids: torch.Tensor, image_tokens: torch.Tensor | None,
+                   grids: torch.Tensor | None, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, 3]: the 3-D rotary positions (temporal, height, width) of the right-padded rows
+    `input_ids`, whose image tokens and pictures' grids are `image_tokens` and `grids` (None: no
+    pictures), as the model's forward derives them; a packed micro-batch carries them per token
+    (`rlsys.data.packed_pictures`), since its forward cannot derive them from packed rows."""
+    token_types = torch.zeros_like(input_ids) if image_tokens is None else image_tokens.long()
+    pictures = None if grids is None or not token_types.any() else grids[grids[..., 0] > 0]
+    positions, _ = model.model.get_rope_index(input_ids=input_ids, mm_token_type_ids=token_types,
+                                              image_grid_thw=pictures, attention_mask=attention_mask)
+    return positions.permute(1, 2, 0)
+

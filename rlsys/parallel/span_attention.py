@@ -20,8 +20,9 @@ what it sees in its own unpacked row.
 
 It takes SDPA's entry in transformers' attention interface (`apply_span_attention`, for a model
 whose attention is SDPA over causal layers, full or sliding-window) and is SDPA itself for every
-call without `shared_spans`. A model it cannot take (a vision-language model, other kinds of
-layer, another attention implementation) is not packed (`uses_span_attention`).
+call without `shared_spans` (and for a vision tower's layers, which are not causal). A model it
+cannot take (other kinds of layer, another attention implementation) is not packed
+(`uses_span_attention`).
 """
 
 from __future__ import annotations
@@ -298,8 +299,9 @@ def span_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
                    attention_mask, dropout: float = 0.0, scaling: float | None = None,
                    shared_spans: SharedPrefixSpans | None = None, **kwargs):
     """[B, heads, T, D] in, [B, T, heads, D] out, as HF attention functions; SDPA's own forward
-    where the micro-batch has no `shared_spans`. A sliding-window layer passes its `sliding_window`."""
-    if shared_spans is None:
+    where the micro-batch has no `shared_spans` and for a layer that is not causal (a vision
+    tower's, which the forward passes them on to). A sliding-window layer passes its `sliding_window`."""
+    if shared_spans is None or not getattr(module, "is_causal", True):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return attend_spans(module, query, key, value, shared_spans, dropout, scaling, layer_window(module, kwargs)), None
@@ -403,15 +405,14 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qu
 
 
 def apply_span_attention(model: nn.Module) -> None:
-    """Let `model`'s SDPA attention take `shared_spans` where it runs SDPA over causal layers, full
-    or sliding-window (a vision-language model, whose forward derives its rotary positions per
-    row, other kinds of layer or another implementation keep their own, and their rows are not
-    packed). SDPA's entry in transformers' attention interface becomes `span_attention`, which is
-    SDPA itself for every call without `shared_spans`."""
-    config = model.config
+    """Let `model`'s SDPA attention take `shared_spans` where its language model runs SDPA over
+    causal layers, full or sliding-window (other kinds of layer or another implementation keep
+    their own, and their rows are not packed). SDPA's entry in transformers' attention interface
+    becomes `span_attention`, which is SDPA itself for every call without `shared_spans` and for a
+    vision tower's layers."""
+    config = model.config.get_text_config()
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if config._attn_implementation == "sdpa" and kinds <= {"full_attention", "sliding_attention"} \
-            and not hasattr(config, "vision_config"):
+    if config._attn_implementation == "sdpa" and kinds <= {"full_attention", "sliding_attention"}:
         AttentionInterface.register("sdpa", span_attention)
         model.span_attention = True
 

@@ -32,10 +32,11 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
-from rlsys.data.packing import block_causal_mask, pack_rows, rows_per_span
+from rlsys.data.packed_pictures import pack_pictured_rows
+from rlsys.data.packing import Packing, block_causal_mask, pack_rows, rows_per_span
 from rlsys.models import lora
 from rlsys.models.moe import moe_layer_indices
-from rlsys.models.vision import image_inputs, vision_tower
+from rlsys.models.vision import image_inputs, rope_positions, vision_tower
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
 from rlsys.parallel.pipeline_schedule import run_schedule
@@ -62,6 +63,9 @@ from rlsys.trainer.loading import load_parallel_model
 from rlsys.trainer.schedule import lr_multiplier
 from rlsys.trainer.state import RankState
 from rlsys.trainer.weights import RankWeights
+
+ROPE_POSITIONS = "rope_positions"
+"""A packed vision-language micro-batch's field: each token's 3-D rotary positions, [rows, width, 3]."""
 
 UPDATE_TOKENS = "perf/update_tokens"
 """The tokens a training step's forward and backward computed on every data-parallel rank (no padding, a
@@ -217,7 +221,7 @@ class RankModel:
                 self._defer_gradient_reduction(not forward_only and index < passes - 1)
                 filler = index >= len(micros)
                 micro = {k: v[:1] for k, v in micros[0].items()} if filler else micros[index]
-                packing = pack_rows(micro, self.spec.parallel.share_prompts) if packs else None
+                packing = self._pack(micro) if packs else None
                 seq = self._rank_sequence(packing.batch if packing else micro)
                 if not (forward_only or filler):  # what packing and shared contexts leave to compute
                     sums[UPDATE_TOKENS] = sums.get(UPDATE_TOKENS, 0.0) + _computed_tokens(seq)
@@ -361,13 +365,24 @@ class RankModel:
 
     def _packs(self, loss_fn: LossFn) -> bool:
         """Pack sequences (`rlsys.data.packing`) outside a pipeline (whose schedule fixes every
-        micro-batch's shape), for a model that attends by spans (not a vision-language model,
-        whose rotary positions its forward derives per row). A loss that is
+        micro-batch's shape), for a model that attends by spans. A loss that is
         not token-level reads the packed forward's logits laid back out as its rows: whole rows,
         so not under context parallel."""
         dims = self.spec.dims
-        return (self.spec.parallel.pack_sequences and dims.pp == 1 and self.span_attention and not self.vision
+        return (self.spec.parallel.pack_sequences and dims.pp == 1 and self.span_attention
                 and (dims.cp == 1 or is_token_level(loss_fn)))
+
+    def _pack(self, micro: Batch) -> Packing:
+        """`micro` packed; a vision-language model's with its pictures, and with the 3-D rotary
+        positions its forward would derive from the unpacked rows (`rlsys.data.packed_pictures`)."""
+        share = self.spec.parallel.share_prompts
+        if not self.vision:
+            return pack_rows(micro, share)
+        model = self.parts[0]
+        positions = rope_positions(model, micro["input_ids"], micro.get(IMAGE_TOKENS), micro.get(GRIDS),
+                                   micro["attention_mask"])
+        return pack_pictured_rows({**micro, ROPE_POSITIONS: positions}, share,
+                                  model.config.vision_config.spatial_merge_size)
 
     def _rank_sequence(self, batch: Batch) -> RankSequence:
         return rank_sequence(batch, self.spec.dims.cp, self.cp_rank, self.sequence_multiple)
@@ -375,11 +390,14 @@ class RankModel:
     def _forward(self, seq: RankSequence, filler: bool = False) -> torch.Tensor:
         """Logits of this rank's share of a micro-batch, [rows, span, vocab] (a vocabulary-sharded
         DTensor under loss parallel). Positions are passed whole: under sequence parallel HF
-        would otherwise count them at the split length. An MoE model's layers get the tokens
-        their routers balance over (none in a pass that adds nothing)."""
+        would otherwise count them at the split length; a vision-language model's packed tokens
+        keep the 3-D ones of their rows, and its unpacked rows' its forward derives. An MoE model's
+        layers get the tokens their routers balance over (none in a pass that adds nothing)."""
         ids = seq.input_ids.to(self.device)
         positions = seq.fields["position_ids"][:, :ids.shape[1]] if "position_ids" in seq.fields \
             else seq.positions.expand_as(ids)
+        if ROPE_POSITIONS in seq.fields:  # [3, rows, width]
+            positions = seq.fields[ROPE_POSITIONS][:, :ids.shape[1]].permute(2, 0, 1)
         moe = {}
         if self.router is not None:
             weights = self._token_weights(seq)
@@ -387,13 +405,13 @@ class RankModel:
         if ROUTING_FIELD in seq.fields:
             moe["moe_routing"] = seq.fields[ROUTING_FIELD][:, :ids.shape[1]].to(self.device)
         images = self._image_inputs(seq, ids.shape[1])
-        return self.parts[0](input_ids=ids, position_ids=None if images else positions.to(self.device), use_cache=False,
-                             **self._attention_inputs(seq), **moe, **images).logits
+        derived = images and ROPE_POSITIONS not in seq.fields  # the forward derives them from the rows
+        return self.parts[0](input_ids=ids, position_ids=None if derived else positions.to(self.device),
+                             use_cache=False, **self._attention_inputs(seq), **moe, **images).logits
 
     def _image_inputs(self, seq: RankSequence, width: int) -> dict:
-        """A vision-language model's pictures in the micro-batch (the forward derives its own 3-D
-        rotary positions from them); where it has none and other data-parallel ranks may have some,
-        a blank one that fills no token (`image_inputs`)."""
+        """A vision-language model's pictures in the micro-batch; where it has none and other
+        data-parallel ranks may have some, a blank one that fills no token (`image_inputs`)."""
         if not self.vision:
             return {}
         fields = seq.fields

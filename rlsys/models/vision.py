@@ -177,4 +177,3 @@ def rope_positions(model: nn.Module, input_ids: torch.Tensor, image_tokens: torc
     positions, _ = model.model.get_rope_index(input_ids=input_ids, mm_token_type_ids=token_types,
                                               image_grid_thw=pictures, attention_mask=attention_mask)
     return positions.permute(1, 2, 0)
-

@@ -19,8 +19,7 @@ import argparse
 import statistics
 
 import torch
-from random_model import ensure_random_model
-from update_pass import forward_backward_s, packed_inputs
+from update_pass import forward_backward_s, packed_inputs, span_attention_model
 
 
 def episode_segments(prompt: int, call: int, output: int, turns: int, episodes: int, vocab: int, seed: int):
@@ -51,14 +50,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
-
-    from rlsys.parallel.span_attention import apply_span_attention
-
-    if args.model.endswith("random22m-v103"):
-        ensure_random_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    apply_span_attention(model)
+    model = span_attention_model(args.model)
     batch = episode_segments(args.prompt, args.call, args.output, args.turns, args.episodes, model.config.vocab_size, 0)
     inputs = {"unshared": packed_inputs(batch, False), "tree": packed_inputs(batch, True)}
     seconds = {mode: [] for mode in inputs}

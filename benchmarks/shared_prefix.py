@@ -16,8 +16,7 @@ import argparse
 import statistics
 
 import torch
-from random_model import ensure_random_model
-from update_pass import forward_backward_s, packed_inputs
+from update_pass import forward_backward_s, packed_inputs, span_attention_model
 
 RATIOS = ((1, 4), (1, 1), (4, 1))
 
@@ -41,14 +40,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
-
-    from rlsys.parallel.span_attention import apply_span_attention
-
-    if args.model.endswith("random22m-v103"):
-        ensure_random_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    apply_span_attention(model)
+    model = span_attention_model(args.model)
     modes = {"unshared": (False, True), "shared, dense mask": (True, False), "shared, span attention": (True, True)}
     print(f"{args.model}: {args.groups} groups x {args.n} samples of {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads; forward/backward seconds (packed tokens)")

@@ -6,6 +6,23 @@ from __future__ import annotations
 import statistics
 import time
 
+from random_model import ensure_random_model
+
+
+def span_attention_model(path: str):
+    """The causal LM at `path` in fp32, attending packed rows by spans as the training ranks do (the
+    benchmarks' random 22.7 M model written first where it is missing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlsys.parallel.span_attention import apply_span_attention
+
+    if path.endswith("random22m-v103"):
+        ensure_random_model(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    apply_span_attention(model)
+    return model
+
 
 def packed_inputs(batch, share: bool, spans: bool = True) -> tuple[dict, dict]:
     """`batch` packed (the contexts its rows share once, as a tree, if `share`), and its forward's inputs besides

@@ -70,18 +70,14 @@ def group_batch(model, tokenizer, prompt_text: int, response: int, groups: int, 
 def layouts(model, batch: dict) -> dict[str, tuple[dict, dict]]:
     """Each way of laying `batch` out: its fields, and its forward's inputs besides input_ids and the
     pictures (`pictures`)."""
-    from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS
-    from rlsys.data.packed_pictures import pack_pictured_rows
-    from rlsys.models.vision import rope_positions
+    from rlsys.data.packed_pictures import ROPE_POSITIONS, pack_pictured_rows
     from rlsys.parallel.span_attention import SharedPrefixSpans, span_inputs
 
-    merge = model.config.vision_config.spatial_merge_size
-    positions = rope_positions(model, batch["input_ids"], batch[IMAGE_TOKENS], batch[GRIDS], batch["attention_mask"])
     out = {"rows, padded": (batch, {"attention_mask": batch["attention_mask"]})}
     for name, share in (("packed, unshared", False), ("packed, shared", True)):
-        packed = pack_pictured_rows({**batch, "rope_positions": positions}, share, merge).batch
+        packed = pack_pictured_rows(batch, share, model).batch
         segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-        out[name] = (packed, {"position_ids": packed["rope_positions"].permute(2, 0, 1),
+        out[name] = (packed, {"position_ids": packed[ROPE_POSITIONS].permute(2, 0, 1),
                               **span_inputs(SharedPrefixSpans.of(segments, prefixes), *segments.shape)})
     return out
 

@@ -311,8 +311,8 @@ def test_packed_rows_with_pictures_give_each_row_its_own_log_probs_and_gradient(
 
     from rlsys.algorithms.lm_loss import logprobs_of_labels
     from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
-    from rlsys.data.packed_pictures import pack_pictured_rows
-    from rlsys.models.vision import image_inputs, place_images_by_batch, rope_positions
+    from rlsys.data.packed_pictures import ROPE_POSITIONS, pack_pictured_rows
+    from rlsys.models.vision import image_inputs, place_images_by_batch
     from rlsys.parallel.span_attention import SharedPrefixSpans, apply_span_attention, span_inputs
 
     tiny_vl_dir = vl_dirs(family)
@@ -332,9 +332,7 @@ def test_packed_rows_with_pictures_give_each_row_its_own_log_probs_and_gradient(
         return grads, torch.nn.functional.pad(logprobs.detach(), (1, 0)), model
 
     expected_grads, expected, model = grads_and_logprobs(batch, False, attention_mask=batch["attention_mask"])
-    merge = model.config.vision_config.spatial_merge_size
-    positions = rope_positions(model, batch["input_ids"], batch[IMAGE_TOKENS], batch[GRIDS], batch["attention_mask"])
-    packing = pack_pictured_rows({**batch, "rope_positions": positions}, True, merge)
+    packing = pack_pictured_rows(batch, True, model)
     packed = packing.batch
     # 11 pictures in the rows; laid out: the group's, the two copies' one, the pair's shared first
     # picture and both second ones, and the picture each of the rows that part after it holds
@@ -342,7 +340,7 @@ def test_packed_rows_with_pictures_give_each_row_its_own_log_probs_and_gradient(
     assert int(packed[IMAGE_TOKENS].sum()) == 4 + 8 + 8 + 4 + 4 + 2 * 4
     assert packed["prefix_ids"].any()
     segments, prefixes = packed["segment_ids"], packed["prefix_ids"]
-    grads, logprobs, _ = grads_and_logprobs(packed, True, position_ids=packed["rope_positions"].permute(2, 0, 1),
+    grads, logprobs, _ = grads_and_logprobs(packed, True, position_ids=packed[ROPE_POSITIONS].permute(2, 0, 1),
                                             **span_inputs(SharedPrefixSpans.of(segments, prefixes), *segments.shape))
     got = packing.unpack(logprobs)
     real = batch["attention_mask"].bool()
@@ -351,7 +349,7 @@ def test_packed_rows_with_pictures_give_each_row_its_own_log_probs_and_gradient(
     assert grads["model.visual.blocks.0.attn.qkv.weight"].abs().sum() > 0
     for name, grad in expected_grads.items():
         assert (grads[name] - grad).abs().max() <= 1e-6 * max(grad.abs().max(), 1e-6), name
-    text_rows = pack_pictured_rows({name: value[-2:] for name, value in batch.items()}, True, merge).batch
+    text_rows = pack_pictured_rows({name: value[-2:] for name, value in batch.items()}, True, model).batch
     assert PIXELS not in text_rows and int(text_rows["attention_mask"].sum()) == int(batch["attention_mask"][-2:].sum())
 
 

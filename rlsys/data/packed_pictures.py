@@ -5,8 +5,8 @@ image tokens' patches and its pictures' grids), which packing cannot move as it 
 Here each image token carries instead the index of its patches and of its picture among the
 micro-batch's, packing moves those, and the packed rows' patches and grids are gathered from them
 in the packed token order, the order the vision tower reads them in. The rotary positions of such
-a model are 3-D and derived per row from its pictures (`rlsys.models.vision.rope_positions`): the
-caller adds them to the micro-batch as a per-token field first, and packing moves them too.
+a model are 3-D and derived per row from its pictures (`rlsys.models.vision.rope_positions`): they
+are derived from the unpacked rows and packed as a per-token field (`ROPE_POSITIONS`).
 
 All image tokens share one id, so rows are compared for sharing by keys that tell pictures apart:
 an image token's key names the picture's content and the token's place in it. Rows that repeat a
@@ -23,6 +23,10 @@ import torch
 from rlsys.data.batching import Batch
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
 from rlsys.data.packing import Packing, pack_rows
+from rlsys.models.vision import rope_positions
+
+ROPE_POSITIONS = "rope_positions"
+"""A packed micro-batch's field: each token's 3-D rotary positions (those of its row), [rows, width, 3]."""
 
 _PATCH = "picture_patch"
 """Per image token: 1 + the index of its patches among the micro-batch's (0: not an image token)."""
@@ -32,17 +36,20 @@ _HASHED_VALUES = 4096
 """How many of a picture's patch values its hash reads (a picture holds millions)."""
 
 
-def pack_pictured_rows(batch: Batch, share_prompts: bool, merge_size: int) -> Packing:
-    """`pack_rows` for a micro-batch that may hold pictures (a model whose image tokens each stand for
-    `merge_size` x `merge_size` patches): the packed rows carry their own patches and grids. A
-    micro-batch cut from a batch with pictures may have picture fields and no picture: it packs as text."""
+def pack_pictured_rows(batch: Batch, share_prompts: bool, model) -> Packing:
+    """`pack_rows` for a micro-batch of the vision-language `model`, which may hold pictures: each
+    token keeps its row's 3-D rotary positions, and the packed rows carry their own patches and
+    grids. A micro-batch cut from a batch with pictures may have picture fields and no picture: its
+    rows pack as text."""
+    fields = {name: value for name, value in batch.items() if name not in (PIXELS, GRIDS)}
+    fields[ROPE_POSITIONS] = rope_positions(model, batch["input_ids"], batch.get(IMAGE_TOKENS), batch.get(GRIDS),
+                                            batch["attention_mask"])
     images = batch[IMAGE_TOKENS].bool() if PIXELS in batch else None
     if images is None or not images.any():
-        return pack_rows({name: value for name, value in batch.items() if name not in (PIXELS, GRIDS)}, share_prompts)
+        return pack_rows(fields, share_prompts)
     patches = torch.cat([row[:count] for row, count in zip(batch[PIXELS], images.sum(1).tolist())])
     grids = batch[GRIDS][batch[GRIDS][..., 0] > 0]
-    picture_tokens = grids.prod(-1) // merge_size ** 2
-    fields = {name: value for name, value in batch.items() if name not in (PIXELS, GRIDS)}
+    picture_tokens = grids.prod(-1) // model.config.vision_config.spatial_merge_size ** 2
     fields[_PATCH] = torch.zeros_like(batch["input_ids"])
     fields[_PATCH][images] = torch.arange(1, len(patches) + 1)
     fields[_PICTURE] = torch.zeros_like(batch["input_ids"])

@@ -32,11 +32,11 @@ from rlsys.config.model import ModelConfig
 from rlsys.config.training import OptimConfig
 from rlsys.data.batching import Batch, cut_rows, micro_batches, split_to_count, token_budget_sizes
 from rlsys.data.image_tokens import GRIDS, IMAGE_TOKENS, PIXELS
-from rlsys.data.packed_pictures import pack_pictured_rows
+from rlsys.data.packed_pictures import ROPE_POSITIONS, pack_pictured_rows
 from rlsys.data.packing import Packing, block_causal_mask, pack_rows, rows_per_span
 from rlsys.models import lora
 from rlsys.models.moe import moe_layer_indices
-from rlsys.models.vision import image_inputs, rope_positions, vision_tower
+from rlsys.models.vision import image_inputs, vision_tower
 from rlsys.parallel.dims import ParallelDims
 from rlsys.parallel.moe_block import RouterBalance, moe_blocks
 from rlsys.parallel.pipeline_schedule import run_schedule
@@ -63,9 +63,6 @@ from rlsys.trainer.loading import load_parallel_model
 from rlsys.trainer.schedule import lr_multiplier
 from rlsys.trainer.state import RankState
 from rlsys.trainer.weights import RankWeights
-
-ROPE_POSITIONS = "rope_positions"
-"""A packed vision-language micro-batch's field: each token's 3-D rotary positions, [rows, width, 3]."""
 
 UPDATE_TOKENS = "perf/update_tokens"
 """The tokens a training step's forward and backward computed on every data-parallel rank (no padding, a
@@ -375,14 +372,9 @@ class RankModel:
     def _pack(self, micro: Batch) -> Packing:
         """`micro` packed; a vision-language model's with its pictures, and with the 3-D rotary
         positions its forward would derive from the unpacked rows (`rlsys.data.packed_pictures`)."""
-        share = self.spec.parallel.share_prompts
-        if not self.vision:
-            return pack_rows(micro, share)
-        model = self.parts[0]
-        positions = rope_positions(model, micro["input_ids"], micro.get(IMAGE_TOKENS), micro.get(GRIDS),
-                                   micro["attention_mask"])
-        return pack_pictured_rows({**micro, ROPE_POSITIONS: positions}, share,
-                                  model.config.vision_config.spatial_merge_size)
+        if self.vision:
+            return pack_pictured_rows(micro, self.spec.parallel.share_prompts, self.parts[0])
+        return pack_rows(micro, self.spec.parallel.share_prompts)
 
     def _rank_sequence(self, batch: Batch) -> RankSequence:
         return rank_sequence(batch, self.spec.dims.cp, self.cp_rank, self.sequence_multiple)
